@@ -1,0 +1,36 @@
+"""meshtrain: write a Flax NNX model once with logical axis names, pick a recipe, train anywhere.
+
+The public API, re-exported from small modules::
+
+    import meshtrain as mt
+    recipe = mt.get_recipe("fsdp")
+    abstract = mt.abstract_state(mt.models.model_factory("tiny"), optax.adamw(1e-3))
+    plan = mt.make_plan(abstract, recipe, batch=mt.BatchSpec(16, 128))
+    state = mt.init_state(plan, seed=0)
+    step = mt.make_train_step(plan)
+"""
+
+from meshtrain import models
+from meshtrain.abstract import AbstractState, ModelFactory, abstract_state
+from meshtrain.annotate import PathRules, StepContext, constrain, remat
+from meshtrain.axes import LOGICAL_AXES, MESH_AXES
+from meshtrain.errors import ConfigError, MeshError, MeshtrainError, PlanError, RecipeError, RulesError
+from meshtrain.mesh import AxisTypes, MeshSpec
+from meshtrain.parallel.attention import attention
+from meshtrain.plan import BatchSpec, LeafPlan, ShardingPlan, make_plan
+from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, get_recipe, register_recipe
+from meshtrain.rules import AxisRules, Rule
+from meshtrain.strategies import register_strategy
+from meshtrain.train.state import TrainState, abstract_train_state, init_state, state_shardings
+from meshtrain.train.step import NonFinite, make_eval_step, make_train_step, next_token_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbstractState", "AttentionKind", "AxisRules", "AxisTypes", "BUILTIN_RECIPES", "BatchSpec", "ConfigError",
+    "LOGICAL_AXES", "LeafPlan", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
+    "NonFinite", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
+    "ShardingPlan", "StepContext", "TrainState", "abstract_state", "abstract_train_state", "attention",
+    "constrain", "get_recipe", "init_state", "make_eval_step", "make_plan", "make_train_step", "models",
+    "next_token_loss", "register_recipe", "register_strategy", "remat", "state_shardings",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from meshtrain.cli import main
+
+sys.exit(main())

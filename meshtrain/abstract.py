@@ -1,0 +1,138 @@
+"""Abstract state: the shapes, dtypes and logical axes of a model and its optimizer, computed with
+``eval_shape`` (no arrays are allocated, so this works for a 405B model on a laptop).
+
+Example::
+
+    abstract = abstract_state(lambda rngs: Decoder(get_config("tiny"), rngs=rngs), optax.adamw(1e-3))
+    abstract.param_axes["embedder/embedding"]      # ('vocab', 'embed')
+
+Next: :func:`meshtrain.make_plan` turns it into shardings for a recipe and mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from meshtrain.annotate import PathRules
+from meshtrain.axes import LogicalAxes
+from meshtrain.errors import RulesError
+
+#: A model factory: takes ``nnx.Rngs`` and returns the model. ``lambda rngs: MyModel(cfg, rngs=rngs)``.
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+def path_str(keypath) -> str:
+    """``(DictKey('blocks'), DictKey('attn'), ...)`` → ``"blocks/attn/..."``."""
+    parts = []
+    for k in keypath:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def tree_paths(tree) -> Any:
+    """A tree like ``tree`` whose leaves are their own path strings."""
+    return jax.tree_util.tree_map_with_path(lambda kp, _: path_str(kp), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractState:
+    """What a model + optimizer look like, without arrays.
+
+    Attributes:
+      graphdef: the model's structure (``nnx.merge(graphdef, params, model_state)`` rebuilds it).
+      params: nested dict of ``jax.ShapeDtypeStruct`` (trainable ``nnx.Param`` leaves).
+      param_axes: ``{path: logical axes}`` for every parameter.
+      model_state: nested dict of non-parameter variables (batch statistics, RNG counters).
+      opt_state: ``jax.eval_shape(tx.init, params)``, or ``None`` without an optimizer.
+      factory, tx, seed: what built it (``init_state`` re-runs the factory under ``jit``).
+    """
+
+    graphdef: Any
+    params: Any
+    param_axes: Dict[str, LogicalAxes]
+    model_state: Any
+    opt_state: Any
+    factory: ModelFactory
+    tx: Optional[optax.GradientTransformation]
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(x.size) for x in jax.tree.leaves(self.params))
+
+    @property
+    def param_dtype(self):
+        floats = {x.dtype for x in jax.tree.leaves(self.params) if jnp.issubdtype(x.dtype, jnp.floating)}
+        return floats.pop() if len(floats) == 1 else None
+
+    def with_param_dtype(self, dtype) -> "AbstractState":
+        """The same state with floating parameters stored as ``dtype`` (optimizer state re-derived)."""
+        dtype = jnp.dtype(dtype)
+        if self.param_dtype == dtype:
+            return self
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype)
+                              if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params)
+        opt_state = jax.eval_shape(self.tx.init, params) if self.tx is not None else None
+        return dataclasses.replace(self, params=params, opt_state=opt_state)
+
+
+def _build(factory: ModelFactory, seed) -> nnx.Module:
+    # Eager sharding would need an active mesh; meshtrain shards through jit out_shardings instead.
+    with nnx.use_eager_sharding(False):
+        model = factory(nnx.Rngs(seed))
+    if not isinstance(model, nnx.Module):
+        raise RulesError(f"the model factory returned {type(model).__name__}; it must return an nnx.Module "
+                         f"(e.g. `lambda rngs: MyModel(..., rngs=rngs)`)")
+    return model
+
+
+def split_model(model: nnx.Module):
+    """``(graphdef, params pure dict, other variables pure dict)``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformation] = None, *,
+                   annotations: Optional[PathRules] = None) -> AbstractState:
+    """Evaluate ``factory`` and ``tx.init`` abstractly and collect every parameter's logical axes.
+
+    Logical axes come from the parameter's ``out_sharding`` metadata
+    (``nnx.with_partitioning(init, ("embed", "mlp"))`` or ``nnx.Param(..., out_sharding=...)``),
+    else from ``annotations`` (a :class:`PathRules`). A parameter with neither raises, naming it.
+    """
+    model = nnx.eval_shape(lambda: _build(factory, 0))
+    graphdef, params_state, _ = nnx.split(model, nnx.Param, ...)
+    axes: Dict[str, LogicalAxes] = {}
+    missing = []
+    leaves = jax.tree_util.tree_flatten_with_path(params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    for keypath, var in leaves:
+        path = path_str(keypath)
+        names = var.get_metadata().get("out_sharding")
+        if names is None and annotations is not None:
+            names = annotations.lookup(path)
+        if names is None:
+            missing.append(f"{path} {tuple(var.shape)}")
+            continue
+        names = tuple(names)
+        if len(names) != len(var.shape):
+            raise RulesError(f"parameter {path!r} (shape {tuple(var.shape)}) has logical axes {names} of rank "
+                             f"{len(names)}; give one name (or None) per dimension")
+        axes[path] = names
+    if missing:
+        raise RulesError(
+            "parameters without logical axes: " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            + "; annotate them (nnx.with_partitioning(init, names)) or pass "
+              "annotations=PathRules([(r'.*kernel', ('embed', 'mlp')), ...])")
+    _, params, rest = split_model(model)
+    opt_state = jax.eval_shape(tx.init, params) if tx is not None else None
+    return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx)

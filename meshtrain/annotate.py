@@ -1,0 +1,124 @@
+"""Logical names on activations and on models that carry none.
+
+* :func:`constrain` is the one helper models call on activations::
+
+      x_btd = constrain(x_btd, ("batch", "residual_seq", "embed"))
+
+  Outside a meshtrain step (plain eager use, one device) it does nothing. Inside a step built by
+  :func:`meshtrain.make_train_step` it resolves the names with the recipe's *activation* rules and
+  applies ``jax.lax.with_sharding_constraint``.
+
+* :class:`PathRules` names the axes of a model you did not write, by parameter path pattern::
+
+      PathRules([(r".*attn.*kernel", ("embed", "heads")), (r".*bias", (None,))])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import re
+from typing import Iterator, Optional, Sequence, Tuple
+
+import jax
+
+from meshtrain.axes import LogicalAxes
+from meshtrain.errors import RulesError
+from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.rules import AxisRules
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a step being traced tells the model: the mesh and activation rules (for
+    :func:`constrain`), the remat policy (for :func:`remat`) and the attention kind."""
+
+    mesh: jax.sharding.Mesh
+    rules: AxisRules
+    replicate_ok: frozenset = frozenset()
+    remat: Remat = Remat.NONE
+    attention: AttentionKind = AttentionKind.DENSE
+
+
+_ACTIVE: contextvars.ContextVar[Optional[StepContext]] = contextvars.ContextVar("meshtrain_step", default=None)
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[None]:
+    """Make ``ctx`` active while tracing a step (``make_train_step`` does this for you)."""
+    token = _ACTIVE.set(ctx)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current_step_context() -> Optional[StepContext]:
+    return _ACTIVE.get()
+
+
+_POLICIES = {
+    Remat.FULL: jax.checkpoint_policies.nothing_saveable,
+    Remat.DOTS: jax.checkpoint_policies.checkpoint_dots,
+    Remat.DOTS_NO_BATCH: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat(fn, policy: Optional[Remat] = None):
+    """Wrap a layer function in ``jax.checkpoint`` with the recipe's remat policy.
+
+    Call it on the body of your layer scan: ``body = meshtrain.remat(body)``. With ``Remat.NONE``
+    (or outside a step) it returns ``fn`` unchanged.
+    """
+    if policy is None:
+        ctx = _ACTIVE.get()
+        policy = ctx.remat if ctx is not None else Remat.NONE
+    policy = Remat(policy)
+    if policy is Remat.NONE:
+        return fn
+    # prevent_cse=False is safe (and faster) because the caller runs fn under scan.
+    return jax.checkpoint(fn, policy=_POLICIES[policy], prevent_cse=False)
+
+
+def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "activation"):
+    """The ``PartitionSpec`` that :func:`constrain` would apply, or ``None`` outside a step."""
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        return None
+    return ctx.rules.resolve("activations", logical, shape, dict(ctx.mesh.shape), path=name,
+                             replicate_ok=ctx.replicate_ok).spec
+
+
+def constrain(x: jax.Array, logical: LogicalAxes, *, name: str = "activation") -> jax.Array:
+    """Constrain activation ``x`` to the layout its logical axes map to (no-op outside a step)."""
+    spec = activation_spec(logical, x.shape, name=name)
+    if spec is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(_ACTIVE.get().mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class PathRules:
+    """Logical axes for parameters by path pattern (``re.fullmatch`` on ``"a/b/kernel"``), first
+    match wins. Used for parameters without ``out_sharding`` metadata; a parameter that has
+    metadata keeps it. Pass to :func:`meshtrain.abstract_state` (``annotations=``).
+    """
+
+    patterns: Tuple[Tuple[str, LogicalAxes], ...]
+
+    def __init__(self, patterns):
+        compiled = []
+        for pattern, axes in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise RulesError(f"bad path pattern {pattern!r}: {exc}") from None
+            compiled.append((pattern, tuple(axes)))
+        object.__setattr__(self, "patterns", tuple(compiled))
+
+    def lookup(self, path: str) -> Optional[LogicalAxes]:
+        for pattern, axes in self.patterns:
+            if re.fullmatch(pattern, path):
+                return axes
+        return None

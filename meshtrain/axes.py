@@ -1,0 +1,47 @@
+"""Names of mesh axes and logical axes, in one place.
+
+Mesh axes are ordered outermost (slowest links) to innermost (fastest links); a mesh built by
+meshtrain always lists its axes in this order, so the innermost axis (``tensor``) lands on the
+fastest interconnect.
+
+Logical axes are what models speak. Parameters and activations use the same vocabulary but are
+mapped by separate rule tables (an ``embed`` weight dimension is FSDP-sharded, an ``embed``
+activation dimension is not), see :class:`meshtrain.AxisRules`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+#: Canonical mesh axes, outermost to innermost.
+MESH_AXES: Tuple[str, ...] = ("stage", "data", "fsdp", "expert", "context", "tensor")
+
+#: Logical axes used by meshtrain's reference models, with what they mean.
+LOGICAL_AXES = {
+    "batch": "examples in a batch (activations and data)",
+    "seq": "sequence positions inside attention / MLP blocks",
+    "residual_seq": "sequence positions in the residual stream (sharded by sequence parallelism)",
+    "embed": "model width d_model",
+    "heads": "query heads",
+    "kv_heads": "key/value heads (grouped-query attention)",
+    "head_dim": "per-head width",
+    "mlp": "MLP hidden width",
+    "vocab": "vocabulary",
+    "expert": "mixture-of-experts experts",
+    "layers": "stacked (scanned) layers",
+    "stage": "pipeline stages",
+}
+
+#: A logical axis per tensor dimension; ``None`` means "never shard this dimension".
+LogicalAxes = Tuple[Optional[str], ...]
+#: What a logical axis maps to: nothing, one mesh axis, or several (outer to inner).
+MeshAxes = Union[None, str, Sequence[str]]
+
+
+def as_mesh_axes(value: MeshAxes) -> Tuple[str, ...]:
+    """Normalise a rule target (``None`` / ``"fsdp"`` / ``["data", "fsdp"]``) to a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)

@@ -1,0 +1,5 @@
+"""``meshtrain ckpt``: not built yet."""
+
+
+def add_parser(sub):
+    pass

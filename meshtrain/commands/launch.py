@@ -1,0 +1,5 @@
+"""``meshtrain launch``: not built yet."""
+
+
+def add_parser(sub):
+    pass

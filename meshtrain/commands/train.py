@@ -1,0 +1,5 @@
+"""``meshtrain train``: not built yet."""
+
+
+def add_parser(sub):
+    pass

@@ -1,0 +1,170 @@
+"""A Llama-style decoder in Flax NNX that speaks logical axis names only.
+
+RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP, tied or untied
+embeddings. The layer stack is one vmapped ``Block`` (its parameters carry a leading ``layers``
+axis) run under ``jax.lax.scan``, so compile time does not grow with depth.
+
+Example::
+
+    cfg = get_config("tiny")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    logits_btv = model(tokens_bt)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtrain.annotate import constrain, remat
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.attention import attention
+
+RESIDUAL = ("batch", "residual_seq", "embed")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of a decoder. ``head_dim * n_heads`` need not equal ``d_model``."""
+
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    max_seq_len: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def num_params(self) -> int:
+        d, l = self.d_model, self.n_layers
+        attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * d * self.d_ff
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return l * (attn + mlp + 2 * d) + emb + d
+
+
+def _init(in_axis, out_axis):
+    return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+def _param(rngs, init, shape, names):
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("embed",))
+        self.eps = eps
+
+    def __call__(self, x_btd):
+        x = x_btd.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+def rope(x_btnh, positions_bt, theta: float):
+    """Rotary embedding on the last dim (split-halves convention), in f32."""
+    half = x_btnh.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    sin, cos = jnp.sin(angle_bth)[:, :, None, :], jnp.cos(angle_bth)[:, :, None, :]
+    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq_dnh = _param(rngs, _init(0, (1, 2)), (d, n, h), ("embed", "heads", "head_dim"))
+        self.wk_dkh = _param(rngs, _init(0, (1, 2)), (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wv_dkh = _param(rngs, _init(0, (1, 2)), (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wo_nhd = _param(rngs, _init((0, 1), 2), (n, h, d), ("heads", "head_dim", "embed"))
+        self.theta = cfg.rope_theta
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+        q = constrain(jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...]), ("batch", "seq", "heads", "head_dim"))
+        k = constrain(jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...]), ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...]), ("batch", "seq", "kv_heads", "head_dim"))
+        q, k = rope(q, positions_bt, self.theta), rope(k, positions_bt, self.theta)
+        o = attention(q, k, v, segment_ids_bt=segment_ids_bt)
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...])
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``mlp`` is the column/row split axis."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.gate_df = _param(rngs, _init(0, 1), (d, f), ("embed", "mlp"))
+        self.up_df = _param(rngs, _init(0, 1), (d, f), ("embed", "mlp"))
+        self.down_fd = _param(rngs, _init(0, 1), (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_btd):
+        h_btf = jax.nn.silu(x_btd @ self.gate_df[...]) * (x_btd @ self.up_df[...])
+        h_btf = constrain(h_btf, ("batch", "seq", "mlp"))
+        return h_btf @ self.down_fd[...]
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+        x_btd = constrain(x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt), RESIDUAL)
+        return constrain(x_btd + self.mlp(self.mlp_norm(x_btd)), RESIDUAL)
+
+
+class Decoder(nnx.Module):
+    """Token ids ``(batch, seq)`` → logits ``(batch, seq, vocab)``."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        emb_init = jax.nn.initializers.normal(1.0 if not cfg.tie_embeddings else cfg.d_model ** -0.5)
+        self.embedding_vd = _param(rngs, emb_init, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head_dv = _param(rngs, _init(0, 1), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens_bt, positions_bt: Optional[jax.Array] = None,
+                 segment_ids_bt: Optional[jax.Array] = None):
+        cfg = self.cfg
+        if tokens_bt.shape[1] > cfg.max_seq_len:
+            raise ConfigError(f"sequence length {tokens_bt.shape[1]} exceeds max_seq_len {cfg.max_seq_len} of "
+                             f"model {cfg.name!r}")
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        table_vd = self.embedding_vd[...]
+        x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), RESIDUAL)
+
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(x_btd, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt), None
+
+        x_btd, _ = jax.lax.scan(remat(layer), x_btd, layers)
+        x_btd = self.final_norm(x_btd)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x_btd, table_vd) * cfg.d_model ** -0.5
+        else:
+            logits = x_btd @ self.lm_head_dv[...]
+        return constrain(logits, ("batch", "seq", "vocab"))

@@ -1,0 +1,288 @@
+"""`ShardingPlan`: the resolved, immutable layout of one model + optimizer + recipe + mesh.
+
+It is the only place where logical names become ``NamedSharding``s for state and batch::
+
+    plan = make_plan(abstract, get_recipe("fsdp"), batch=BatchSpec(16, 128))
+    print(plan.describe())            # table: path, shape, logical axes, spec, bytes/device, rule
+    plan.to_json()                    # machine-readable; diff two plans with `diff`
+    plan.param_shardings              # pytree for jit in/out_shardings
+
+Next: :func:`meshtrain.init_state` (sharded init) and :func:`meshtrain.make_train_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.abstract import AbstractState, path_str, tree_paths
+from meshtrain.errors import ConfigError, PlanError
+from meshtrain.recipes import Recipe, get_recipe
+from meshtrain.rules import AxisRules, shard_shape
+
+GROUPS = ("params", "optimizer", "batch", "model_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """Global batch shape: ``batch_size`` sequences of ``seq_len`` tokens, each key ``(batch, seq)``."""
+
+    batch_size: int
+    seq_len: int
+    keys: Tuple[str, ...] = ("inputs", "targets", "positions", "segment_ids")
+    dtype: str = "int32"
+
+    def abstract(self) -> Dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), np.dtype(self.dtype)) for k in self.keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """One leaf's layout. ``rule`` says which logical → mesh rules produced ``spec``."""
+
+    group: str
+    path: str
+    shape: Tuple[int, ...]
+    dtype: str
+    logical_axes: Tuple[Optional[str], ...]
+    spec: PartitionSpec
+    bytes_total: int
+    bytes_per_device: int
+    rule: str
+    replicated_dims: Tuple[str, ...] = ()
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(e is None for e in self.spec)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+                "logical_axes": list(self.logical_axes), "spec": _spec_json(self.spec),
+                "bytes_per_device": self.bytes_per_device, "bytes_total": self.bytes_total, "rule": self.rule,
+                **({"replicated_dims": list(self.replicated_dims)} if self.replicated_dims else {})}
+
+
+def _spec_json(spec: PartitionSpec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Shardings for every leaf of params, optimizer state and batch, with bytes and reasons.
+
+    Attributes:
+      mesh: the ``Mesh`` (or ``AbstractMesh`` when planning for more devices than exist).
+      recipe, rules: what produced it.
+      leaves: one :class:`LeafPlan` per leaf, grouped as ``params`` / ``optimizer`` / ``batch``.
+      param_shardings, opt_shardings, batch_shardings, model_state_shardings: pytrees of
+        ``NamedSharding`` mirroring the state, ready for ``jit``.
+    """
+
+    mesh: Any
+    recipe: Recipe
+    rules: AxisRules
+    leaves: Tuple[LeafPlan, ...]
+    param_shardings: Any
+    opt_shardings: Any
+    batch_shardings: Any
+    model_state_shardings: Any
+    abstract: AbstractState
+    batch: Optional[BatchSpec]
+
+    # -- numbers ----------------------------------------------------------------------------
+    @property
+    def mesh_sizes(self) -> Dict[str, int]:
+        return dict(self.mesh.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return int(math.prod(self.mesh_sizes.values()))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ways the batch dimension is split (product of the mesh axes ``batch`` maps to)."""
+        rule = self.rules.table("activations").get("batch")
+        return int(math.prod(self.mesh_sizes.get(a, 1) for a in (rule.mesh_axes if rule else ())))
+
+    def group(self, name: str) -> List[LeafPlan]:
+        return [leaf for leaf in self.leaves if leaf.group == name]
+
+    def per_device_bytes(self) -> Dict[str, int]:
+        """Bytes each device holds: ``params``, ``optimizer``, ``batch`` and their ``total``."""
+        out = {g: sum(l.bytes_per_device for l in self.group(g)) for g in ("params", "optimizer", "batch")}
+        out["total"] = out["params"] + out["optimizer"]
+        return out
+
+    def replicated(self, group: str = "params") -> List[LeafPlan]:
+        """Leaves of ``group`` that no mesh axis shards, largest first."""
+        return sorted((l for l in self.group(group) if l.is_replicated), key=lambda l: -l.bytes_total)
+
+    # -- output -----------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "recipe": self.recipe.name,
+            "mesh": self.mesh_sizes,
+            "rules": self.rules.to_dict(),
+            "params": [l.to_dict() for l in self.group("params")],
+            "optimizer": [l.to_dict() for l in self.group("optimizer")],
+            "batch": [l.to_dict() for l in self.group("batch")],
+            "per_device_bytes": self.per_device_bytes(),
+            "num_params": self.abstract.num_params,
+            "replicated_params": [l.path for l in self.replicated("params")],
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def describe(self, groups: Sequence[str] = ("params", "batch"), max_rows: Optional[int] = None) -> str:
+        """A readable table: one row per leaf, then bytes per device by group."""
+        lines = [f"recipe {self.recipe.name}  mesh " + " × ".join(f"{a}={s}" for a, s in self.mesh_sizes.items())
+                 + f"  ({self.num_devices} devices, {self.abstract.num_params:,} parameters)"]
+        header = ("group", "path", "shape", "logical axes", "spec", "per device", "rule")
+        rows = []
+        for g in groups:
+            for leaf in self.group(g)[:max_rows]:
+                rows.append((g, leaf.path, "×".join(map(str, leaf.shape)) or "()",
+                             ",".join(str(a) for a in leaf.logical_axes) or "-",
+                             str(tuple(leaf.spec)) if leaf.spec else "replicated",
+                             _fmt_bytes(leaf.bytes_per_device), leaf.rule
+                             + (" | " + "; ".join(leaf.replicated_dims) if leaf.replicated_dims else "")))
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
+        fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
+        lines += [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 4,))] + [fmt(r) for r in rows]
+        b = self.per_device_bytes()
+        lines.append("per device: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in b.items()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:  # printing a plan shows the table
+        return self.describe()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe) -> Tuple[LeafPlan, NamedSharding]:
+    sizes = dict(mesh.shape)
+    res = rules.resolve(kind, logical, shape, sizes, path=path, replicate_ok=frozenset(recipe.replicate_indivisible))
+    leaf = LeafPlan(group, path, tuple(shape), str(np.dtype(dtype)), tuple(logical), res.spec, _nbytes(shape, dtype),
+                    _nbytes(shard_shape(shape, res.spec, sizes), dtype), res.reason, res.replicated_dims)
+    return leaf, NamedSharding(mesh, res.spec)
+
+
+def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *, batch: Optional[BatchSpec] = None,
+              check: bool = True) -> ShardingPlan:
+    """Resolve every leaf of ``abstract`` (params, optimizer state) and ``batch`` on ``mesh``.
+
+    Args:
+      abstract: from :func:`meshtrain.abstract_state`.
+      recipe: a :class:`Recipe` or its name / file.
+      mesh: a ``Mesh`` (default: ``recipe.mesh.build()`` over all devices) or an ``AbstractMesh``.
+      batch: the global batch shape; checks it divides the data-parallel size.
+      check: apply the replication guard (``recipe.max_replicated_fraction``).
+    """
+    recipe = get_recipe(recipe)
+    mesh = recipe.mesh.build() if mesh is None else mesh
+    rules = recipe.axis_rules()
+    abstract = abstract.with_param_dtype(recipe.param_dtype)
+    leaves: List[LeafPlan] = []
+
+    flat_params = jax.tree_util.tree_flatten_with_path(abstract.params)[0]
+    param_sh: Dict[str, NamedSharding] = {}
+    param_shape: Dict[str, Tuple[int, ...]] = {}
+    for keypath, sds in flat_params:
+        path = path_str(keypath)
+        param_shape[path] = tuple(sds.shape)
+        leaf, sh = _resolve_leaf(rules, "params", "params", path, sds.shape, sds.dtype, abstract.param_axes[path],
+                                 mesh, recipe)
+        leaves.append(leaf)
+        param_sh[path] = sh
+    param_shardings = jax.tree.map(lambda p: param_sh[p], tree_paths(abstract.params))
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = None
+    if abstract.opt_state is not None:
+        # Which parameter each optimizer leaf mirrors (None for counts and other non-param leaves).
+        mirrors = optax.tree_utils.tree_map_params(
+            abstract.tx, lambda _, p: p, abstract.opt_state, tree_paths(abstract.params),
+            transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        mirror_of = {path_str(kp): m for kp, m in jax.tree_util.tree_flatten_with_path(mirrors)[0]}
+        opt_sh = {}
+        for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0]:
+            path = path_str(keypath)
+            param_path = mirror_of.get(path)
+            if param_path is not None and tuple(sds.shape) == param_shape[param_path]:
+                logical = abstract.param_axes[param_path]
+            else:
+                logical = (None,) * len(sds.shape)  # counts, scalars, factored moments: replicated
+            leaf, sh = _resolve_leaf(rules, "optimizer", "optimizer", path, sds.shape, sds.dtype, logical, mesh,
+                                     recipe)
+            leaves.append(leaf)
+            opt_sh[path] = sh
+        opt_shardings = jax.tree.map(lambda p: opt_sh[p], tree_paths(abstract.opt_state))
+
+    model_state_shardings = jax.tree.map(lambda _: replicated, abstract.model_state)
+    for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.model_state)[0]:
+        leaves.append(LeafPlan("model_state", path_str(keypath), tuple(sds.shape), str(sds.dtype),
+                               (None,) * len(sds.shape), PartitionSpec(), _nbytes(sds.shape, sds.dtype),
+                               _nbytes(sds.shape, sds.dtype), "non-parameter variable: replicated"))
+
+    batch_shardings = None
+    if batch is not None:
+        batch_shardings = {}
+        for key, sds in batch.abstract().items():
+            leaf, sh = _resolve_leaf(rules, "batch", "activations", key, sds.shape, sds.dtype, ("batch", "seq"),
+                                     mesh, recipe)
+            leaves.append(leaf)
+            batch_shardings[key] = sh
+
+    plan = ShardingPlan(mesh, recipe, rules, tuple(leaves), param_shardings, opt_shardings, batch_shardings,
+                        model_state_shardings, abstract, batch)
+    if batch is not None:
+        _check_batch(plan, batch)
+    if check:
+        _replication_guard(plan)
+    return plan
+
+
+def _check_batch(plan: ShardingPlan, batch: BatchSpec) -> None:
+    dp = plan.data_parallel_size
+    micro = plan.recipe.micro_batches
+    if batch.batch_size % (dp * micro):
+        raise ConfigError(
+            f"batch size {batch.batch_size} is not divisible by data-parallel size {dp} × micro-batches {micro} "
+            f"(mesh {plan.mesh_sizes}); use a batch size that is a multiple of {dp * micro}")
+
+
+def _replication_guard(plan: ShardingPlan) -> None:
+    """Fail a sharded recipe that leaves too many bytes replicated, naming the largest leaves."""
+    sizes = plan.mesh_sizes
+    for group, kind in (("params", "params"), ("optimizer", "optimizer")):
+        shards = any(any(sizes.get(a, 1) > 1 for a in r.mesh_axes) for r in plan.rules.table(kind).values())
+        leaves = plan.group(group)
+        total = sum(l.bytes_total for l in leaves)
+        if not shards or not total:
+            continue
+        repl = plan.replicated(group)
+        fraction = sum(l.bytes_total for l in repl) / total
+        if fraction > plan.recipe.max_replicated_fraction:
+            top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({_fmt_bytes(l.bytes_total)})" for l in repl[:5])
+            raise PlanError(
+                f"recipe {plan.recipe.name!r} shards {group} but leaves {fraction:.1%} of their bytes replicated "
+                f"(limit {plan.recipe.max_replicated_fraction:.1%}); largest replicated: {top}. Give these "
+                f"parameters logical axes that the recipe shards, or raise max_replicated_fraction")

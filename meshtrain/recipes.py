@@ -1,0 +1,229 @@
+"""Recipes: named, user-facing compositions of strategies plus the knobs of a run.
+
+Pick one by name or file, override its mesh, and hand it to the plan / trainer::
+
+    recipe = get_recipe("fsdp_tp").with_mesh(fsdp=4, tensor=2)
+    recipe = get_recipe("recipes/fsdp_tp.yaml")            # the same, from a file
+    print(recipe.axis_rules().to_dict())
+
+Every built-in recipe also lives in ``recipes/<name>.yaml`` (a test keeps them identical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from meshtrain.errors import RecipeError
+from meshtrain.mesh import AxisTypes, MeshSpec
+from meshtrain.rules import TABLES, AxisRules, Rule
+from meshtrain.strategies import compose, get_strategy
+
+
+class Remat(str, enum.Enum):
+    """What the backward pass recomputes, per scanned layer.
+
+    * ``none``: save everything (fastest, most memory);
+    * ``full``: save only layer inputs, recompute the layer (least memory);
+    * ``dots``: save matmul outputs, recompute the cheap element-wise work in between;
+    * ``dots_no_batch``: save only matmuls without batch dims (weight matmuls, not attention scores).
+    """
+
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+    DOTS_NO_BATCH = "dots_no_batch"
+
+
+class AttentionKind(str, enum.Enum):
+    """How attention is computed; context-parallel kinds shard the sequence (``parallel/``)."""
+
+    DENSE = "dense"
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A named parallel layout plus the run's knobs. Immutable: use the ``with_*`` methods.
+
+    Args:
+      name, description: shown by ``meshtrain recipes``.
+      strategies: registered strategy names (``meshtrain.strategies``), e.g. ``("fsdp", "tp")``.
+      mesh: default ``MeshSpec`` (override per run with :meth:`with_mesh`).
+      remat: :class:`Remat` policy for the layer stack.
+      param_dtype / compute_dtype: storage and matmul dtypes (``float32`` or ``bfloat16``).
+      micro_batches: gradient accumulation steps per optimizer step.
+      attention: :class:`AttentionKind`.
+      replicate_indivisible: logical names that may be replicated when a dimension does not divide
+        its mesh axes (reported in the plan); everything else raises.
+      max_replicated_fraction: the plan guard: at most this share of the bytes a recipe shards may
+        stay replicated.
+      rules: extra or overriding rules, merged after the strategies' rules.
+    """
+
+    name: str
+    description: str
+    strategies: Tuple[str, ...]
+    mesh: MeshSpec
+    remat: Remat = Remat.NONE
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    micro_batches: int = 1
+    attention: AttentionKind = AttentionKind.DENSE
+    replicate_indivisible: Tuple[str, ...] = ()
+    max_replicated_fraction: float = 0.02
+    rules: AxisRules = AxisRules()
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass normalisation)
+        set_("strategies", tuple(self.strategies))
+        set_("replicate_indivisible", tuple(self.replicate_indivisible))
+        try:
+            set_("remat", Remat(self.remat))
+            set_("attention", AttentionKind(self.attention))
+        except ValueError as exc:
+            raise RecipeError(f"recipe {self.name!r}: {exc}; remat is one of {[r.value for r in Remat]}, "
+                              f"attention one of {[a.value for a in AttentionKind]}") from None
+        for field in ("param_dtype", "compute_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise RecipeError(f"recipe {self.name!r}: {field}={getattr(self, field)!r}; use one of {DTYPES}")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise RecipeError(f"recipe {self.name!r}: micro_batches={self.micro_batches!r}; use an int >= 1")
+        if not 0.0 <= self.max_replicated_fraction <= 1.0:
+            raise RecipeError(f"recipe {self.name!r}: max_replicated_fraction must be in [0, 1]")
+        _, owners = compose(self.strategies)  # validates names, requirements and axis claims
+        extra = [a for a, size in self.mesh.ici + self.mesh.dcn if a not in owners and size != 1]
+        if extra:
+            raise RecipeError(
+                f"recipe {self.name!r}: mesh axes {extra} are used by none of its strategies "
+                f"{list(self.strategies)} (they would only replicate); add a strategy that owns them")
+
+    # -- derived ----------------------------------------------------------------------------
+    def axis_rules(self) -> AxisRules:
+        """Defaults ← strategies' rules ← this recipe's own ``rules`` (which may override)."""
+        rules, _ = compose(self.strategies)
+        return rules.merged(self.rules) if any(getattr(self.rules, k) for k in TABLES) else rules
+
+    def axis_owners(self) -> Dict[str, str]:
+        return compose(self.strategies)[1]
+
+    # -- copies -----------------------------------------------------------------------------
+    def with_mesh(self, dcn: Optional[Mapping[str, int]] = None, **sizes: int) -> "Recipe":
+        """A copy with some mesh sizes replaced, e.g. ``with_mesh(fsdp=4, tensor=2)``."""
+        return dataclasses.replace(self, mesh=self.mesh.with_sizes(sizes, dcn=dcn))
+
+    def with_options(self, **changes: Any) -> "Recipe":
+        """A copy with knobs replaced, e.g. ``with_options(compute_dtype="bfloat16", remat="full")``."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise RecipeError(f"unknown recipe options {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    # -- files ------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        rules = {k: v for k, v in self.rules.to_dict().items() if v}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "strategies": list(self.strategies),
+            "mesh": {"ici": dict(self.mesh.ici), "dcn": dict(self.mesh.dcn), "axis_types": self.mesh.axis_types.value},
+            "remat": self.remat.value,
+            "param_dtype": self.param_dtype,
+            "compute_dtype": self.compute_dtype,
+            "micro_batches": self.micro_batches,
+            "attention": self.attention.value,
+            "replicate_indivisible": list(self.replicate_indivisible),
+            "max_replicated_fraction": self.max_replicated_fraction,
+            "rules": rules,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> "Recipe":
+        if not isinstance(data, Mapping):
+            raise RecipeError(f"{source}: a recipe must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise RecipeError(f"{source}: unknown recipe keys {sorted(unknown)}; known: {sorted(known)}")
+        for key in ("name", "strategies", "mesh"):
+            if key not in data:
+                raise RecipeError(f"{source}: recipe needs a {key!r} entry")
+        mesh = data["mesh"]
+        if not isinstance(mesh, Mapping) or "ici" not in mesh:
+            raise RecipeError(f"{source}: mesh must be a mapping with 'ici' sizes, e.g. mesh: {{ici: {{fsdp: -1}}}}")
+        data["mesh"] = MeshSpec(ici=mesh["ici"] or {}, dcn=mesh.get("dcn") or {},
+                                axis_types=AxisTypes(mesh.get("axis_types", "auto")))
+        rules = data.get("rules") or {}
+        bad = set(rules) - set(TABLES)
+        if bad:
+            raise RecipeError(f"{source}: unknown rules tables {sorted(bad)}; use {TABLES}")
+        data["rules"] = AxisRules.of(**{k: rules.get(k) or {} for k in TABLES}, source=f"recipe:{data['name']}")
+        data.setdefault("description", "")
+        return cls(**data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def load(cls, path: str) -> "Recipe":
+        import yaml
+
+        if not os.path.isfile(path):
+            raise RecipeError(f"recipe file {path!r} does not exist")
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"recipe file {path!r} is not valid YAML: {exc}") from None
+        return cls.from_dict(data, source=path)
+
+
+def _builtin(name, description, strategies, ici, **knobs) -> Recipe:
+    return Recipe(name=name, description=description, strategies=strategies, mesh=MeshSpec(ici=ici), **knobs)
+
+
+BUILTIN_RECIPES: Dict[str, Recipe] = {r.name: r for r in [
+    _builtin("dp", "Data parallel: replicate weights, split the batch, all-reduce gradients.",
+             ("dp",), {"data": -1}),
+    _builtin("fsdp", "Fully sharded data parallel (ZeRO-3): weights, gradients and Adam state split over all "
+             "devices.", ("fsdp",), {"fsdp": -1}),
+    _builtin("zero1", "ZeRO-1: data parallel with only the optimizer state sharded.", ("zero1",), {"data": -1}),
+    _builtin("hsdp", "Hybrid sharded DP: FSDP inside groups, replicated across groups (put `data` on DCN).",
+             ("hsdp",), {"data": 2, "fsdp": -1}),
+    _builtin("tp", "Megatron tensor parallelism over all devices (data axis available for DP).",
+             ("dp", "tp"), {"data": 1, "tensor": -1}),
+    _builtin("fsdp_tp", "FSDP over `fsdp` × Megatron TP over `tensor` (keep tensor within a node).",
+             ("dp", "fsdp", "tp"), {"data": 1, "fsdp": -1, "tensor": 2}),
+    _builtin("fsdp_tp_sp", "FSDP × TP with Megatron sequence parallelism on the residual stream.",
+             ("dp", "fsdp", "tp", "sp"), {"data": 1, "fsdp": -1, "tensor": 2}),
+]}
+
+
+def register_recipe(recipe: Recipe) -> Recipe:
+    """Add a recipe to the built-in table (other modules register CP/EP/PP recipes this way)."""
+    BUILTIN_RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def get_recipe(name_or_path: "str | Recipe") -> Recipe:
+    """A built-in recipe by name, or a recipe file (``.yaml`` / ``.yml``) by path."""
+    if isinstance(name_or_path, Recipe):
+        return name_or_path
+    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+        return Recipe.load(name_or_path)
+    try:
+        return BUILTIN_RECIPES[name_or_path]
+    except KeyError:
+        raise RecipeError(f"unknown recipe {name_or_path!r}; built-in: {', '.join(BUILTIN_RECIPES)} "
+                          f"(or pass a .yaml file)") from None
+
+
+def describe_strategies(recipe: Recipe) -> str:
+    return ", ".join(f"{s} ({get_strategy(s).description.split(':')[0]})" for s in recipe.strategies)

@@ -1,0 +1,188 @@
+"""`AxisRules`: the ordered logical → mesh axis mapping, and the one function that turns logical
+axes into a `PartitionSpec` (:meth:`AxisRules.resolve`).
+
+There are three tables because the same logical name means different things in different places:
+
+* ``params``: weights (``embed -> fsdp`` under FSDP),
+* ``activations``: activations and the batch (``batch -> (data, fsdp)``, ``embed -> None``),
+* ``optimizer``: optimizer-state overrides; names it does not list fall back to ``params``
+  (ZeRO-1 sets ``embed -> data`` here while the weights stay whole).
+
+Example::
+
+    rules = AxisRules.of(params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")})
+    rules.resolve("params", ("vocab", "embed"), (256, 64), {"data": 2, "fsdp": 4}, path="embedder")
+    # -> Resolved(spec=PartitionSpec(None, 'fsdp'), ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
+
+from jax.sharding import PartitionSpec
+
+from meshtrain.axes import LOGICAL_AXES, LogicalAxes, MeshAxes, as_mesh_axes
+from meshtrain.errors import RulesError
+
+TABLES = ("params", "activations", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One mapping: ``logical`` → ``mesh_axes`` (outer to inner), contributed by ``source``."""
+
+    logical: str
+    mesh_axes: Tuple[str, ...]
+    source: str = "user"
+
+    def describe(self) -> str:
+        target = "+".join(self.mesh_axes) if self.mesh_axes else "replicated"
+        return f"{self.logical}→{target} [{self.source}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The result of mapping one tensor: its spec, the rules used, dims replicated by opt-in."""
+
+    spec: PartitionSpec
+    rules: Tuple[str, ...]
+    replicated_dims: Tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.rules) if self.rules else "replicated (no rule shards these axes)"
+
+
+def _table(entries: Mapping[str, MeshAxes] | Iterable[Rule], source: str) -> Tuple[Rule, ...]:
+    if isinstance(entries, Mapping):
+        return tuple(Rule(k, as_mesh_axes(v), source) for k, v in entries.items())
+    return tuple(entries)
+
+
+def _describe_tensor(what: str, path: str, shape, logical) -> str:
+    return f"{what} {path!r} (shape {tuple(shape)}, logical axes {tuple(logical)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """Ordered logical → mesh tables for params, activations and optimizer-state overrides.
+
+    Build one with :meth:`of` (dicts) or get it from a recipe (``recipe.axis_rules()``); pass it to
+    :func:`meshtrain.make_plan`. A logical name may appear once per table: :meth:`merged` raises
+    when two sources map the same name to different mesh axes.
+    """
+
+    params: Tuple[Rule, ...] = ()
+    activations: Tuple[Rule, ...] = ()
+    optimizer: Tuple[Rule, ...] = ()
+
+    @classmethod
+    def of(cls, params=None, activations=None, optimizer=None, source: str = "user") -> "AxisRules":
+        return cls(_table(params or {}, source), _table(activations or {}, source), _table(optimizer or {}, source))
+
+    @classmethod
+    def defaults(cls) -> "AxisRules":
+        """Every standard logical name mapped to ``None`` (replicated): strategies override these."""
+        base = {name: None for name in LOGICAL_AXES}
+        return cls.of(params=base, activations=base, source="default")
+
+    def table(self, kind: str) -> Dict[str, Rule]:
+        if kind not in TABLES:
+            raise RulesError(f"unknown rules table {kind!r}; use one of {TABLES}")
+        rules = {r.logical: r for r in getattr(self, kind)}
+        if kind == "optimizer":
+            return {**self.table("params"), **rules}
+        return rules
+
+    def merged(self, other: "AxisRules", *, override_defaults: bool = True) -> "AxisRules":
+        """Combine two rule sets. A name mapped by both (other than by the defaults) must agree.
+
+        Strategies that shard the same logical name over different mesh axes compose by
+        concatenation in canonical mesh order (``batch``: dp's ``data`` + fsdp's ``fsdp`` →
+        ``(data, fsdp)``); that is decided in :mod:`meshtrain.recipes`, not here.
+        """
+        out = {}
+        for kind in TABLES:
+            mine = {r.logical: r for r in getattr(self, kind)}
+            for rule in getattr(other, kind):
+                old = mine.get(rule.logical)
+                if old is not None and old.source != "default" and old.mesh_axes != rule.mesh_axes:
+                    raise RulesError(
+                        f"{kind} rule for logical axis {rule.logical!r} given twice: {old.describe()} and "
+                        f"{rule.describe()}; keep one of them")
+                if old is None or override_defaults:
+                    mine[rule.logical] = rule
+            out[kind] = tuple(mine.values())
+        return AxisRules(**out)
+
+    def resolve(self, kind: str, logical: LogicalAxes, shape: Sequence[int], mesh_sizes: Mapping[str, int],
+                *, path: str, replicate_ok: FrozenSet[str] = frozenset()) -> Resolved:
+        """Map one tensor's logical axes to a ``PartitionSpec`` on a mesh of ``mesh_sizes``.
+
+        Raises ``RulesError`` naming the tensor (path, shape, logical axes) when a name is not in the
+        rules, a mesh axis would be used twice, or a dimension is not divisible by its mesh axes
+        (unless its logical name is in ``replicate_ok``: then that dimension is replicated and the
+        fact is reported in ``Resolved.replicated_dims``). Mesh axes of size 1 are left out.
+        """
+        what = "activation" if kind == "activations" else ("optimizer state" if kind == "optimizer" else "parameter")
+        logical = tuple(logical)
+        if len(logical) != len(shape):
+            raise RulesError(f"{_describe_tensor(what, path, shape, logical)}: rank {len(shape)} but "
+                             f"{len(logical)} logical axes; give one logical name (or None) per dimension")
+        table = self.table(kind)
+        used: Dict[str, str] = {}
+        entries, reasons, replicated = [], [], []
+        for dim, (name, size) in enumerate(zip(logical, shape)):
+            if name is None:
+                entries.append(None)
+                continue
+            rule = table.get(name)
+            if rule is None:
+                raise RulesError(
+                    f"{_describe_tensor(what, path, shape, logical)} uses logical axis {name!r}, which the "
+                    f"{kind} rules do not map; add it to the recipe's rules.{kind} (e.g. `{name}: null` "
+                    f"to replicate or `{name}: fsdp` to shard)")
+            axes = []
+            for axis in rule.mesh_axes:
+                if axis not in mesh_sizes:
+                    raise RulesError(
+                        f"{_describe_tensor(what, path, shape, logical)}: rule {rule.describe()} names mesh "
+                        f"axis {axis!r}, which the mesh {dict(mesh_sizes)} does not have")
+                if axis in used:
+                    raise RulesError(
+                        f"{_describe_tensor(what, path, shape, logical)}: mesh axis {axis!r} is used by both "
+                        f"{used[axis]!r} and {name!r}; map one of them elsewhere in rules.{kind}")
+                used[axis] = name
+                if mesh_sizes[axis] > 1:
+                    axes.append(axis)
+            ways = math.prod(mesh_sizes[a] for a in axes)
+            if ways > 1 and size % ways:
+                split = " × ".join(f"{a}={mesh_sizes[a]}" for a in axes)
+                if name in replicate_ok:
+                    replicated.append(f"{name} (dim {dim}, size {size}) not divisible by {split}: replicated")
+                    entries.append(None)
+                    continue
+                raise RulesError(
+                    f"{_describe_tensor(what, path, shape, logical)}: dimension {dim} ({name!r}, size {size}) "
+                    f"is not divisible by mesh axes {split} = {ways}; change the mesh sizes, map {name!r} to "
+                    f"other axes, or let the recipe replicate it (replicate_indivisible: [{name}])")
+            if axes:
+                reasons.append(Rule(name, tuple(axes), rule.source).describe())
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        while entries and entries[-1] is None:
+            entries.pop()
+        return Resolved(PartitionSpec(*entries), tuple(reasons), tuple(replicated))
+
+    def to_dict(self) -> Dict[str, Dict[str, Optional[list]]]:
+        return {kind: {r.logical: list(r.mesh_axes) or None for r in getattr(self, kind)} for kind in TABLES}
+
+
+def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> Tuple[int, ...]:
+    """The per-device block shape of a tensor of ``shape`` laid out by ``spec``."""
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        for axis in as_mesh_axes(entry):
+            out[dim] //= mesh_sizes[axis]
+    return tuple(out)

@@ -1,0 +1,130 @@
+"""Strategies: one parallelism dimension each, registered by name, composed into recipes.
+
+A strategy claims the mesh axes it owns and contributes logical → mesh rules. Composition is
+strict: two strategies claiming one mesh axis is an error, a strategy whose requirements are
+missing is an error, and rules for the same logical name from different strategies concatenate in
+canonical mesh order (``dp``'s ``batch -> data`` plus ``fsdp``'s ``batch -> fsdp`` gives
+``batch -> (data, fsdp)``).
+
+Add your own::
+
+    @register_strategy("my_sp", "sequence sharding of the residual stream", requires=("tp",))
+    def _my_sp() -> AxisRules:
+        return AxisRules.of(activations={"residual_seq": "tensor"})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Iterable, Tuple
+
+from meshtrain.axes import MESH_AXES
+from meshtrain.errors import RecipeError
+from meshtrain.rules import TABLES, AxisRules, Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A registered parallelism dimension: the mesh axes it owns and the rules it adds."""
+
+    name: str
+    description: str
+    claims: Tuple[str, ...]
+    rules: Callable[[], AxisRules]
+    requires: Tuple[str, ...] = ()
+
+
+_STRATEGIES: Dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, description: str, *, claims: Iterable[str] = (), requires: Iterable[str] = ()):
+    """Decorator: register ``fn() -> AxisRules`` as strategy ``name`` owning mesh axes ``claims``."""
+
+    def wrap(fn: Callable[[], AxisRules]):
+        bad = [a for a in claims if a not in MESH_AXES]
+        if bad:
+            raise RecipeError(f"strategy {name!r} claims unknown mesh axes {bad}; use {MESH_AXES}")
+        _STRATEGIES[name] = Strategy(name, description, tuple(claims), fn, tuple(requires))
+        return fn
+
+    return wrap
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return _STRATEGIES[name]
+    except KeyError:
+        raise RecipeError(f"unknown strategy {name!r}; registered: {', '.join(sorted(_STRATEGIES))}") from None
+
+
+def strategies() -> Dict[str, Strategy]:
+    return dict(_STRATEGIES)
+
+
+def compose(names: Iterable[str]) -> Tuple[AxisRules, Dict[str, str]]:
+    """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy)."""
+    names = tuple(names)
+    owners: Dict[str, str] = {}
+    for name in names:
+        strat = get_strategy(name)
+        missing = [r for r in strat.requires if r not in names]
+        if missing:
+            raise RecipeError(f"strategy {name!r} needs {missing} in the same recipe (it shards over their axes)")
+        for axis in strat.claims:
+            if axis in owners:
+                raise RecipeError(
+                    f"mesh axis {axis!r} is claimed by both {owners[axis]!r} and {name!r}; a mesh axis serves "
+                    f"one purpose, drop one of the strategies")
+            owners[axis] = name
+    tables: Dict[str, Dict[str, Rule]] = {k: {} for k in TABLES}
+    for name in names:
+        rules = get_strategy(name).rules()
+        for kind in TABLES:
+            for rule in getattr(rules, kind):
+                old = tables[kind].get(rule.logical)
+                if old is None:
+                    tables[kind][rule.logical] = Rule(rule.logical, rule.mesh_axes, name)
+                    continue
+                axes = sorted(set(old.mesh_axes) | set(rule.mesh_axes), key=MESH_AXES.index)
+                tables[kind][rule.logical] = Rule(rule.logical, tuple(axes), f"{old.source}+{name}")
+    composed = AxisRules(**{k: tuple(v.values()) for k, v in tables.items()})
+    return AxisRules.defaults().merged(composed), owners
+
+
+# ---- built-in strategies -------------------------------------------------------------------
+
+@register_strategy("dp", "data parallelism: batch split over `data`, weights replicated, gradients all-reduced",
+                   claims=("data",))
+def _dp() -> AxisRules:
+    return AxisRules.of(activations={"batch": "data"})
+
+
+@register_strategy("fsdp", "ZeRO-3: weights, gradients and optimizer state sharded over `fsdp` (on `embed`); "
+                   "batch split over `fsdp`; weights all-gathered per layer", claims=("fsdp",))
+def _fsdp() -> AxisRules:
+    return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": "fsdp"})
+
+
+@register_strategy("zero1", "ZeRO-1: data parallelism with only the optimizer state sharded over `data`",
+                   claims=("data",))
+def _zero1() -> AxisRules:
+    return AxisRules.of(activations={"batch": "data"}, optimizer={"embed": "data"})
+
+
+@register_strategy("hsdp", "hybrid sharded DP: FSDP within `fsdp` groups, replicas across `data` (the DCN axis)",
+                   claims=("data", "fsdp"))
+def _hsdp() -> AxisRules:
+    return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")})
+
+
+@register_strategy("tp", "Megatron tensor parallelism over `tensor`: attention heads and MLP column/row split, "
+                   "vocab split", claims=("tensor",))
+def _tp() -> AxisRules:
+    split = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+    return AxisRules.of(params=split, activations=split)
+
+
+@register_strategy("sp", "Megatron sequence parallelism: residual-stream activations sharded on the sequence "
+                   "over `tensor` (reduce-scatter / all-gather instead of all-reduce)", requires=("tp",))
+def _sp() -> AxisRules:
+    return AxisRules.of(activations={"residual_seq": "tensor"})

@@ -1,0 +1,1 @@
+"""Training: state (sharded init), step, trainer, metrics."""

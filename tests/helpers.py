@@ -1,0 +1,69 @@
+"""Shared test helpers: meshes, abstract states, deterministic batches, runs of N steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import meshtrain as mt
+
+TINY_BATCH, TINY_SEQ = 16, 64
+
+
+def mesh_for(recipe: "mt.Recipe | str", n_devices: int = 8, **sizes):
+    """The recipe's mesh over the first ``n_devices`` CPU devices (sizes overridable)."""
+    recipe = mt.get_recipe(recipe)
+    if sizes:
+        recipe = recipe.with_mesh(**sizes)
+    return recipe, recipe.mesh.build(jax.devices()[:n_devices])
+
+
+def single_device(recipe: "mt.Recipe | str"):
+    """The same knobs as ``recipe`` on one device (the parity baseline)."""
+    base = mt.get_recipe(recipe)
+    one = mt.get_recipe("dp").with_options(
+        remat=base.remat, param_dtype=base.param_dtype, compute_dtype=base.compute_dtype,
+        micro_batches=base.micro_batches)
+    return one, one.mesh.build(jax.devices()[:1])
+
+
+def tiny_abstract(tx=None, model="tiny", **overrides):
+    tx = tx or optax.adamw(3e-3)
+    return mt.abstract_state(mt.models.model_factory(mt.models.get_config(model, **overrides)), tx)
+
+
+def token_batch(step: int, batch=TINY_BATCH, seq=TINY_SEQ, vocab=256, seed=0, docs=True):
+    """A deterministic batch with two packed documents per row (exercises segment masking)."""
+    rng = np.random.default_rng((seed, step))
+    toks = rng.integers(0, vocab, (batch, seq + 1))
+    positions = np.broadcast_to(np.arange(seq), (batch, seq)).copy()
+    segments = np.zeros((batch, seq), np.int32)
+    if docs:
+        cut = seq // 3
+        segments[:, cut:] = 1
+        positions[:, cut:] -= cut
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "positions": positions, "segment_ids": segments}
+
+
+def put(batch, plan):
+    return {k: jax.device_put(jnp.asarray(v, jnp.int32), plan.batch_shardings[k]) for k, v in batch.items()}
+
+
+def run_steps(recipe, mesh, steps=10, abstract=None, batch=TINY_BATCH, seq=TINY_SEQ, seed=0):
+    """Train ``steps`` steps; returns (losses, plan, final state)."""
+    abstract = abstract or tiny_abstract()
+    plan = mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(batch, seq))
+    state = mt.init_state(plan, seed=seed)
+    step = mt.make_train_step(plan)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, put(token_batch(i, batch, seq), plan))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), plan, state
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
