@@ -22,7 +22,7 @@ from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, get
 from meshtrain.rules import AxisRules, Rule
 from meshtrain.strategies import register_strategy
 from meshtrain.train.state import TrainState, abstract_train_state, init_state, state_shardings
-from meshtrain.train.step import NonFinite, make_eval_step, make_train_step, next_token_loss
+from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_train_step, next_token_loss
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,6 @@ __all__ = [
     "LOGICAL_AXES", "LeafPlan", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
     "NonFinite", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
     "ShardingPlan", "StepContext", "TrainState", "abstract_state", "abstract_train_state", "attention",
-    "constrain", "get_recipe", "init_state", "make_eval_step", "make_plan", "make_train_step", "models",
+    "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
     "next_token_loss", "register_recipe", "register_strategy", "remat", "state_shardings",
 ]

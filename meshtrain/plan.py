@@ -112,8 +112,7 @@ class ShardingPlan:
     @property
     def data_parallel_size(self) -> int:
         """How many ways the batch dimension is split (product of the mesh axes ``batch`` maps to)."""
-        rule = self.rules.table("activations").get("batch")
-        return int(math.prod(self.mesh_sizes.get(a, 1) for a in (rule.mesh_axes if rule else ())))
+        return _data_parallel_size(self.rules, self.mesh_sizes)
 
     def group(self, name: str) -> List[LeafPlan]:
         return [leaf for leaf in self.leaves if leaf.group == name]
@@ -244,6 +243,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *, bat
 
     batch_shardings = None
     if batch is not None:
+        _check_batch(rules, dict(mesh.shape), recipe, batch)
         batch_shardings = {}
         for key, sds in batch.abstract().items():
             leaf, sh = _resolve_leaf(rules, "batch", "activations", key, sds.shape, sds.dtype, ("batch", "seq"),
@@ -253,20 +253,25 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *, bat
 
     plan = ShardingPlan(mesh, recipe, rules, tuple(leaves), param_shardings, opt_shardings, batch_shardings,
                         model_state_shardings, abstract, batch)
-    if batch is not None:
-        _check_batch(plan, batch)
     if check:
         _replication_guard(plan)
     return plan
 
 
-def _check_batch(plan: ShardingPlan, batch: BatchSpec) -> None:
-    dp = plan.data_parallel_size
-    micro = plan.recipe.micro_batches
+def _data_parallel_size(rules: AxisRules, mesh_sizes) -> int:
+    rule = rules.table("activations").get("batch")
+    return int(math.prod(mesh_sizes.get(a, 1) for a in (rule.mesh_axes if rule else ())))
+
+
+def _check_batch(rules: AxisRules, mesh_sizes, recipe: Recipe, batch: BatchSpec) -> None:
+    dp = _data_parallel_size(rules, mesh_sizes)
+    micro = recipe.micro_batches
+    if batch.batch_size < 1 or batch.seq_len < 1:
+        raise ConfigError(f"batch size {batch.batch_size} and sequence length {batch.seq_len} must be positive")
     if batch.batch_size % (dp * micro):
         raise ConfigError(
             f"batch size {batch.batch_size} is not divisible by data-parallel size {dp} × micro-batches {micro} "
-            f"(mesh {plan.mesh_sizes}); use a batch size that is a multiple of {dp * micro}")
+            f"(mesh {mesh_sizes}); use a batch size that is a multiple of {dp * micro}")
 
 
 def _replication_guard(plan: ShardingPlan) -> None:

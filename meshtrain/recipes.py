@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from meshtrain.errors import RecipeError
 from meshtrain.mesh import AxisTypes, MeshSpec
-from meshtrain.rules import TABLES, AxisRules, Rule
+from meshtrain.rules import TABLES, AxisRules
 from meshtrain.strategies import compose, get_strategy
 
 
@@ -106,7 +106,7 @@ class Recipe:
     def axis_rules(self) -> AxisRules:
         """Defaults ← strategies' rules ← this recipe's own ``rules`` (which may override)."""
         rules, _ = compose(self.strategies)
-        return rules.merged(self.rules) if any(getattr(self.rules, k) for k in TABLES) else rules
+        return rules.overridden_by(self.rules)
 
     def axis_owners(self) -> Dict[str, str]:
         return compose(self.strategies)[1]
@@ -169,7 +169,7 @@ class Recipe:
     def to_yaml(self) -> str:
         import yaml
 
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
     @classmethod
     def load(cls, path: str) -> "Recipe":

@@ -96,7 +96,17 @@ class AxisRules:
             return {**self.table("params"), **rules}
         return rules
 
-    def merged(self, other: "AxisRules", *, override_defaults: bool = True) -> "AxisRules":
+    def overridden_by(self, other: "AxisRules") -> "AxisRules":
+        """A copy where every rule of ``other`` replaces this one's rule for the same name (a
+        recipe's own ``rules:`` section overriding its strategies)."""
+        out = {}
+        for kind in TABLES:
+            mine = {r.logical: r for r in getattr(self, kind)}
+            mine.update({r.logical: r for r in getattr(other, kind)})
+            out[kind] = tuple(mine.values())
+        return AxisRules(**out)
+
+    def merged(self, other: "AxisRules") -> "AxisRules":
         """Combine two rule sets. A name mapped by both (other than by the defaults) must agree.
 
         Strategies that shard the same logical name over different mesh axes compose by
@@ -112,8 +122,7 @@ class AxisRules:
                     raise RulesError(
                         f"{kind} rule for logical axis {rule.logical!r} given twice: {old.describe()} and "
                         f"{rule.describe()}; keep one of them")
-                if old is None or override_defaults:
-                    mine[rule.logical] = rule
+                mine[rule.logical] = rule
             out[kind] = tuple(mine.values())
         return AxisRules(**out)
 

@@ -1,15 +1,23 @@
-"""The collectives in a compiled (SPMD-partitioned) HLO module, with bytes and mesh axes.
+"""The collectives in a compiled (SPMD-partitioned) HLO module, with bytes, mesh axes and how many
+times each runs per step.
 
 Example::
 
     compiled = step.lower(state, batch).compile()
-    for c in hlo_collectives(compiled.as_text(), plan.mesh):
-        print(c.kind, c.bytes, c.axes)        # e.g. all-gather 8192 ('fsdp',)
+    ops = hlo_collectives(compiled.as_text(), plan.mesh)
+    for c in ops:
+        print(c.kind, c.bytes, c.axes, c.executions)   # e.g. all-gather 8192 ('fsdp',) 4
+    per_axis(ops)     # {'fsdp': {'all-gather': bytes per step, ...}, ...}
 
 ``bytes`` is the size of the collective's result on one device (for an all-gather: the gathered
-tensor; for a reduce-scatter: the scattered shard). Replica groups are partition ids, i.e.
-positions in ``mesh.devices.flat``; the mesh axes of a collective are those along which the
+tensor; for a reduce-scatter: the scattered shard). ``executions`` is how often the op runs in one
+call of the program: the product of the known trip counts of the ``while`` loops around it (a
+layer scan of ``L`` layers runs its collectives ``L`` times). Replica groups are partition ids,
+i.e. positions in ``mesh.devices.flat``; the mesh axes of a collective are those along which the
 devices of one group differ. Async pairs (``*-start`` / ``*-done``) are counted once.
+
+Next: :func:`per_axis` for bytes per step per mesh axis, or compare with the analytic inventory
+(:mod:`meshtrain.analysis.comms`).
 """
 
 from __future__ import annotations
@@ -25,19 +33,65 @@ import numpy as np
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_OP = re.compile(r"=\s*(?P<type>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-                 r"(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_KIND = re.compile(r"\s(?P<kind>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<attr>calls|to_apply|body|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{(?P<names>[^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(?P<n>[0-9]+)"')
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
+    """One collective op of the partitioned program.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      bytes: result size on one device, per execution.
+      shapes: the result shapes, e.g. ``("f32[256,16,16]",)``.
+      axes: mesh axes the op runs over (devices of one replica group differ along these).
+      group_size: devices per replica group.
+      line: the HLO instruction.
+      executions: runs per program call (product of enclosing loop trip counts; 1 at top level).
+      computation: the HLO computation that holds the op.
+    """
+
     kind: str
     bytes: int
     shapes: Tuple[str, ...]
     axes: Tuple[str, ...]
     group_size: int
     line: str
+    executions: int = 1
+    computation: str = ""
+
+    @property
+    def bytes_per_step(self) -> int:
+        """``bytes × executions``: result bytes this op produces per program call."""
+        return self.bytes * self.executions
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends per execution with ring algorithms over ``g = group_size``:
+        all-gather / all-to-all ``(g-1)/g · result``, reduce-scatter ``(g-1) · result``,
+        all-reduce ``2(g-1)/g · result``, collective-permute ``result``."""
+        return wire_bytes(self.kind, self.bytes, self.group_size)
+
+
+def wire_bytes(kind: str, result_bytes: float, group_size: int) -> float:
+    """Ring-algorithm bytes sent per device for one collective (see :attr:`Collective.wire_bytes`)."""
+    g = max(int(group_size), 1)
+    if g == 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (g - 1) / g * result_bytes
+    if kind == "reduce-scatter":
+        return float(g - 1) * result_bytes
+    if kind == "collective-permute":
+        return float(result_bytes)
+    return (g - 1) / g * result_bytes  # all-gather, all-to-all, ragged-all-to-all
 
 
 def _type_bytes(text: str) -> Tuple[int, Tuple[str, ...]]:
@@ -49,6 +103,33 @@ def _type_bytes(text: str) -> Tuple[int, Tuple[str, ...]]:
         total += n * _DTYPE_BYTES[dtype]
         shapes.append(f"{dtype}[{dims}]")
     return total, tuple(shapes)
+
+
+def _split_top(tuple_text: str) -> List[str]:
+    """``"(a, (b, c), d)"`` → ``["a", "(b, c)", "d"]``."""
+    inner = tuple_text.strip()[1:-1]
+    parts, depth, cur = [], 0, []
+    for ch in inner:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _result_type(line: str, kind_start: int) -> Optional[str]:
+    """The result type text of ``%x = TYPE kind(...)`` (tuples included, comments stripped)."""
+    eq = line.find("=")
+    if eq < 0 or eq > kind_start:
+        return None
+    return line[eq + 1:kind_start].strip()
 
 
 def _iota(text: str, n: int) -> np.ndarray:
@@ -95,36 +176,123 @@ def _axes_of(groups: Optional[List[List[int]]], axis_names: Sequence[str], axis_
     if not groups or not axis_names:
         return (), (len(groups[0]) if groups else 0)
     varying = set()
+    total = math.prod(axis_sizes)
     for group in groups:
+        group = [g for g in group if g < total]
+        if not group:
+            continue
         coords = np.array(np.unravel_index(np.array(group), axis_sizes)).T  # (members, ndim)
         varying |= {axis_names[i] for i in range(len(axis_names)) if len(set(coords[:, i])) > 1}
     return tuple(a for a in axis_names if a in varying), len(groups[0])
 
 
+def _computations(hlo_text: str):
+    """``{name: [instruction lines]}``, the ENTRY name, and call edges ``(caller, callee, factor)``."""
+    comps: Dict[str, List[str]] = {}
+    entry, current = None, None
+    for raw in hlo_text.splitlines():
+        line = _COMMENT.sub("", raw)
+        if current is None:
+            m = _HEADER.match(line.strip()) if not line.startswith(" ") else None
+            if m:
+                current = m.group("name")
+                comps[current] = []
+                if line.lstrip().startswith("ENTRY"):
+                    entry = current
+            continue
+        if line.strip() == "}" and not line.startswith("  "):
+            current = None
+            continue
+        comps[current].append(line)
+    edges = []
+    for caller, lines in comps.items():
+        for line in lines:
+            trip = _TRIP.search(line)
+            for m in _CALLEE.finditer(line):
+                factor = int(trip.group("n")) if (trip and m.group("attr") == "body") else 1
+                edges.append((caller, m.group("name"), factor))
+            for m in _CALLEES.finditer(line):
+                for name in re.findall(r"%([\w.\-]+)", m.group("names")):
+                    edges.append((caller, name, 1))
+    return comps, entry, edges
+
+
+def _executions(comps, entry, edges) -> Dict[str, int]:
+    """Runs per program call of each computation (sum over call sites of caller runs × trip count)."""
+    callers: Dict[str, List[Tuple[str, int]]] = defaultdict(list)
+    for caller, callee, factor in edges:
+        callers[callee].append((caller, factor))
+    memo: Dict[str, int] = {}
+
+    def runs(name: str, stack=()) -> int:
+        if name in memo:
+            return memo[name]
+        if name == entry or name in stack:
+            return 1
+        total = sum(runs(c, stack + (name,)) * f for c, f in callers.get(name, ())) or 1
+        memo[name] = total
+        return total
+
+    return {name: runs(name) for name in comps}
+
+
 def hlo_collectives(hlo_text: str, mesh=None) -> List[Collective]:
-    """Every collective op in ``hlo_text`` (``compiled.as_text()``), with bytes and mesh axes."""
+    """Every collective op in ``hlo_text`` (``compiled.as_text()``), with bytes, mesh axes and
+    executions per call. ``mesh``: the ``Mesh`` the program was compiled for (for axis names)."""
     names = tuple(mesh.axis_names) if mesh is not None else ()
     sizes = tuple(mesh.shape[a] for a in names) if mesh is not None else ()
+    comps, entry, edges = _computations(hlo_text)
+    if not comps:  # a bare list of instructions (tests, snippets): one computation
+        comps, entry, edges = {"main": [_COMMENT.sub("", l) for l in hlo_text.splitlines()]}, "main", []
+    runs = _executions(comps, entry, edges)
     out = []
-    for line in hlo_text.splitlines():
-        m = _OP.search(line)
-        if not m:
-            continue
-        nbytes, shapes = _type_bytes(m.group("type"))
-        if m.group("start") and m.group("type").startswith("("):
-            # async start returns (operand, result, ...): count the result only
-            nbytes, shapes = _type_bytes(_SHAPE.findall(m.group("type")) and
-                                         "{}[{}]".format(*_SHAPE.findall(m.group("type"))[-1]))
-        axes, group_size = _axes_of(_replica_groups(line), names, sizes)
-        out.append(Collective(m.group("kind"), nbytes, shapes, axes, group_size, line.strip()))
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _KIND.search(line)
+            if not m or "=" not in line[:m.start()]:
+                continue
+            type_text = _result_type(line, m.start())
+            if type_text is None:
+                continue
+            kind = m.group("kind")
+            if m.group("start") and type_text.startswith("(") and kind != "all-reduce":
+                parts = _split_top(type_text)  # (operands, results[, context...]): keep the results
+                type_text = parts[1] if len(parts) > 1 else parts[0]
+            nbytes, shapes = _type_bytes(type_text)
+            axes, group_size = _axes_of(_replica_groups(line), names, sizes)
+            out.append(Collective(kind, nbytes, shapes, axes, group_size, line.strip(), runs.get(comp, 1), comp))
     return out
 
 
 def summarize(collectives: Sequence[Collective]) -> Dict[str, Dict[str, int]]:
-    """``{kind: {"count": n, "bytes": b}}`` plus ``{"axis:<name>": {...}}`` sums per mesh axis set."""
+    """``{kind: {"count": n, "bytes": b}}`` plus ``{"axes:<names>": {...}}`` sums per mesh axis set.
+
+    Counts ops as they appear in the program (one per instruction, ``bytes`` once); use
+    :func:`per_axis` for traffic per step (loop trip counts applied).
+    """
     out: Dict[str, Dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for c in collectives:
         for key in (c.kind, "axes:" + ("+".join(c.axes) or "-")):
             out[key]["count"] += 1
             out[key]["bytes"] += c.bytes
     return dict(out)
+
+
+def axes_key(axes: Sequence[str]) -> str:
+    """``("data", "fsdp")`` → ``"data+fsdp"``; no axes → ``"-"`` (a collective over one device)."""
+    return "+".join(axes) or "-"
+
+
+def per_axis(collectives: Sequence[Collective]) -> Dict[str, Dict[str, int]]:
+    """Result bytes per step, ``{axes_key: {kind: bytes, ..., "total": bytes}}``.
+
+    Each op contributes ``bytes × executions``. Ops over no mesh axis (group size 1) are left out.
+    """
+    out: Dict[str, Dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for c in collectives:
+        if not c.axes:
+            continue
+        key = axes_key(c.axes)
+        out[key][c.kind] += c.bytes_per_step
+        out[key]["total"] += c.bytes_per_step
+    return {k: dict(v) for k, v in out.items()}

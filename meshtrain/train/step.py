@@ -123,7 +123,7 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
             grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
             grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
             loss = total / count
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -154,3 +154,23 @@ def make_eval_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None):
 
     scalar = NamedSharding(plan.mesh, PartitionSpec())
     return jax.jit(evaluate, in_shardings=(state_shardings(plan), plan.batch_shardings), out_shardings=scalar)
+
+
+def make_grad_fn(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None):
+    """A jitted ``grad_fn(state, batch) -> (loss, grads)`` with grads laid out like the params.
+
+    The same loss scaling as :func:`make_train_step` (sum / global token count, micro-batched by
+    the recipe); use it to inspect or compare gradients across recipes.
+    """
+    grad_fn = _loss_and_grads(plan, loss_fn or next_token_loss)
+
+    def grads(state: TrainState, batch):
+        with step_context(step_context_for(plan)):
+            total, count, g, _ = _accumulate(grad_fn, state.params, state.model_state, batch,
+                                             plan.recipe.micro_batches, plan)
+            count = jnp.maximum(count, 1.0)
+            return total / count, jax.tree.map(lambda x: x / count, g)
+
+    scalar = NamedSharding(plan.mesh, PartitionSpec())
+    return jax.jit(grads, in_shardings=(state_shardings(plan), plan.batch_shardings),
+                   out_shardings=(scalar, plan.param_shardings))

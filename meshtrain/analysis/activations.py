@@ -1,0 +1,183 @@
+"""Saved activations of a decoder train step, per device, for any size and mesh, without compiling.
+
+What the backward pass keeps is whatever JAX's autodiff saves under the recipe's remat policy. We
+find it once per (remat, compute dtype) by tracing the loss's VJP abstractly on a *probe* decoder
+whose sizes are distinct primes (``eval_shape``: no arrays, well under a second). Every saved
+tensor's shape then factors uniquely into the probe's sizes, e.g. ``(L, B, T, kv, g, 2·hh)``, which
+gives a formula in the config's sizes that holds for every model of the family::
+
+    model = saved_activations(Remat.NONE, "float32")
+    model.bytes_per_device(cfg, batch_size=16, seq_len=128, split=ActivationSplit(batch=8))
+    model.describe(cfg, 16, 128)            # one row per saved tensor kind
+
+Per device a saved tensor is divided by the batch split when it has a batch dimension, by the
+tensor-parallel size when it has a heads / kv-heads / MLP / vocab dimension, and (sequence
+parallelism) by the tensor-parallel size when it is a residual-stream tensor ``(b, t, d)``.
+Tensors without a batch dimension are weights (the parameters themselves, or their casts to the
+compute dtype: only the casts cost memory).
+
+Next: :func:`meshtrain.analysis.memory.estimate_memory` adds parameters, gradients, optimizer
+state and temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Dict, List, Mapping, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshtrain.recipes import Remat
+
+#: Probe sizes: distinct primes, so every dimension of a saved tensor factors into them.
+#: ``n_heads = kv·g`` and ``head_dim = 2·hh`` (rotary embeddings split the head in halves).
+PROBE = {"L": 5, "B": 7, "T": 11, "d": 13, "kv": 17, "g": 19, "hh": 23, "f": 29, "V": 31}
+_SHARDED_BY_TENSOR = ("kv", "g", "f", "V")
+
+
+def config_sizes(cfg, batch_size: int, seq_len: int) -> Dict[str, int]:
+    """The probe variables for a real ``DecoderConfig`` and batch ``(B, T)``."""
+    if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
+        raise ValueError(f"{cfg.name}: n_heads must be a multiple of n_kv_heads and head_dim even")
+    return {"L": cfg.n_layers, "B": batch_size, "T": seq_len, "d": cfg.d_model, "kv": cfg.n_kv_heads,
+            "g": cfg.n_heads // cfg.n_kv_heads, "hh": cfg.head_dim // 2, "f": cfg.d_ff, "V": cfg.vocab_size}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSplit:
+    """How activations are divided per device: ``batch`` ways (data-parallel size, per micro-batch
+    the batch is ``B / micro_batches``), ``tensor`` ways for heads / MLP / vocab dims, and
+    ``sequence`` ways for residual-stream tensors (Megatron sequence parallelism: ``tensor``)."""
+
+    batch: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    micro_batches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """One saved tensor kind: ``count`` tensors of ``const · Π size[var]**exp`` elements of ``dtype``."""
+
+    exponents: Tuple[Tuple[str, int], ...]
+    const: int
+    dtype: str
+    count: int
+
+    @property
+    def is_weight(self) -> bool:
+        return "B" not in dict(self.exponents)
+
+    def elements(self, sizes: Mapping[str, int]) -> int:
+        return self.const * math.prod(sizes[v] ** e for v, e in self.exponents)
+
+    def divisor(self, split: ActivationSplit) -> int:
+        ex = dict(self.exponents)
+        div = split.batch if "B" in ex else 1
+        if any(v in ex for v in _SHARDED_BY_TENSOR):
+            div *= split.tensor
+        elif "T" in ex and "d" in ex:
+            div *= split.sequence
+        return div
+
+    def formula(self) -> str:
+        names = {"hh": "h/2", "g": "n/kv"}
+        parts = [f"{names.get(v, v)}" + (f"^{e}" if e > 1 else "") for v, e in self.exponents]
+        return "·".join(([str(self.const)] if self.const != 1 else []) + parts) or "1"
+
+
+def _factor(value: int) -> Tuple[Tuple[Tuple[str, int], ...], int]:
+    exps, rest = {}, value
+    for var, p in PROBE.items():
+        while rest % p == 0:
+            exps[var] = exps.get(var, 0) + 1
+            rest //= p
+    return tuple(sorted(exps.items())), rest
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationModel:
+    """Saved tensors of one train step as formulas (from :func:`saved_activations`)."""
+
+    remat: Remat
+    compute_dtype: str
+    tensors: Tuple[SavedTensor, ...]
+
+    def bytes_per_device(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit(),
+                         *, weight_fraction: float = 0.0) -> int:
+        """Bytes of saved activations on one device for one micro-batch.
+
+        ``weight_fraction``: per-device share of a weight (``params per device / params total``),
+        used for weight casts saved in the compute dtype; leave 0 when compute dtype = param dtype
+        (then the saved weights are the parameters themselves).
+        """
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+        total = 0.0
+        for t in self.tensors:
+            nbytes = t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize
+            total += nbytes * weight_fraction if t.is_weight else nbytes / t.divisor(split)
+        return int(total)
+
+    def describe(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit()) -> List[dict]:
+        """Rows ``{formula, dtype, count, bytes_per_device}`` for the saved non-weight tensors, largest first."""
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+        rows = [{"formula": t.formula(), "dtype": t.dtype, "count": t.count,
+                 "bytes_per_device": int(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split))}
+                for t in self.tensors if not t.is_weight]
+        return sorted(rows, key=lambda r: -r["bytes_per_device"])
+
+
+@functools.lru_cache(maxsize=None)
+def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "float32",
+                      tie_embeddings: bool = False) -> ActivationModel:
+    """Trace the probe decoder's loss VJP abstractly and turn its residuals into formulas."""
+    from flax import nnx
+
+    from meshtrain.abstract import abstract_state
+    from meshtrain.annotate import StepContext, step_context
+    from meshtrain.mesh import MeshSpec
+    from meshtrain.models.decoder import Decoder, DecoderConfig
+    from meshtrain.rules import AxisRules
+    from meshtrain.train.step import _cast_floats, next_token_loss
+
+    remat = Remat(remat)
+    p = PROBE
+    cfg = DecoderConfig("probe", p["V"], p["d"], p["L"], p["kv"] * p["g"], p["kv"], 2 * p["hh"], p["f"], p["T"],
+                        tie_embeddings=tie_embeddings)
+    abstract = abstract_state(lambda rngs: Decoder(cfg, rngs=rngs))
+    graphdef, params, rest = abstract.graphdef, abstract.params, abstract.model_state
+    mesh = MeshSpec(ici={"data": 1}).abstract(1)
+    ctx = StepContext(mesh, AxisRules.defaults(), frozenset(), remat)
+    dtype = jnp.dtype(compute_dtype)
+    ids = jax.ShapeDtypeStruct((p["B"], p["T"]), jnp.int32)
+    batch = {"inputs": ids, "targets": ids, "positions": ids, "segment_ids": ids}
+
+    def residuals(params, batch):
+        def loss(params):
+            with step_context(ctx):
+                m = nnx.merge(graphdef, _cast_floats(params, dtype), rest)
+                return next_token_loss(m, batch)[0]
+        return jax.tree.leaves(jax.vjp(loss, params)[1])
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        saved = jax.eval_shape(residuals, params, batch)
+    param_shapes = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
+    groups: Dict[Tuple, int] = {}
+    for x in saved:
+        if (tuple(x.shape), str(x.dtype)) in param_shapes:
+            continue  # the parameters themselves: already counted as parameters
+        exps: Dict[str, int] = {}
+        const = 1
+        for dim in x.shape:
+            e, c = _factor(int(dim))
+            const *= c
+            for v, k in e:
+                exps[v] = exps.get(v, 0) + k
+        key = (tuple(sorted(exps.items())), const, str(x.dtype))
+        groups[key] = groups.get(key, 0) + 1
+    tensors = tuple(SavedTensor(e, c, dt, n) for (e, c, dt), n in sorted(groups.items(), key=str))
+    return ActivationModel(remat, str(dtype), tensors)

@@ -1,0 +1,18 @@
+"""Checkpoints: Orbax async sharded saves, a checksum manifest per step, retention, and restore onto
+any plan (another recipe, mesh or device count reshards on load)::
+
+    from meshtrain.checkpoint import Checkpointer
+    ckpt = Checkpointer(run_dir / "checkpoints", save_every=100, keep_last=3, keep_every=1000)
+    ckpt.maybe_save(step, state, data_state={"index": 4096}, metadata={"recipe": plan.recipe.to_dict()})
+    r = ckpt.restore(plan)          # Restored(step, state, data_state, metadata)
+
+See :mod:`meshtrain.checkpoint.integrity` for the on-disk layout and how steps are verified.
+"""
+
+from meshtrain.checkpoint.inspection import inspect_checkpoint, list_checkpoints, resolve_directory
+from meshtrain.checkpoint.manager import Checkpointer
+from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Restored, SaveResult, StepCheck,
+                                        StepStatus, Verify)
+
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored", "SaveResult", "StepCheck",
+           "StepStatus", "Verify", "inspect_checkpoint", "list_checkpoints", "resolve_directory"]

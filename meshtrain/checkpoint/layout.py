@@ -1,0 +1,144 @@
+"""How a ``TrainState`` is laid out in a checkpoint, and how it is compared with a restore target.
+
+The state is saved as a nested dict of string keys built from its pytree paths (dataclass fields,
+dict keys, tuple indices), so the on-disk format does not depend on Python classes such as optax's
+named tuples::
+
+    flat_paths(state)[:2]   # [("step", ...), ("params/blocks/attn/wk_dkh", ...)]
+    to_nested(state)        # {"step": a, "params": {"blocks": ...}, "opt_state": {"0": {"count": ...}}}
+
+A description of every leaf (shape, dtype, saved sharding, bytes) goes into the checkpoint's
+``meta`` item; restore compares it with the target and lists every mismatching path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Tuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshtrain.checkpoint.types import CheckpointError
+
+_ESCAPES = (("%", "%25"), (".", "%2E"), ("/", "%2F"))
+
+
+def _escape(name: str) -> str:
+    for a, b in _ESCAPES:
+        name = name.replace(a, b)
+    return name
+
+
+def key_name(k) -> str:
+    """One path component as a string: dict key, sequence index or attribute name."""
+    if isinstance(k, jax.tree_util.DictKey):
+        return _escape(str(k.key))
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return _escape(k.name)
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return _escape(str(k))
+
+
+def flat_paths(tree) -> List[Tuple[str, Any]]:
+    """``[(path, leaf)]`` with paths like ``opt_state/0/mu/embedding_vd``; raises on duplicate paths."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = [("/".join(key_name(k) for k in path), leaf) for path, leaf in leaves]
+    seen = set()
+    for p, _ in out:
+        if p in seen:
+            raise CheckpointError(f"two state leaves map to the checkpoint path {p!r}; rename the dict key "
+                                  f"so that keys and tuple indices differ")
+        seen.add(p)
+    return out
+
+
+def to_nested(tree) -> Dict[str, Any]:
+    """The state as nested dicts of string keys (what Orbax writes)."""
+    root: Dict[str, Any] = {}
+    for path, leaf in flat_paths(tree):
+        node = root
+        parts = path.split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = leaf
+    return root
+
+
+def from_nested(nested: Dict[str, Any], like) -> Any:
+    """Rebuild a pytree shaped like ``like`` from the nested dict that :func:`to_nested` made."""
+    leaves = []
+    for path, _ in flat_paths(like):
+        node = nested
+        for part in path.split("/"):
+            node = node[part]
+        leaves.append(node)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+def sharding_json(sharding) -> Any:
+    """A JSON description of a sharding: ``{"spec": [...], "mesh": {axis: size}}`` or a string."""
+    if isinstance(sharding, NamedSharding):
+        spec = [list(e) if isinstance(e, tuple) else e for e in sharding.spec]
+        return {"spec": spec, "mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()}}
+    if sharding is None:
+        return None
+    return type(sharding).__name__
+
+
+def describe_tree(tree) -> Dict[str, Dict[str, Any]]:
+    """``{path: {"shape", "dtype", "sharding", "bytes"}}`` for every leaf of arrays or ShapeDtypeStructs."""
+    out = {}
+    for path, x in flat_paths(tree):
+        shape = tuple(int(d) for d in np.shape(x))
+        dtype = np.dtype(x.dtype)
+        out[path] = {"shape": list(shape), "dtype": dtype.name, "sharding": sharding_json(getattr(x, "sharding", None)),
+                     "bytes": int(math.prod(shape)) * dtype.itemsize}
+    return out
+
+
+def state_bytes(tree) -> int:
+    """Global bytes of all leaves (each array counted once, however it is sharded)."""
+    return sum(int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(map(str, s)) + ("," if len(s) == 1 else "") + ")"
+
+
+def mismatches(saved: Dict[str, Dict[str, Any]], target, *, allow_cast: bool) -> List[str]:
+    """Every difference between a saved tree description and a restore target, one line per path."""
+    problems = []
+    want = dict(flat_paths(target))
+    for path in want.keys() - saved.keys():
+        problems.append(f"missing in checkpoint: {path} (the plan has shape {_shape(want[path].shape)} "
+                        f"{np.dtype(want[path].dtype).name})")
+    for path in saved.keys() - want.keys():
+        problems.append(f"not in the plan: {path} (saved {_shape(saved[path]['shape'])} {saved[path]['dtype']})")
+    for path in sorted(want.keys() & saved.keys()):
+        s, t = saved[path], want[path]
+        if tuple(s["shape"]) != tuple(t.shape):
+            problems.append(f"shape: {path} saved {_shape(s['shape'])}, the plan has {_shape(t.shape)}")
+        elif s["dtype"] != np.dtype(t.dtype).name and not allow_cast:
+            problems.append(f"dtype: {path} saved {s['dtype']}, the plan has {np.dtype(t.dtype).name} "
+                            f"(pass allow_cast=True to cast)")
+    return sorted(problems, key=lambda line: (line.split(":")[0], line))
+
+
+def mismatch_error(step: int, directory, problems: List[str], metadata: Dict[str, Any]) -> CheckpointError:
+    shown = problems[:20]
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    saved_with = ", ".join(f"{k}={metadata[k]!r}" for k in ("model",) if k in metadata)
+    recipe = metadata.get("recipe")
+    if isinstance(recipe, dict) and "name" in recipe:
+        saved_with += (", " if saved_with else "") + f"recipe={recipe['name']!r}"
+    hint = (f"; it was saved with {saved_with}" if saved_with else "")
+    return CheckpointError(
+        f"checkpoint step {step} in {directory} does not match the restore target ({len(problems)} "
+        f"difference(s)):\n  " + "\n  ".join(shown) + more +
+        f"\nbuild the plan from the same model and optimizer as the checkpoint{hint}, "
+        f"or restore into a new run folder")

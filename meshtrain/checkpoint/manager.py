@@ -1,0 +1,425 @@
+"""`Checkpointer`: async sharded saves through Orbax, integrity manifests, retention, resharding restore.
+
+Typical use in a training loop (the :class:`~meshtrain.train.Trainer` does exactly this)::
+
+    ckpt = Checkpointer(run_dir / "checkpoints", save_every=100, keep_last=3, keep_every=1000)
+    if ckpt.latest_valid_step() is not None:
+        r = ckpt.restore(plan)                     # reshards onto this plan's mesh
+        state, data_state = r.state, r.data_state
+    for step in range(start, steps + 1):
+        state, metrics = train_step(state, batch)
+        res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=meta)
+        stalled += res.blocking_s                  # seconds the loop was blocked by checkpointing
+    ckpt.close()                                   # waits for the last async save; raises its error
+
+Errors are :class:`CheckpointError` (a ``MeshtrainError``): the CLI prints them without a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+
+from meshtrain.checkpoint import integrity
+from meshtrain.checkpoint.inspection import META_FORMAT, read_meta
+from meshtrain.checkpoint.layout import describe_tree, from_nested, mismatch_error, mismatches, state_bytes, to_nested
+from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Restored, SaveResult, StepCheck,
+                                        StepStatus, Verify)
+
+log = logging.getLogger("meshtrain.checkpoint")
+
+ITEMS = ("state", "data_state", "meta")
+#: Bytes kept free beyond the state's size before a save starts (JSON items, OCDBT indices).
+FREE_MARGIN = 1 << 20
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (a module function so that tests can replace it)."""
+    return shutil.disk_usage(path).free
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _json_problem(obj, where: str) -> Optional[str]:
+    """The path of the first value that JSON cannot encode, or None."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                return f"{where} has a non-string key {k!r}"
+            p = _json_problem(v, f"{where}[{k!r}]")
+            if p:
+                return p
+        return None
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            p = _json_problem(v, f"{where}[{i}]")
+            if p:
+                return p
+        return None
+    if obj is None or isinstance(obj, (str, bool, int, float)):
+        return None
+    return f"{where} is a {type(obj).__name__} ({obj!r:.60}), which JSON cannot store; convert it (int(), float(), str())"
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    text = str(exc)
+    return (getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "ENOSPC" in text
+            or "os_error_code='28'" in text)
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(CheckpointWarning(message), stacklevel=3)
+
+
+class Checkpointer:
+    """Sharded, asynchronous, verified checkpoints of a :class:`~meshtrain.TrainState` in one folder.
+
+    Args:
+      directory: the run's ``checkpoints/`` folder (created if missing).
+      save_every: :meth:`maybe_save` writes when ``step % save_every == 0`` (or ``force=True``).
+      keep_last: keep the newest ``keep_last`` good steps...
+      keep_every: ...plus every step that is a multiple of ``keep_every`` (``None``: none extra).
+      async_save: write in a background thread (default); the loop blocks only to copy arrays to host.
+        ``False`` blocks until the step is committed and verified.
+
+    Next: :meth:`maybe_save` each step, :meth:`restore` on start, :meth:`close` at the end.
+    """
+
+    def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
+                 async_save: bool = True):
+        for name, value, low in (("save_every", save_every, 1), ("keep_last", keep_last, 1)):
+            if not isinstance(value, int) or value < low:
+                raise CheckpointError(f"{name}={value!r}: give an integer >= {low}")
+        if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
+            raise CheckpointError(f"keep_every={keep_every!r}: give an integer >= 1 or None")
+        self.directory = Path(directory).expanduser().absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} is a file; pass a folder")
+        self.save_every, self.keep_last, self.keep_every = save_every, keep_last, keep_every
+        self.async_save = bool(async_save)
+        self._primary = jax.process_index() == 0
+        self._inflight: Optional[int] = None
+        self._session_steps: set = set()
+        self._verified: Dict[int, Tuple[tuple, StepCheck]] = {}
+        self._closed = False
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {exc}") from exc
+        self._clean_tmp("left by an earlier run that did not finish it")
+        self._manager = self._new_manager()
+
+    # -- setup --------------------------------------------------------------------------------------
+
+    def _new_manager(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None, save_interval_steps=1, create=True, cleanup_tmp_directories=False,
+            enable_async_checkpointing=True,  # a synchronous save is an async save plus wait()
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
+        return ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+
+    def _clean_tmp(self, why: str, step: Optional[int] = None) -> List[Path]:
+        """Remove temporary step folders (all, or those of ``step``) on process 0."""
+        removed = []
+        if not self._primary:
+            return removed
+        for p in integrity.tmp_dirs(self.directory):
+            if step is not None and integrity.tmp_step(p) != step:
+                continue
+            size = integrity.folder_bytes(p)
+            integrity.remove_tree(p)
+            removed.append(p)
+            _warn(f"removed temporary checkpoint folder {p} ({fmt_bytes(size)}) {why}")
+        return removed
+
+    def _write_manifest(self) -> None:
+        """Orbax's post-finalization hook: runs on process 0 in the save thread, after every process
+        wrote its shards and before the rename that commits the step."""
+        step = self._inflight
+        if step is None:
+            raise CheckpointError("internal: a save finished but no step is in flight")
+        candidates = [p for p in integrity.tmp_dirs(self.directory) if integrity.tmp_step(p) == step]
+        final = self.directory / str(step)
+        target = candidates[0] if len(candidates) == 1 else (final if not candidates and final.is_dir() else None)
+        if target is None:
+            raise CheckpointError(f"cannot find the folder being written for step {step} in {self.directory} "
+                                  f"(found {[p.name for p in candidates]})")
+        integrity.write_manifest(target, step)
+
+    # -- saving -------------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, state, *, data_state: Dict[str, Any], metadata: Dict[str, Any],
+                   force: bool = False) -> SaveResult:
+        """Save ``state`` at ``step`` when ``step % save_every == 0`` or ``force``; call it every step.
+
+        It also reports (as :class:`CheckpointError`) a background save that failed since the last
+        call, e.g. a full disk: the failed temporary folder is removed and older steps stay intact;
+        the next due step tries again. ``data_state`` (iterator position) and ``metadata`` (recipe,
+        plan summary, seed, model) must be JSON-able dicts. Example::
+
+            res = ckpt.maybe_save(step, state, data_state={"epoch": 0, "index": 4096},
+                                  metadata={"recipe": plan.recipe.to_dict(), "seed": 0, "model": "tiny"})
+        """
+        t0 = time.perf_counter()
+        self._ensure_open()
+        step = int(step)
+        self._collect()
+        if not (force or step % self.save_every == 0):
+            return SaveResult(False, time.perf_counter() - t0, step)
+        if step == self._inflight or step in self._session_steps:
+            return SaveResult(False, time.perf_counter() - t0, step, note=f"step {step} was already saved by this run")
+        for name, value in (("data_state", data_state), ("metadata", metadata)):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{name} must be a dict of JSON values, got {type(value).__name__}")
+            problem = _json_problem(value, name)
+            if problem:
+                raise CheckpointError(f"cannot save step {step}: {problem}")
+        self._wait_inflight()
+        self._prepare_step_folder(step)
+        self._check_space(step, state)
+        meta = {"format": META_FORMAT, "step": step, "user": metadata, "tree": describe_tree(state),
+                "saved_unix": time.time(), "process_count": jax.process_count(),
+                "device_count": jax.device_count(),
+                "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")}}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(to_nested(state)),
+                                  data_state=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        self._inflight = step
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a CheckpointError naming the step
+            self._inflight = None
+            self._after_failure(step)
+            raise self._save_error(step, exc) from exc
+        if not self.async_save:
+            self._wait_inflight()
+        return SaveResult(True, time.perf_counter() - t0, step)
+
+    def _prepare_step_folder(self, step: int) -> None:
+        self._clean_tmp(f"before saving step {step} again", step=step)
+        existing = integrity.step_dirs(self.directory).get(step)
+        if existing is None:
+            return
+        check = self.check(step)
+        if check.status is StepStatus.OK:
+            raise CheckpointError(
+                f"step {step} already exists in {self.directory} (a good checkpoint from an earlier run); "
+                f"meshtrain does not overwrite it. If you rewound training on purpose, move or delete "
+                f"{existing} and the steps after it; otherwise resume from the latest step")
+        _warn(f"checkpoint step {step} in {self.directory} is {check.status.value} ({check.reason}); "
+              f"removing it to save step {step} again")
+        if self._primary:
+            integrity.remove_tree(existing)
+        self._verified.pop(step, None)
+        self._manager.reload()
+
+    def _check_space(self, step: int, state) -> None:
+        need = state_bytes(state) + FREE_MARGIN
+        free = _free_bytes(self.directory)
+        if free < need:
+            raise CheckpointError(
+                f"not enough disk space to save step {step}: the state needs ~{fmt_bytes(need)} but "
+                f"{self.directory} has {fmt_bytes(free)} free. Free space, lower keep_last (now {self.keep_last})"
+                f"{'' if self.keep_every is None else f' or keep_every (now {self.keep_every})'}, or move the run "
+                f"folder; steps {self.all_steps()} are intact")
+
+    def _collect(self) -> None:
+        """Non-blocking: if the save in flight has finished, surface its error or apply retention."""
+        if self._inflight is not None and not self._manager.is_saving_in_progress():
+            self._wait_inflight()
+
+    def _wait_inflight(self) -> None:
+        step = self._inflight
+        if step is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as exc:  # noqa: BLE001
+            self._inflight = None
+            self._after_failure(step)
+            raise self._save_error(step, exc) from exc
+        self._inflight = None
+        check = self.check(step, Verify.QUICK)
+        if check.status is not StepStatus.OK:
+            self._after_failure(step)
+            raise CheckpointError(f"saving step {step} to {self.directory} did not commit: {check.status.value} "
+                                  f"({check.reason}); steps {self._good_steps()} are intact")
+        self._session_steps.add(step)
+        self._apply_retention()
+
+    def _after_failure(self, step: int) -> None:
+        self._clean_tmp(f"after the failed save of step {step}", step=step)
+        self._manager.reload()
+
+    def _save_error(self, step: int, exc: BaseException) -> CheckpointError:
+        good = self._good_steps()
+        tail = (f"the temporary folder was removed; steps {good} are intact and the next due step tries again"
+                if good else "the temporary folder was removed; no earlier checkpoint exists")
+        if _is_disk_full(exc):
+            free = fmt_bytes(_free_bytes(self.directory))
+            return CheckpointError(
+                f"saving step {step} to {self.directory} failed: the disk is full ({free} free after cleaning). "
+                f"Free space, lower keep_last (now {self.keep_last}) or move the run folder; {tail}")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return CheckpointError(f"saving step {step} to {self.directory} failed: {type(exc).__name__}: {first}; {tail}")
+
+    def _good_steps(self) -> List[int]:
+        return [s for s in integrity.step_dirs(self.directory) if self.check(s, Verify.QUICK).status.usable]
+
+    def _apply_retention(self) -> None:
+        """Keep the newest ``keep_last`` good steps and every multiple of ``keep_every``; delete older
+        steps (good or not). Steps newer than the newest good one are left for :meth:`maybe_save`."""
+        if not self._primary:
+            return
+        dirs = integrity.step_dirs(self.directory)
+        good = [s for s in dirs if self.check(s, Verify.QUICK).status.usable]
+        if not good:
+            return
+        keep = set(good[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in good if s % self.keep_every == 0}
+        doomed = [s for s in dirs if s not in keep and s < good[-1]]
+        for s in doomed:
+            integrity.remove_tree(dirs[s])
+            self._verified.pop(s, None)
+        if doomed:
+            log.info("retention removed checkpoint steps %s from %s", doomed, self.directory)
+            self._manager.reload()
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def check(self, step: int, verify: Verify = Verify.FULL) -> StepCheck:
+        """Integrity of one committed step (full checks are cached while the files are unchanged)."""
+        step_dir = self.directory / str(int(step))
+        if verify is Verify.QUICK:
+            return integrity.check_step(step_dir, step, Verify.QUICK)
+        key = integrity.stat_key(step_dir) if step_dir.is_dir() else None
+        cached = self._verified.get(step)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        result = integrity.check_step(step_dir, step, Verify.FULL)
+        self._verified[step] = (key, result)
+        return result
+
+    def all_steps(self) -> List[int]:
+        """Every committed step folder, oldest first, whatever its integrity (see :meth:`check`)."""
+        return list(integrity.step_dirs(self.directory))
+
+    def latest_valid_step(self) -> Optional[int]:
+        """The newest step that passes the full checksum check; each newer step that fails is skipped
+        with a :class:`CheckpointWarning` naming the reason. ``None`` when there is none."""
+        for step in reversed(self.all_steps()):
+            check = self.check(step)
+            if check.status.usable:
+                return step
+            _warn(f"skipping checkpoint step {step} in {self.directory}: {check.status.value}: {check.reason}")
+        return None
+
+    def restore(self, plan, step: Optional[int] = None, *, allow_cast: bool = False) -> Restored:
+        """Restore onto ``plan``'s shardings (another recipe, mesh or device count reshards on load).
+
+        ``step=None`` takes :meth:`latest_valid_step`. Every leaf, scalars included, comes back with
+        the plan's ``NamedSharding``. Raises :class:`CheckpointError` when no valid step exists, when
+        the requested step fails its check, or listing every path whose tree position, shape or dtype
+        differs (dtypes are cast only with ``allow_cast=True``). Example::
+
+            r = ckpt.restore(plan)                 # Restored(step, state, data_state, metadata)
+        """
+        from meshtrain.train.state import abstract_train_state
+
+        self._ensure_open()
+        self.wait()
+        if step is None:
+            step = self.latest_valid_step()
+            if step is None:
+                found = ", ".join(f"{s}: {self.check(s).status.value}" for s in self.all_steps()) or "no step folders"
+                raise CheckpointError(f"no valid checkpoint to restore in {self.directory} ({found}); start "
+                                      f"without resuming or point to another run folder")
+        else:
+            step = int(step)
+            check = self.check(step)
+            if not check.status.usable:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
+                                      f"{check.status.value}: {check.reason or 'no such step'}; steps: "
+                                      f"{self.all_steps()}; pass step=None for the latest valid one")
+            newer = [s for s in self.all_steps() if s > step]
+            if newer:
+                _warn(f"restoring step {step} while newer steps {newer} exist in {self.directory}; saving "
+                      f"one of those steps again will fail while the good one is there")
+        meta = read_meta(self.directory / str(step))
+        target = abstract_train_state(plan)
+        problems = mismatches(meta["tree"], target, allow_cast=allow_cast)
+        if problems:
+            raise mismatch_error(step, self.directory, problems, meta.get("user", {}))
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(to_nested(target)),
+                                  data_state=ocp.args.JsonRestore())
+        try:
+            out = self._manager.restore(step, args=args)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"restoring step {step} from {self.directory} failed: {type(exc).__name__}: "
+                                  f"{str(exc).strip()[:500]}") from exc
+        state = _onto_target(from_nested(out["state"], target), target)
+        return Restored(step, state, dict(out["data_state"] or {}), meta.get("user", {}), meta["tree"])
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step whose async save is still being written, or ``None``."""
+        return self._inflight
+
+    def wait(self) -> None:
+        """Block until the pending async save is committed and verified; raises its error if it failed."""
+        self._ensure_open()
+        self._wait_inflight()
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error), then release Orbax's threads. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._wait_inflight()
+        finally:
+            self._closed = True
+            try:
+                self._manager.close()
+            except Exception as exc:  # noqa: BLE001 - the save error, if any, was raised above
+                log.debug("orbax close: %s", exc)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the Checkpointer for {self.directory} is closed; create a new one")
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
+                f"keep_every={self.keep_every}, async_save={self.async_save})")
+
+
+def _onto_target(state, target):
+    """Put any leaf whose sharding differs from the target's onto the target's NamedSharding."""
+    def fix(x, t):
+        if isinstance(x.sharding, NamedSharding) and x.sharding == t.sharding:
+            return x
+        return jax.device_put(x, t.sharding)
+    return jax.tree.map(fix, state, target)

@@ -1,0 +1,90 @@
+"""Result and status types of :mod:`meshtrain.checkpoint` (no JAX or Orbax imports here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Dict, Optional
+
+from meshtrain.errors import MeshtrainError
+
+
+class CheckpointError(MeshtrainError):
+    """A checkpoint cannot be written or restored; the message names the step, the folder and what to
+    change (free disk space, the mismatching paths/shapes/dtypes, a different step)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint step was skipped (corrupt, incomplete, empty, unverified) or a folder was cleaned.
+
+    Filter or assert it like any warning: ``pytest.warns(CheckpointWarning, match="step 20")``."""
+
+
+class StepStatus(str, enum.Enum):
+    """Integrity of one step folder, from :func:`meshtrain.checkpoint.integrity.check_step`.
+
+    ``ok``: committed, every file in the manifest matches its size (and checksum when verified).
+    ``unverified``: committed but without a manifest (written by plain Orbax, or the manifest was
+    removed); never restored automatically. ``incomplete``: files listed in the manifest are missing.
+    ``corrupt``: a size or checksum differs, or the manifest itself is unreadable. ``empty``: the
+    folder has no files. ``in_progress``: a save to this step is still being written by this process.
+    """
+
+    OK = "ok"
+    UNVERIFIED = "unverified"
+    INCOMPLETE = "incomplete"
+    CORRUPT = "corrupt"
+    EMPTY = "empty"
+    IN_PROGRESS = "in_progress"
+
+    @property
+    def usable(self) -> bool:
+        return self is StepStatus.OK
+
+
+class Verify(str, enum.Enum):
+    """How deeply a step is checked: ``full`` re-reads every file and compares SHA-256 checksums
+    (what restore uses); ``quick`` compares only file presence and sizes (retention, ``ckpt list --quick``)."""
+
+    FULL = "full"
+    QUICK = "quick"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCheck:
+    """The integrity verdict for one step: ``status``, a human ``reason`` ("" when ok), bytes on disk."""
+
+    step: int
+    status: StepStatus
+    reason: str = ""
+    bytes: int = 0
+    files: int = 0
+    verify: Verify = Verify.FULL
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "status": self.status.value, "reason": self.reason, "bytes": self.bytes,
+                "files": self.files, "verify": self.verify.value}
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    """What :meth:`Checkpointer.maybe_save` did: ``saved`` (a save was started, or finished when
+    synchronous), ``blocking_s`` (seconds the caller was blocked: the training stall), ``step``.
+    ``note`` says why nothing was saved when that was not simply the interval (e.g. already saved)."""
+
+    saved: bool
+    blocking_s: float
+    step: int
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore` returns: the ``step`` restored, the ``state`` on the plan's
+    shardings, the data iterator's ``data_state`` and the ``metadata`` dict given at save time."""
+
+    step: int
+    state: Any
+    data_state: Dict[str, Any]
+    metadata: Dict[str, Any]
+    saved_tree: Optional[Dict[str, Any]] = dataclasses.field(default=None, repr=False)
