@@ -111,22 +111,24 @@ def _shape(s) -> str:
 
 
 def mismatches(saved: Dict[str, Dict[str, Any]], target, *, allow_cast: bool) -> List[str]:
-    """Every difference between a saved tree description and a restore target, one line per path."""
+    """Every difference between a saved tree description and a restore target, one line per path,
+    in the target's tree order (``step``, ``params``, ``opt_state``, ...), then saved-only paths."""
     problems = []
     want = dict(flat_paths(target))
-    for path in want.keys() - saved.keys():
-        problems.append(f"missing in checkpoint: {path} (the plan has shape {_shape(want[path].shape)} "
-                        f"{np.dtype(want[path].dtype).name})")
-    for path in saved.keys() - want.keys():
-        problems.append(f"not in the plan: {path} (saved {_shape(saved[path]['shape'])} {saved[path]['dtype']})")
-    for path in sorted(want.keys() & saved.keys()):
-        s, t = saved[path], want[path]
-        if tuple(s["shape"]) != tuple(t.shape):
+    for path, t in want.items():
+        s = saved.get(path)
+        if s is None:
+            problems.append(f"missing in checkpoint: {path} (the plan has shape {_shape(t.shape)} "
+                            f"{np.dtype(t.dtype).name})")
+        elif tuple(s["shape"]) != tuple(t.shape):
             problems.append(f"shape: {path} saved {_shape(s['shape'])}, the plan has {_shape(t.shape)}")
         elif s["dtype"] != np.dtype(t.dtype).name and not allow_cast:
             problems.append(f"dtype: {path} saved {s['dtype']}, the plan has {np.dtype(t.dtype).name} "
                             f"(pass allow_cast=True to cast)")
-    return sorted(problems, key=lambda line: (line.split(":")[0], line))
+    for path in saved:
+        if path not in want:
+            problems.append(f"not in the plan: {path} (saved {_shape(saved[path]['shape'])} {saved[path]['dtype']})")
+    return problems
 
 
 def mismatch_error(step: int, directory, problems: List[str], metadata: Dict[str, Any]) -> CheckpointError:
@@ -137,8 +139,10 @@ def mismatch_error(step: int, directory, problems: List[str], metadata: Dict[str
     if isinstance(recipe, dict) and "name" in recipe:
         saved_with += (", " if saved_with else "") + f"recipe={recipe['name']!r}"
     hint = (f"; it was saved with {saved_with}" if saved_with else "")
+    if all(p.startswith("dtype:") for p in problems):
+        fix = f"use the recipe's param_dtype of the checkpoint{hint}, or pass allow_cast=True to cast on load"
+    else:
+        fix = f"build the plan from the same model and optimizer as the checkpoint{hint}, or start a new run folder"
     return CheckpointError(
         f"checkpoint step {step} in {directory} does not match the restore target ({len(problems)} "
-        f"difference(s)):\n  " + "\n  ".join(shown) + more +
-        f"\nbuild the plan from the same model and optimizer as the checkpoint{hint}, "
-        f"or restore into a new run folder")
+        f"difference(s)):\n  " + "\n  ".join(shown) + more + "\n" + fix)

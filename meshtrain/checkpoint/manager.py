@@ -380,8 +380,13 @@ class Checkpointer:
 
     @property
     def pending_step(self) -> Optional[int]:
-        """The step whose async save is still being written, or ``None``."""
+        """The step whose async save was started and not yet collected, or ``None``."""
         return self._inflight
+
+    @property
+    def busy(self) -> bool:
+        """True while a background save is still writing (the next due save would wait for it)."""
+        return self._inflight is not None and self._manager.is_saving_in_progress()
 
     def wait(self) -> None:
         """Block until the pending async save is committed and verified; raises its error if it failed."""

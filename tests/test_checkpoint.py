@@ -1,0 +1,224 @@
+"""Checkpointer API: save/restore round trip, async saves with donation, interval and retention,
+mismatch errors, JSON validation, re-saving steps, the ``meshtrain ckpt`` command."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import TINY_BATCH, TINY_SEQ, mesh_for, put, tiny_abstract, token_batch
+from jax.sharding import NamedSharding
+
+import meshtrain as mt
+from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Restored, SaveResult,
+                                  StepStatus, inspect_checkpoint)
+
+
+def host(state):
+    """A host copy that survives buffer donation by later steps."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), state)
+
+
+def assert_bit_exact(expected_host, state):
+    exp, got = jax.tree_util.tree_flatten_with_path(expected_host)[0], jax.tree.leaves(state)
+    assert len(exp) == len(got)
+    for (path, e), g in zip(exp, got):
+        g = np.asarray(g)
+        assert e.dtype == g.dtype and e.shape == g.shape, jax.tree_util.keystr(path)
+        assert np.array_equal(e.reshape(-1).view(np.uint8), g.reshape(-1).view(np.uint8)), f"{jax.tree_util.keystr(path)} differs"
+
+
+def assert_on_mesh(state, plan):
+    want = mt.state_shardings(plan)
+    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
+        assert isinstance(x.sharding, NamedSharding), jax.tree_util.keystr(path)
+        assert x.sharding.mesh == plan.mesh and x.sharding == s, jax.tree_util.keystr(path)
+
+
+@pytest.fixture(scope="module")
+def run():
+    """A tiny fsdp plan on 8 devices, its step function and host copies of the states after steps 1..4."""
+    recipe, mesh = mesh_for("fsdp", 8)
+    plan = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(TINY_BATCH, TINY_SEQ))
+    step_fn = mt.make_train_step(plan)
+    state = mt.init_state(plan, seed=0)
+    states = {}
+    for i in range(1, 5):
+        state, _ = step_fn(state, put(token_batch(i - 1), plan))
+        states[i] = host(state)
+    return plan, step_fn, states
+
+
+def device(plan, host_state):
+    return jax.device_put(host_state, mt.state_shardings(plan))
+
+
+META = {"recipe": {"name": "fsdp"}, "model": "tiny", "seed": 0}
+
+
+def test_async_save_survives_donation_and_restores_bit_exact(run, tmp_path):
+    plan, step_fn, states = run
+    state = device(plan, states[2])
+    with Checkpointer(tmp_path / "checkpoints", save_every=2) as ckpt:
+        res = ckpt.maybe_save(2, state, data_state={"index": 2 * TINY_BATCH}, metadata=META)
+        assert isinstance(res, SaveResult) and res.saved and res.step == 2 and res.blocking_s >= 0
+        # the next steps donate the saved buffers while the background write may still run
+        for i in (2, 3):
+            state, _ = step_fn(state, put(token_batch(i), plan))
+        assert not ckpt.maybe_save(3, state, data_state={}, metadata=META).saved
+        ckpt.wait()
+        assert ckpt.all_steps() == [2] and ckpt.latest_valid_step() == 2
+        r = ckpt.restore(plan)
+    assert isinstance(r, Restored) and r.step == 2
+    assert r.data_state == {"index": 2 * TINY_BATCH} and r.metadata == META
+    assert_bit_exact(states[2], r.state)
+    assert_on_mesh(r.state, plan)
+    assert r.state.step.sharding.spec == jax.sharding.PartitionSpec() and int(r.state.step) == 2
+
+
+def test_sync_save_commits_before_returning(run, tmp_path):
+    plan, _, states = run
+    ckpt = Checkpointer(tmp_path, save_every=1, async_save=False)
+    assert ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={}).saved
+    assert ckpt.pending_step is None and ckpt.check(1).status is StepStatus.OK
+    ckpt.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        ckpt.maybe_save(2, device(plan, states[2]), data_state={}, metadata={})
+
+
+def test_interval_and_retention_keep_last_plus_every_kth(run, tmp_path):
+    plan, _, states = run
+    state = device(plan, states[1])
+    ckpt = Checkpointer(tmp_path, save_every=2, keep_last=2, keep_every=4)
+    saved = [s for s in range(1, 13) if ckpt.maybe_save(s, state, data_state={"s": s}, metadata={}).saved]
+    ckpt.wait()
+    assert saved == [2, 4, 6, 8, 10, 12]
+    assert ckpt.all_steps() == [4, 8, 10, 12]        # last 2 plus the multiples of 4
+    forced = ckpt.maybe_save(13, state, data_state={"s": 13}, metadata={}, force=True)
+    again = ckpt.maybe_save(13, state, data_state={"s": 13}, metadata={}, force=True)
+    ckpt.close()
+    assert forced.saved and not again.saved and "already saved" in again.note
+    assert Checkpointer(tmp_path, save_every=2, keep_last=2, keep_every=4).all_steps() == [4, 8, 12, 13]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(save_every=0), "save_every=0"), (dict(save_every=1, keep_last=0), "keep_last=0"),
+    (dict(save_every=1, keep_every=0), "keep_every=0")])
+def test_bad_settings(tmp_path, kwargs, match):
+    with pytest.raises(CheckpointError, match=match):
+        Checkpointer(tmp_path, **kwargs)
+
+
+def test_metadata_must_be_json(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path, save_every=1) as ckpt:
+        with pytest.raises(CheckpointError, match=r"metadata\['seed'\] is a int64"):
+            ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={"seed": np.int64(3)})
+        assert ckpt.all_steps() == []
+
+
+def test_shape_and_tree_mismatch_lists_paths(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata=META)
+        other = mt.make_plan(tiny_abstract(d_ff=96), plan.recipe, plan.mesh)
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore(other)
+        text = str(err.value)
+        assert "shape: params/blocks/mlp/up_df saved (2, 64, 128), the plan has (2, 64, 96)" in text
+        assert "opt_state/0/mu/blocks/mlp/down_fd" in text and "model='tiny'" in text
+        sgd = mt.make_plan(tiny_abstract(tx=optax.sgd(0.1)), plan.recipe, plan.mesh)
+        with pytest.raises(CheckpointError, match="not in the plan: opt_state/0/mu/embedding_vd"):
+            ckpt.restore(sgd)
+
+
+def test_dtype_mismatch_needs_allow_cast(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
+        bf16 = mt.make_plan(tiny_abstract(), plan.recipe.with_options(param_dtype="bfloat16"), plan.mesh)
+        with pytest.raises(CheckpointError, match=r"dtype: params/embedding_vd saved float32, the plan has "
+                                                  r"bfloat16 \(pass allow_cast=True"):
+            ckpt.restore(bf16)
+        r = ckpt.restore(bf16, allow_cast=True)
+    assert r.state.params["embedding_vd"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(r.state.params["embedding_vd"]),
+                                  states[1].params["embedding_vd"].astype(jnp.bfloat16))
+    assert_on_mesh(r.state, bf16)
+
+
+def test_resaving_a_step(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
+        ckpt.maybe_save(2, device(plan, states[2]), data_state={}, metadata={})
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        with pytest.raises(CheckpointError, match="step 2 already exists .* does not overwrite"):
+            ckpt.maybe_save(2, device(plan, states[3]), data_state={}, metadata={})
+        with pytest.warns(CheckpointWarning, match="restoring step 1 while newer steps"):
+            ckpt.restore(plan, step=1)
+    (tmp_path / "2" / "meta" / "metadata").write_text("{}")   # a damaged step is replaced
+    with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
+        with pytest.warns(CheckpointWarning, match="step 2 .* is corrupt .* removing it"):
+            assert ckpt.maybe_save(2, device(plan, states[3]), data_state={}, metadata={}).saved
+        assert_bit_exact(states[3], ckpt.restore(plan).state)
+
+
+def test_restore_without_checkpoints_and_bad_step(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path / "ck", save_every=1) as ckpt:
+        assert ckpt.latest_valid_step() is None
+        with pytest.raises(CheckpointError, match="no valid checkpoint to restore"):
+            ckpt.restore(plan)
+        ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
+        with pytest.raises(CheckpointError, match="step 7 .* cannot be restored"):
+            ckpt.restore(plan, step=7)
+
+
+def test_cli_list_and_inspect(run, tmp_path, capsys):
+    from meshtrain.cli import main
+
+    plan, _, states = run
+    with Checkpointer(tmp_path / "checkpoints", save_every=1) as ckpt:
+        for s in (1, 2):
+            ckpt.maybe_save(s, device(plan, states[s]), data_state={"index": s},
+                            metadata={"recipe": plan.recipe.to_dict(), "model": "tiny", "seed": 0})
+    (tmp_path / "checkpoints" / "3").mkdir()
+    assert main(["ckpt", "list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "latest valid step: 2" in out and "empty folder" in out and "fsdp" in out
+    assert main(["ckpt", "inspect", str(tmp_path / "checkpoints"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step"] == 2 and info["integrity"]["status"] == "ok" and info["data_state"] == {"index": 2}
+    assert info["recipe"]["name"] == "fsdp" and info["model"] == "tiny"
+    row = next(r for r in info["tree"] if r["path"] == "params/embedding_vd")
+    assert row["shape"] == [256, 64] and row["dtype"] == "float32" and row["bytes"] == 256 * 64 * 4
+    assert row["sharding"] == {"spec": [None, "fsdp"], "mesh": {"fsdp": 8}}
+    assert main(["ckpt", "inspect", str(tmp_path), "--step", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1: ok" in out and "params/embedding_vd" in out and "P(None, 'fsdp') on fsdp=8" in out
+    assert main(["ckpt", "inspect", str(tmp_path), "--step", "3"]) == 1   # the empty folder
+    capsys.readouterr()
+    for argv in (["ckpt", "inspect", str(tmp_path / "nope")], ["ckpt", "list", str(tmp_path / "checkpoints" / "1" / "meta" / "metadata")],
+                 ["ckpt", "inspect", str(tmp_path), "--step", "9"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_inspect_function_matches_saved_layout(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path, save_every=1) as ckpt:
+        ckpt.maybe_save(4, device(plan, states[4]), data_state={}, metadata=META)
+    info = inspect_checkpoint(tmp_path)
+    assert info["step"] == 4 and info["seed"] == 0
+    assert info["state_bytes"] == sum(x.nbytes for x in jax.tree.leaves(states[4]))
+    assert {r["path"] for r in info["tree"]} >= {"step", "opt_state/0/count", "params/lm_head_dv"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # a clean folder raises no warning
+        assert Checkpointer(tmp_path, save_every=1).latest_valid_step() == 4
