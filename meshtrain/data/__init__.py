@@ -1,0 +1,19 @@
+"""Data: token sources (byte-level text, the embedded default corpus, pre-tokenized files), packing
+into fixed-length sequences with document boundaries, and a deterministic, resumable, per-process
+batch iterator.
+
+Example::
+
+    source = load_source(None)                      # the Python standard library's own source
+    train, val = source.split(0.01)
+    it = BatchIterator(train, batch_size=16, seq_len=128, seed=0, shardings=plan.batch_shardings)
+    batch = next(it)                                # dict of global jax.Arrays, laid out by the plan
+    it.state()                                      # {"samples_seen": 16, ...}: JSON, for checkpoints
+"""
+
+from meshtrain.data.loader import BatchIterator
+from meshtrain.data.packing import pack_window, num_sequences
+from meshtrain.data.sources import TokenSource, default_corpus, load_source, text_source, token_file_source
+
+__all__ = ["BatchIterator", "TokenSource", "default_corpus", "load_source", "num_sequences", "pack_window",
+           "text_source", "token_file_source"]

@@ -1,0 +1,157 @@
+"""Token sources: one flat token stream plus the offsets where documents start.
+
+* :func:`default_corpus`: the Python standard library's own ``.py`` files (present wherever Python
+  is; no download), byte-level (vocabulary 256), tests and vendored packages left out.
+* :func:`text_source`: byte-level tokens of any text files or folders.
+* :func:`token_file_source`: pre-tokenized ids in a ``.npy`` (uint16/uint32) or raw ``.bin`` file,
+  memory-mapped, for users with their own tokenizer; documents split at ``eos_id`` if given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import os
+import sysconfig
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from meshtrain.errors import ConfigError
+
+BYTE_VOCAB = 256
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenSource:
+    """A token stream (``tokens``, 1-D) and sorted document start offsets (``doc_starts``, first 0).
+
+    ``vocab_size`` is an upper bound on token ids (256 for bytes; for token files, the model's).
+    ``fingerprint`` identifies the data in checkpoints (a resumed run must read the same data).
+    """
+
+    name: str
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+    vocab_size: Optional[int]
+    fingerprint: str
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.doc_starts.shape[0])
+
+    def split(self, val_fraction: float) -> Tuple["TokenSource", "TokenSource"]:
+        """(train, validation), cut at the document boundary nearest ``1 - val_fraction`` of the tokens."""
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"validation fraction {val_fraction} must be between 0 and 1")
+        target = int(len(self) * (1.0 - val_fraction))
+        i = int(np.searchsorted(self.doc_starts, target))
+        if i <= 0 or i >= self.num_docs:  # one document: cut inside it
+            cut = target
+            train_docs, val_docs = self.doc_starts[self.doc_starts < cut], np.array([0])
+        else:
+            cut = int(self.doc_starts[i])
+            train_docs, val_docs = self.doc_starts[:i], self.doc_starts[i:] - cut
+        return (TokenSource(self.name + ":train", self.tokens[:cut], train_docs, self.vocab_size,
+                            self.fingerprint + ":train"),
+                TokenSource(self.name + ":val", self.tokens[cut:], val_docs, self.vocab_size,
+                            self.fingerprint + ":val"))
+
+
+def _from_docs(name: str, docs: Iterable[bytes], fingerprint: str) -> TokenSource:
+    chunks, starts, offset = [], [], 0
+    for doc in docs:
+        if not doc:
+            continue
+        starts.append(offset)
+        chunks.append(np.frombuffer(doc, np.uint8))
+        offset += len(doc)
+    if not chunks:
+        raise ConfigError(f"data {name!r} is empty: no non-empty files found")
+    return TokenSource(name, np.concatenate(chunks).astype(np.uint16), np.array(starts, np.int64), BYTE_VOCAB,
+                       fingerprint)
+
+
+def _files_under(paths: Sequence[str], pattern: str = "*") -> List[str]:
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = glob.glob(os.path.join(path, "**", pattern), recursive=True)
+            files += sorted(f for f in found if os.path.isfile(f) and not (
+                set(os.path.relpath(f, path).split(os.sep)[:-1]) & _SKIP_DIRS))
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise ConfigError(f"data path {path!r} does not exist; pass a text file, a folder, or a .npy/.bin "
+                              f"token file (or nothing for the embedded corpus)")
+    return files
+
+
+def text_source(paths: "str | Sequence[str]", *, pattern: str = "*", name: Optional[str] = None) -> TokenSource:
+    """Byte-level tokens of text files; each file is one document. Folders are read recursively."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    files = _files_under(paths, pattern)
+    if not files:
+        raise ConfigError(f"data path {', '.join(paths)} holds no files matching {pattern!r}")
+    digest = hashlib.sha256()
+    docs = []
+    for f in files:
+        with open(f, "rb") as fh:
+            data = fh.read()
+        digest.update(os.path.basename(f).encode() + len(data).to_bytes(8, "little"))
+        docs.append(data)
+    return _from_docs(name or ",".join(paths), docs, "text:" + digest.hexdigest()[:16])
+
+
+def default_corpus(max_bytes: int = 16 << 20) -> TokenSource:
+    """The embedded default corpus: this Python's standard library ``.py`` sources (~11 MB on 3.11),
+    sorted by path, without tests and vendored packages, capped at ``max_bytes``."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = _files_under([stdlib], "*.py")
+    picked, total = [], 0
+    for f in files:
+        size = os.path.getsize(f)
+        if total + size > max_bytes:
+            break
+        picked.append(f)
+        total += size
+    source = text_source(picked, name=f"python-stdlib ({len(picked)} files)")
+    return dataclasses.replace(source, fingerprint="stdlib:" + source.fingerprint)
+
+
+def token_file_source(path: str, *, dtype: Optional[str] = None, eos_id: Optional[int] = None,
+                      vocab_size: Optional[int] = None) -> TokenSource:
+    """Memory-mapped pre-tokenized ids: ``.npy`` (dtype inside) or raw ``.bin`` (``dtype``, default
+    uint16). Documents end at ``eos_id`` when given (the eos token stays with its document)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"token file {path!r} does not exist")
+    if path.endswith(".npy"):
+        tokens = np.load(path, mmap_mode="r")
+    else:
+        tokens = np.memmap(path, dtype=np.dtype(dtype or "uint16"), mode="r")
+    if tokens.ndim != 1 or tokens.dtype not in (np.uint16, np.uint32, np.int32):
+        raise ConfigError(f"token file {path!r} holds {tokens.dtype} of shape {tokens.shape}; expected a 1-D "
+                          f"uint16/uint32 array")
+    if tokens.shape[0] < 2:
+        raise ConfigError(f"token file {path!r} is empty (fewer than 2 tokens)")
+    starts = np.array([0], np.int64)
+    if eos_id is not None:
+        ends = np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+        starts = np.concatenate([starts, ends[ends < tokens.shape[0]]]).astype(np.int64)
+    stat = os.stat(path)
+    return TokenSource(os.path.basename(path), tokens, starts, vocab_size,
+                       f"tokens:{os.path.basename(path)}:{stat.st_size}")
+
+
+def load_source(path: Optional[str] = None, **kwargs) -> TokenSource:
+    """``None`` → the default corpus; ``.npy`` / ``.bin`` → token file; anything else → text."""
+    if path is None:
+        return default_corpus()
+    if path.endswith((".npy", ".bin")):
+        return token_file_source(path, **kwargs)
+    return text_source(path)

@@ -1,0 +1,121 @@
+"""`TrainConfig`: every knob of a run, frozen; and the default optimizer built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Dict, Optional
+
+import optax
+
+from meshtrain.axes import LogicalAxes
+from meshtrain.errors import ConfigError
+from meshtrain.train.step import NonFinite
+
+
+class Resume(str, enum.Enum):
+    """``no``: start fresh (the run folder must not hold checkpoints); ``latest``: continue from the
+    newest valid checkpoint in the run folder (start fresh if there is none)."""
+
+    NO = "no"
+    LATEST = "latest"
+
+
+class Progress(str, enum.Enum):
+    """``auto``: a live bar on a terminal, plain lines otherwise; ``bar``; ``lines``; ``none``."""
+
+    AUTO = "auto"
+    BAR = "bar"
+    LINES = "lines"
+    NONE = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run. Every field has a default: ``TrainConfig()`` is the CLI's main job.
+
+    Model and layout: ``model`` (a config name; ignored when the Trainer gets a factory), ``recipe``
+    (name or YAML file), ``mesh`` (overrides, ``"fsdp=4,tensor=2"``), ``devices``, ``compute_dtype``,
+    ``param_dtype``, ``remat``, ``micro_batches`` (``None`` keeps the recipe's).
+    Data: ``data`` (``None`` = the embedded corpus), ``batch_size`` (global), ``seq_len``, ``seed``,
+    ``val_fraction``. Optimizer: AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio``,
+    global-norm clipping at ``clip_norm`` (``0`` disables). Loop: ``steps``, ``eval_every`` and
+    ``eval_batches`` (``0`` disables), ``log_every``, ``nonfinite`` policy and ``max_skips`` in a row.
+    Output: ``out`` (the run folder), ``ckpt_every`` (``0`` disables), ``keep_last``, ``keep_every``,
+    ``resume``, ``progress``, ``peak_flops_per_device`` (for MFU; ``None`` = from the device kind).
+    """
+
+    model: str = "small"
+    recipe: str = "fsdp"
+    mesh: Optional[str] = None
+    devices: Optional[int] = None
+    compute_dtype: Optional[str] = None
+    param_dtype: Optional[str] = None
+    remat: Optional[str] = None
+    micro_batches: Optional[int] = None
+    data: Optional[str] = None
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    val_fraction: float = 0.01
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+    steps: int = 150
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    nonfinite: NonFinite = NonFinite.RAISE
+    max_skips: int = 5
+    out: Optional[str] = None
+    ckpt_every: int = 0
+    keep_last: int = 3
+    keep_every: Optional[int] = None
+    resume: Resume = Resume.NO
+    progress: Progress = Progress.AUTO
+    peak_flops_per_device: Optional[float] = None
+
+    def __post_init__(self):
+        for name in ("nonfinite", "resume", "progress"):
+            enum_type = {"nonfinite": NonFinite, "resume": Resume, "progress": Progress}[name]
+            try:
+                object.__setattr__(self, name, enum_type(getattr(self, name)))
+            except ValueError:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; use one of "
+                                  f"{[e.value for e in enum_type]}") from None
+        positive = {"batch_size": self.batch_size, "seq_len": self.seq_len, "steps": self.steps}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
+        for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "warmup_steps", "max_skips"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr {self.lr}: must be positive")
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                              end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes]) -> optax.GradientTransformation:
+    """AdamW (warmup + cosine) with global-norm clipping; weight decay only on matrices (parameters
+    with two or more logical axes besides ``layers``: not norms, not biases)."""
+    from meshtrain.abstract import tree_paths
+
+    def decay_mask(params):
+        return {} if not params else _mask(tree_paths(params))
+
+    def _mask(paths):
+        import jax
+
+        return jax.tree.map(lambda p: len([a for a in param_axes.get(p, ()) if a != "layers"]) >= 2, paths)
+
+    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
