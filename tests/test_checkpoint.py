@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, put, tiny_abstract, token_batch
+from helpers import TINY_BATCH, TINY_SEQ, mesh_for, tiny_abstract
 from jax.sharding import NamedSharding
 
 import meshtrain as mt
@@ -30,7 +30,8 @@ def assert_bit_exact(expected_host, state):
     for (path, e), g in zip(exp, got):
         g = np.asarray(g)
         assert e.dtype == g.dtype and e.shape == g.shape, jax.tree_util.keystr(path)
-        assert np.array_equal(e.reshape(-1).view(np.uint8), g.reshape(-1).view(np.uint8)), f"{jax.tree_util.keystr(path)} differs"
+        same = np.array_equal(e.reshape(-1).view(np.uint8), g.reshape(-1).view(np.uint8))
+        assert same, f"{jax.tree_util.keystr(path)} differs"
 
 
 def assert_on_mesh(state, plan):
@@ -40,18 +41,27 @@ def assert_on_mesh(state, plan):
         assert x.sharding.mesh == plan.mesh and x.sharding == s, jax.tree_util.keystr(path)
 
 
+def random_state(plan, step: int):
+    """A host TrainState shaped like the plan's with distinct random values (no compile needed)."""
+    rng = np.random.default_rng(step)
+    target = mt.abstract_train_state(plan)
+
+    def leaf(x):
+        if np.issubdtype(x.dtype, np.floating):
+            return rng.standard_normal(x.shape).astype(x.dtype)
+        return np.full(x.shape, step, x.dtype)
+    return jax.tree.map(leaf, target)
+
+
 @pytest.fixture(scope="module")
 def run():
-    """A tiny fsdp plan on 8 devices, its step function and host copies of the states after steps 1..4."""
+    """A tiny fsdp plan on 8 devices, a donating update step, and host states for steps 1..4."""
     recipe, mesh = mesh_for("fsdp", 8)
     plan = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(TINY_BATCH, TINY_SEQ))
-    step_fn = mt.make_train_step(plan)
-    state = mt.init_state(plan, seed=0)
-    states = {}
-    for i in range(1, 5):
-        state, _ = step_fn(state, put(token_batch(i - 1), plan))
-        states[i] = host(state)
-    return plan, step_fn, states
+    shardings = mt.state_shardings(plan)
+    update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), in_shardings=(shardings,),
+                     out_shardings=shardings, donate_argnums=0)
+    return plan, update, {s: random_state(plan, s) for s in range(1, 5)}
 
 
 def device(plan, host_state):
@@ -62,14 +72,16 @@ META = {"recipe": {"name": "fsdp"}, "model": "tiny", "seed": 0}
 
 
 def test_async_save_survives_donation_and_restores_bit_exact(run, tmp_path):
-    plan, step_fn, states = run
+    plan, update, states = run
     state = device(plan, states[2])
     with Checkpointer(tmp_path / "checkpoints", save_every=2) as ckpt:
         res = ckpt.maybe_save(2, state, data_state={"index": 2 * TINY_BATCH}, metadata=META)
         assert isinstance(res, SaveResult) and res.saved and res.step == 2 and res.blocking_s >= 0
         # the next steps donate the saved buffers while the background write may still run
-        for i in (2, 3):
-            state, _ = step_fn(state, put(token_batch(i), plan))
+        saved_buffers = jax.tree.leaves(state)
+        for _ in range(2):
+            state = update(state)
+        assert all(x.is_deleted() for x in saved_buffers)
         assert not ckpt.maybe_save(3, state, data_state={}, metadata=META).saved
         ckpt.wait()
         assert ckpt.all_steps() == [2] and ckpt.latest_valid_step() == 2
@@ -79,6 +91,7 @@ def test_async_save_survives_donation_and_restores_bit_exact(run, tmp_path):
     assert_bit_exact(states[2], r.state)
     assert_on_mesh(r.state, plan)
     assert r.state.step.sharding.spec == jax.sharding.PartitionSpec() and int(r.state.step) == 2
+    assert int(state.step) == 4      # the donating updates ran on the live state
 
 
 def test_sync_save_commits_before_returning(run, tmp_path):
@@ -103,7 +116,8 @@ def test_interval_and_retention_keep_last_plus_every_kth(run, tmp_path):
     again = ckpt.maybe_save(13, state, data_state={"s": 13}, metadata={}, force=True)
     ckpt.close()
     assert forced.saved and not again.saved and "already saved" in again.note
-    assert Checkpointer(tmp_path, save_every=2, keep_last=2, keep_every=4).all_steps() == [4, 8, 12, 13]
+    with Checkpointer(tmp_path, save_every=2, keep_last=2, keep_every=4) as again:
+        assert again.all_steps() == [4, 8, 12, 13]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -204,7 +218,8 @@ def test_cli_list_and_inspect(run, tmp_path, capsys):
     assert "step 1: ok" in out and "params/embedding_vd" in out and "P(None, 'fsdp') on fsdp=8" in out
     assert main(["ckpt", "inspect", str(tmp_path), "--step", "3"]) == 1   # the empty folder
     capsys.readouterr()
-    for argv in (["ckpt", "inspect", str(tmp_path / "nope")], ["ckpt", "list", str(tmp_path / "checkpoints" / "1" / "meta" / "metadata")],
+    a_file = str(tmp_path / "checkpoints" / "1" / "meta" / "metadata")
+    for argv in (["ckpt", "inspect", str(tmp_path / "nope")], ["ckpt", "list", a_file],
                  ["ckpt", "inspect", str(tmp_path), "--step", "9"]):
         assert main(argv) == 2
         err = capsys.readouterr().err
@@ -221,4 +236,5 @@ def test_inspect_function_matches_saved_layout(run, tmp_path):
     assert {r["path"] for r in info["tree"]} >= {"step", "opt_state/0/count", "params/lm_head_dv"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # a clean folder raises no warning
-        assert Checkpointer(tmp_path, save_every=1).latest_valid_step() == 4
+        with Checkpointer(tmp_path, save_every=1) as again:
+            assert again.latest_valid_step() == 4

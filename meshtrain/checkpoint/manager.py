@@ -38,8 +38,8 @@ from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Rest
 log = logging.getLogger("meshtrain.checkpoint")
 
 ITEMS = ("state", "data_state", "meta")
-#: Bytes kept free beyond the state's size before a save starts (JSON items, OCDBT indices).
-FREE_MARGIN = 1 << 20
+#: Bytes required beyond the state's size before a save starts (JSON items, OCDBT indices, manifest).
+FREE_MARGIN = 256 << 10
 
 
 def _free_bytes(path: Path) -> int:
@@ -73,7 +73,8 @@ def _json_problem(obj, where: str) -> Optional[str]:
         return None
     if obj is None or isinstance(obj, (str, bool, int, float)):
         return None
-    return f"{where} is a {type(obj).__name__} ({obj!r:.60}), which JSON cannot store; convert it (int(), float(), str())"
+    return (f"{where} is a {type(obj).__name__} ({obj!r:.60}), which JSON cannot store; "
+            f"convert it (int(), float(), str())")
 
 
 def _is_disk_full(exc: BaseException) -> bool:
