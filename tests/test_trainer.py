@@ -1,0 +1,117 @@
+"""The Trainer and `meshtrain train`: recipe parity through metrics.jsonl, outputs, the main job,
+bad input, the non-finite policy."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshtrain as mt
+from meshtrain.train import TrainConfig, Trainer, TrainingError
+from meshtrain.train.step import next_token_loss
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def losses_of(run_dir):
+    by_step = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "loss" in rec:
+                by_step[rec["step"]] = rec["loss"]
+    return np.array([by_step[s] for s in sorted(by_step)])
+
+
+def tiny_config(tmp_path, name, **kw):
+    base = dict(model="tiny", steps=20, batch_size=16, seq_len=64, eval_every=0, progress="none",
+                out=str(tmp_path / name))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_recipes_give_the_same_losses_as_one_device(tmp_path):
+    one = Trainer(tiny_config(tmp_path, "one", recipe="dp", devices=1)).run()
+    base = losses_of(one.run_dir)
+    assert len(base) == 20 and base[-1] < base[0]
+    for recipe in ("dp", "fsdp", "fsdp_tp"):
+        run = Trainer(tiny_config(tmp_path, recipe, recipe=recipe)).run()
+        got = losses_of(run.run_dir)
+        assert np.max(np.abs(got - base) / base) <= 1e-4, (recipe, got, base)
+
+
+def test_run_folder_outputs(tmp_path):
+    s = Trainer(tiny_config(tmp_path, "out", steps=6, eval_every=3, eval_batches=2)).run()
+    names = os.listdir(s.run_dir)
+    assert "metrics.jsonl" in names and "plan.json" in names
+    assert any(n.startswith("events.out.tfevents") for n in names)
+    records = [json.loads(l) for l in open(os.path.join(s.run_dir, "metrics.jsonl"))]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert {"step", "loss", "tokens_per_s", "step_time_s", "lr", "grad_norm", "data_wait_s"} <= set(steps[0])
+    assert "eval_loss" in steps[2] and "eval_loss" in steps[5]
+    assert "mfu" not in steps[0]  # CPU: no known peak, so no invented MFU
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["goodput"]["compile_s"] > 0
+    assert s.final_loss == steps[-1]["loss"]
+    with pytest.raises(mt.ConfigError, match="already holds a run"):
+        Trainer(tiny_config(tmp_path, "out", steps=2)).run()
+
+
+def test_peak_given_reports_mfu(tmp_path):
+    s = Trainer(tiny_config(tmp_path, "mfu", steps=3, peak_flops_per_device=1e12)).run()
+    rec = [json.loads(l) for l in open(os.path.join(s.run_dir, "metrics.jsonl")) if '"loss"' in l]
+    cfg = mt.models.get_config("tiny")
+    from meshtrain.train.metrics import decoder_flops_per_token
+    expected = rec[-1]["tokens_per_s"] * decoder_flops_per_token(cfg, 64) / (1e12 * 8)
+    assert rec[-1]["mfu"] == pytest.approx(expected)
+
+
+def test_nonfinite_policies(tmp_path):
+    def nan_loss(model, batch):
+        total, count = next_token_loss(model, batch)
+        return total * jnp.nan, count
+
+    with pytest.raises(TrainingError, match="non-finite loss or gradients at step 1"):
+        Trainer(tiny_config(tmp_path, "nan", steps=3), loss_fn=nan_loss).run()
+    with pytest.raises(TrainingError, match="3 non-finite steps in a row"):
+        Trainer(tiny_config(tmp_path, "skip", steps=5, nonfinite="skip", max_skips=2), loss_fn=nan_loss).run()
+    recs = [json.loads(l) for l in open(tmp_path / "skip" / "metrics.jsonl")]
+    assert recs[0]["skipped"] and recs[0]["loss"] is None
+
+
+def cli(*args, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=600)
+
+
+def test_main_job_defaults_train_and_loss_halves(tmp_path):
+    # The no-argument main job, shortened: the default model, recipe, data and devices.
+    out = cli("train", "--steps", "25", "--eval-every", "0", "--out", str(tmp_path / "main"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step     25/25" in out.stdout and "fsdp=8" in out.stdout
+    losses = losses_of(tmp_path / "main")
+    assert losses[-1] < losses[0] / 2, losses
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "gpt9"), "unknown model 'gpt9'"),
+    (("--recipe", "fsdq"), "unknown recipe 'fsdq'"),
+    (("--batch-size", "12"), "batch size 12 is not divisible by data-parallel size 8"),
+    (("--seq-len", "4096"), "--seq-len 4096 is longer than model 'tiny' supports (max_seq_len 256)"),
+    (("--data", "/nonexistent/corpus"), "data path '/nonexistent/corpus' does not exist"),
+    (("--data", "EMPTY"), "holds no files"),
+    (("--steps", "0"), "--steps 0: must be a positive integer"),
+])
+def test_train_bad_input_exits_2_without_traceback(args, message, tmp_path):
+    (tmp_path / "empty").mkdir()
+    args = tuple(str(tmp_path / "empty") if a == "EMPTY" else a for a in args)
+    out = cli("train", "--model", "tiny", "--steps", "2", "--out", str(tmp_path / "run"), *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr and "Traceback" not in out.stderr
