@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Restored, SaveResult,
-                                  StepStatus, inspect_checkpoint)
+                                  StepStatus, inspect_checkpoint, integrity)
 
 
 def host(state):
@@ -116,6 +116,7 @@ def test_interval_and_retention_keep_last_plus_every_kth(run, tmp_path):
     again = ckpt.maybe_save(13, state, data_state={"s": 13}, metadata={}, force=True)
     ckpt.close()
     assert forced.saved and not again.saved and "already saved" in again.note
+    assert not integrity.trash_dirs(tmp_path)              # retention's background deletes finished
     with Checkpointer(tmp_path, save_every=2, keep_last=2, keep_every=4) as again:
         assert again.all_steps() == [4, 8, 12, 13]
 

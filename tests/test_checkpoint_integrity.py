@@ -134,9 +134,11 @@ def test_stale_temporary_folders_are_cleaned(run, ckdir):
     stale = ckdir / "3.orbax-checkpoint-tmp"
     (stale / "state").mkdir(parents=True)
     (stale / "state" / "junk").write_bytes(b"x" * 1000)
+    half_deleted = ckdir / "0.meshtrain-deleting-123"        # retention's rename, then a crash
+    (half_deleted / "state").mkdir(parents=True)
     with pytest.warns(CheckpointWarning, match="removed temporary checkpoint folder .*3.orbax-checkpoint-tmp"):
         ckpt = Checkpointer(ckdir, save_every=1)
-    assert not stale.exists() and ckpt.latest_valid_step() == 2
+    assert not stale.exists() and not half_deleted.exists() and ckpt.latest_valid_step() == 2
     assert ckpt.maybe_save(3, device(plan, states[3]), data_state={}, metadata={}).saved
     ckpt.close()
     assert ckpt.all_steps() == [1, 2, 3] and not integrity.tmp_dirs(ckdir)

@@ -37,6 +37,8 @@ MANIFEST_FORMAT = "meshtrain-manifest/1"
 TMP_MARKER = ".orbax-checkpoint-tmp"
 _STEP_RE = re.compile(r"^(\d+)$")
 _TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+TRASH_MARKER = ".meshtrain-deleting"
+_TRASH_RE = re.compile(r"^(\d+)\.meshtrain-deleting")
 #: JSON files Orbax rewrites after the commit (step metadata gets a commit timestamp): the manifest
 #: records them, and verification checks that they exist and parse as JSON instead of their checksum.
 MUTABLE_FILES: frozenset = frozenset({"_CHECKPOINT_METADATA"})
@@ -59,6 +61,20 @@ def tmp_dirs(directory: Path) -> List[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if _TMP_RE.match(p.name))
+
+
+def trash_dirs(directory: Path) -> List[Path]:
+    """Step folders renamed for deletion by retention (left behind if the process died mid-delete)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _TRASH_RE.match(p.name))
+
+
+def move_to_trash(step_dir: Path) -> Path:
+    """Rename a step folder out of the step namespace (atomic, O(1)); delete it later, off the loop."""
+    trash = step_dir.with_name(f"{step_dir.name}{TRASH_MARKER}-{time.monotonic_ns()}")
+    os.replace(step_dir, trash)
+    return trash
 
 
 def tmp_step(path: Path) -> Optional[int]:

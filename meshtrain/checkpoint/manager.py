@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import queue
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -83,6 +85,17 @@ def _is_disk_full(exc: BaseException) -> bool:
             or "os_error_code='28'" in text)
 
 
+class _DropWaitNotice(logging.Filter):
+    """Orbax logs "Waiting for previous save to complete took N seconds" and counts our own explicit
+    waits (every synchronous save); meshtrain reports the real stall in ``SaveResult.blocking_s``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Waiting for previous save to complete" not in str(record.msg)
+
+
+logging.getLogger("absl").addFilter(_DropWaitNotice())
+
+
 def _warn(message: str) -> None:
     log.warning(message)
     warnings.warn(CheckpointWarning(message), stacklevel=3)
@@ -118,12 +131,21 @@ class Checkpointer:
         self._inflight: Optional[int] = None
         self._session_steps: set = set()
         self._verified: Dict[int, Tuple[tuple, StepCheck]] = {}
+        self._trash: "queue.SimpleQueue[Optional[List[Path]]]" = queue.SimpleQueue()
+        self._janitor: Optional[threading.Thread] = None
         self._closed = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {exc}") from exc
         self._clean_tmp("left by an earlier run that did not finish it")
+        if self._primary:
+            for p in integrity.trash_dirs(self.directory):   # retention deletes interrupted by a crash
+                integrity.remove_tree(p)
+            # one long-lived thread deletes what retention renamed: the loop never waits for a thread start
+            self._janitor = threading.Thread(target=_janitor, args=(self._trash,), name="meshtrain-ckpt-retention",
+                                             daemon=True)
+            self._janitor.start()
         self._manager = self._new_manager()
 
     # -- setup --------------------------------------------------------------------------------------
@@ -215,6 +237,8 @@ class Checkpointer:
         self._clean_tmp(f"before saving step {step} again", step=step)
         existing = integrity.step_dirs(self.directory).get(step)
         if existing is None:
+            if step in self._manager.all_steps():   # deleted by retention or by hand since Orbax listed it
+                self._manager.reload()
             return
         check = self.check(step)
         if check.status is StepStatus.OK:
@@ -295,12 +319,20 @@ class Checkpointer:
         if self.keep_every:
             keep |= {s for s in good if s % self.keep_every == 0}
         doomed = [s for s in dirs if s not in keep and s < good[-1]]
-        for s in doomed:
-            integrity.remove_tree(dirs[s])
+        if not doomed:
+            return
+        trash = []
+        for s in doomed:   # rename now (O(1), atomic), delete the files in a background thread
+            trash.append(integrity.move_to_trash(dirs[s]))
             self._verified.pop(s, None)
-        if doomed:
-            log.info("retention removed checkpoint steps %s from %s", doomed, self.directory)
-            self._manager.reload()
+        log.info("retention removes checkpoint steps %s from %s", doomed, self.directory)
+        self._trash.put(trash)
+
+    def _join_janitor(self) -> None:
+        if self._janitor is not None:
+            self._trash.put(None)
+            self._janitor.join()
+            self._janitor = None
 
     # -- reading ------------------------------------------------------------------------------------
 
@@ -402,6 +434,7 @@ class Checkpointer:
             self._wait_inflight()
         finally:
             self._closed = True
+            self._join_janitor()
             try:
                 self._manager.close()
             except Exception as exc:  # noqa: BLE001 - the save error, if any, was raised above
@@ -420,6 +453,19 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
                 f"keep_every={self.keep_every}, async_save={self.async_save})")
+
+
+def _janitor(work: "queue.SimpleQueue[Optional[List[Path]]]") -> None:
+    """Delete the folders retention renamed, until ``None`` arrives."""
+    while True:
+        paths = work.get()
+        if paths is None:
+            return
+        for p in paths:
+            try:
+                integrity.remove_tree(p)
+            except OSError as exc:  # retried by the next Checkpointer on this folder
+                log.warning("could not delete old checkpoint folder %s: %s", p, exc)
 
 
 def _onto_target(state, target):
