@@ -1,0 +1,185 @@
+"""Checkpoint benchmark: training stall per async save vs a synchronous save, and save throughput vs the
+raw write speed of the same disk, all in one run and one folder.
+
+    python tools/bench_checkpoint.py                       # ~200 MB TrainState, 8 simulated CPU devices
+    python tools/bench_checkpoint.py --dir /mnt/fast --mb 400 --json
+
+What is measured (same state, same folder, same process):
+
+* raw write: the state's byte count written with ``os.write`` in 8 MiB chunks, then ``fsync``
+  (``raw_fsync``), and the same without ``fsync`` (``raw_buffered``, page-cache speed).
+* sync save: ``Checkpointer(async_save=False).maybe_save`` wall time until the step is committed
+  with its manifest (write + SHA-256 of every file + rename); throughput = state bytes / time.
+* async save inside a training loop: ``SaveResult.blocking_s`` of each save (the stall: the loop
+  cannot run while Orbax takes the arrays' host copies and starts its writer), the same counting
+  every ``maybe_save`` call (calls between saves collect the finished save and apply retention), and
+  the loop's extra time per save compared with the same steps without saving (``loop_overhead``:
+  the writer thread competes with the step for CPU cores; the final ``wait()`` is excluded).
+
+stall ratio = median async ``blocking_s`` / median sync save time (target ≤ 5 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_DEVICES", "8")))
+
+import optax  # noqa: E402
+
+import meshtrain as mt  # noqa: E402
+from meshtrain.checkpoint import Checkpointer  # noqa: E402
+
+CHUNK = 8 << 20
+
+
+def build(mb: float, recipe_name: str):
+    """A decoder whose TrainState (params + Adam mu, nu) is about ``mb`` MB, on all devices."""
+    d_model, d_ff = 512, 2048
+    per_layer = 4 * d_model * d_model + 3 * d_model * d_ff
+    layers = max(1, round(mb * 1e6 / 12 / per_layer))        # 3 f32 copies of every parameter
+    cfg = mt.models.get_config("small", d_model=d_model, n_layers=layers, n_heads=8, n_kv_heads=8, head_dim=64,
+                               d_ff=d_ff, max_seq_len=64)
+    abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-4))
+    recipe = mt.get_recipe(recipe_name)
+    mesh = recipe.mesh.build(jax.devices())
+    probe = mt.make_plan(abstract, recipe, mesh, check=False)
+    plan = mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(probe.data_parallel_size, 64))
+    return cfg, plan
+
+
+def batch_for(plan, step):
+    import numpy as np
+
+    b, t = plan.batch.batch_size, plan.batch.seq_len
+    rng = np.random.default_rng(step)
+    toks = rng.integers(0, 256, (b, t + 1))
+    host = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "positions": np.broadcast_to(np.arange(t), (b, t)),
+            "segment_ids": np.zeros((b, t))}
+    return {k: jax.device_put(np.asarray(v, np.int32), plan.batch_shardings[k]) for k, v in host.items()}
+
+
+def raw_write(folder: Path, nbytes: int, fsync: bool) -> float:
+    """Seconds to write ``nbytes`` of incompressible data into ``folder`` (optionally fsync'ed)."""
+    block = os.urandom(CHUNK)
+    path = folder / f"raw-{'fsync' if fsync else 'buffered'}.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[:min(CHUNK, left)])
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temporary folder)")
+    ap.add_argument("--mb", type=float, default=200.0, help="approximate TrainState size in MB")
+    ap.add_argument("--recipe", default="fsdp", help="recipe whose shardings the state is saved from")
+    ap.add_argument("--repeats", type=int, default=3, help="sync saves and raw writes to take the median of")
+    ap.add_argument("--saves", type=int, default=3, help="async saves in the training loop")
+    ap.add_argument("--every", type=int, default=4, help="training steps between async saves")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+    try:
+        cfg, plan = build(args.mb, args.recipe)
+        state = mt.init_state(plan, seed=0)
+        step_fn = mt.make_train_step(plan)
+        state, _ = step_fn(state, batch_for(plan, 0))           # compile
+        jax.block_until_ready(state)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        meta = {"recipe": plan.recipe.to_dict(), "model": cfg.name, "seed": 0}
+
+        raw_fsync = statistics.median(raw_write(root, nbytes, True) for _ in range(args.repeats))
+        raw_buffered = statistics.median(raw_write(root, nbytes, False) for _ in range(args.repeats))
+
+        sync_times = []
+        with Checkpointer(root / "sync", save_every=1, keep_last=1, async_save=False) as ckpt:
+            for i in range(1, args.repeats + 1):
+                t0 = time.perf_counter()
+                ckpt.maybe_save(i, state, data_state={}, metadata=meta)
+                sync_times.append(time.perf_counter() - t0)
+        disk_bytes = sum(p.stat().st_size for p in (root / "sync").rglob("*") if p.is_file())
+
+        # training loop without saves, then the same number of steps with async saves
+        steps = args.saves * args.every
+        t0 = time.perf_counter()
+        for i in range(1, steps + 1):
+            state, m = step_fn(state, batch_for(plan, i))
+            float(m["loss"])                                    # a real loop reads its metrics
+        loop_plain = time.perf_counter() - t0
+        stalls, other_calls = [], 0.0
+        with Checkpointer(root / "async", save_every=args.every, keep_last=1) as ckpt:
+            t0 = time.perf_counter()
+            for i in range(1, steps + 1):
+                state, m = step_fn(state, batch_for(plan, i))
+                float(m["loss"])
+                res = ckpt.maybe_save(i, state, data_state={"step": i}, metadata=meta)
+                if res.saved:
+                    stalls.append(res.blocking_s)
+                else:   # calls between saves collect the finished save and apply retention
+                    other_calls += res.blocking_s
+            t_wait = time.perf_counter()
+            ckpt.wait()
+            final_wait = time.perf_counter() - t_wait
+            loop_async = time.perf_counter() - t0
+        sync_s = statistics.median(sync_times)
+        stall_s = statistics.median(stalls)
+        total_stall_per_save = (sum(stalls) + other_calls) / len(stalls)
+        out = {
+            "device": f"{len(jax.devices())} x {jax.devices()[0].platform}", "cpu_cores": os.cpu_count(),
+            "recipe": plan.recipe.name, "layers": cfg.n_layers, "params": plan.abstract.num_params,
+            "state_bytes": nbytes, "checkpoint_bytes_on_disk": disk_bytes, "folder": str(root),
+            "raw_fsync_s": raw_fsync, "raw_fsync_MBps": nbytes / raw_fsync / 1e6,
+            "raw_buffered_s": raw_buffered, "raw_buffered_MBps": nbytes / raw_buffered / 1e6,
+            "sync_save_s": sync_s, "sync_save_all_s": sync_times, "sync_save_MBps": nbytes / sync_s / 1e6,
+            "sync_vs_raw_fsync": raw_fsync / sync_s, "sync_vs_raw_buffered": raw_buffered / sync_s,
+            "async_stall_s": stall_s, "async_stall_all_s": stalls, "stall_ratio": stall_s / sync_s,
+            "async_stall_incl_other_calls_s": total_stall_per_save,
+            "stall_incl_other_calls_ratio": total_stall_per_save / sync_s, "final_wait_s": final_wait,
+            "step_s": loop_plain / steps,
+            "loop_overhead_per_save_s": (loop_async - final_wait - loop_plain) / args.saves,
+            "loop_overhead_ratio": (loop_async - final_wait - loop_plain) / args.saves / sync_s,
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        mb = lambda n: f"{n / 1e6:.1f} MB"  # noqa: E731
+        print(f"state {mb(out['state_bytes'])} ({out['params']:,} params, {out['layers']} layers, recipe "
+              f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores); on disk {mb(out['checkpoint_bytes_on_disk'])}")
+        print(f"raw write      {out['raw_fsync_s']:.3f} s  {out['raw_fsync_MBps']:.0f} MB/s (fsync)   "
+              f"{out['raw_buffered_s']:.3f} s  {out['raw_buffered_MBps']:.0f} MB/s (buffered)")
+        print(f"sync save      {out['sync_save_s']:.3f} s  {out['sync_save_MBps']:.0f} MB/s  "
+              f"= {out['sync_vs_raw_fsync']:.0%} of raw fsync speed, {out['sync_vs_raw_buffered']:.0%} of buffered")
+        print(f"async stall    {out['async_stall_s'] * 1e3:.1f} ms per save = {out['stall_ratio']:.1%} of the sync save "
+              f"(target <= 5%); all: {', '.join(f'{s * 1e3:.1f}' for s in stalls)} ms")
+        print(f"               {out['async_stall_incl_other_calls_s'] * 1e3:.1f} ms per save counting every "
+              f"maybe_save call = {out['stall_incl_other_calls_ratio']:.1%} of the sync save")
+        print(f"training loop  {out['step_s']:.3f} s/step; extra loop time per async save "
+              f"{out['loop_overhead_per_save_s']:.3f} s = {out['loop_overhead_ratio']:.0%} of the sync save "
+              f"(includes the writer thread competing for CPU)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
