@@ -122,6 +122,14 @@ class ActivationModel:
             total += nbytes * weight_fraction if t.is_weight else nbytes / t.divisor(split)
         return int(total)
 
+    def layer_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
+                               split: ActivationSplit = ActivationSplit()) -> int:
+        """Bytes one layer saves on one device (the stacked ``L``-dimension tensors, divided by ``L``)."""
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+        total = sum(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
+                    for t in self.tensors if not t.is_weight and "L" in dict(t.exponents))
+        return int(total / cfg.n_layers)
+
     def describe(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit()) -> List[dict]:
         """Rows ``{formula, dtype, count, bytes_per_device}`` for the saved non-weight tensors, largest first."""
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)

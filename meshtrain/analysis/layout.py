@@ -1,0 +1,74 @@
+"""What the analysis needs to know about a plan's layout, read from its rules and mesh sizes.
+
+Example::
+
+    lay = layout_of(plan)
+    lay.batch_split, lay.tensor, lay.sequence     # 8, 1, 1 for `dp` on 8 devices
+    lay.split()                                   # ActivationSplit for the activation model
+
+Works for plans on a ``Mesh`` and on an ``AbstractMesh`` (pod-sized planning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Tuple
+
+from meshtrain.analysis.activations import ActivationSplit
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Mesh sizes and which mesh axes split the batch, the heads (tensor) and the residual sequence."""
+
+    mesh_sizes: Tuple[Tuple[str, int], ...]
+    batch_axes: Tuple[str, ...]
+    tensor_axes: Tuple[str, ...]
+    sequence_axes: Tuple[str, ...]
+    vocab_axes: Tuple[str, ...]
+    micro_batches: int
+    param_dtype: str
+    compute_dtype: str
+    dcn_axes: Tuple[str, ...] = ()
+
+    @property
+    def sizes(self) -> Dict[str, int]:
+        return dict(self.mesh_sizes)
+
+    def size(self, axes) -> int:
+        return int(math.prod(self.sizes.get(a, 1) for a in axes))
+
+    @property
+    def num_devices(self) -> int:
+        return self.size(self.sizes)
+
+    @property
+    def batch_split(self) -> int:
+        return self.size(self.batch_axes)
+
+    @property
+    def tensor(self) -> int:
+        return self.size(self.tensor_axes)
+
+    @property
+    def sequence(self) -> int:
+        return self.size(self.sequence_axes)
+
+    def split(self) -> ActivationSplit:
+        return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches)
+
+
+def _axes(plan, logical: str) -> Tuple[str, ...]:
+    rule = plan.rules.table("activations").get(logical)
+    sizes = plan.mesh_sizes
+    return tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
+
+
+def layout_of(plan) -> Layout:
+    """The :class:`Layout` of a :class:`meshtrain.ShardingPlan`."""
+    r = plan.recipe
+    dcn = tuple(a for a, s in r.mesh.dcn if s > 1)
+    return Layout(tuple(plan.mesh_sizes.items()), _axes(plan, "batch"), _axes(plan, "heads"),
+                  _axes(plan, "residual_seq"), _axes(plan, "vocab"), r.micro_batches, r.param_dtype,
+                  r.compute_dtype, dcn)

@@ -1,0 +1,197 @@
+"""Per-device memory of a train step, by component, for any device count; and what XLA measured.
+
+Example::
+
+    est = estimate_memory(plan, cfg)          # plan from make_plan (a Mesh or an AbstractMesh)
+    est.total, est.largest(3)                 # bytes; [(Component.ACTIVATIONS, 48_945_408), ...]
+    est.verdict(get_hardware("h100").hbm_bytes)   # Fit.FITS / Fit.TIGHT / Fit.DOES_NOT_FIT
+    measured = MeasuredMemory.of(step.lower(state, batch).compile())
+    measured.peak                             # argument + output − alias + temp
+
+Components (bytes per device; ``P`` = parameter bytes per device from the plan):
+
+* parameters, optimizer state, batch: exact, summed over the plan's leaves (their shardings).
+* gradients: ``P`` (gradients take the parameters' shardings and dtype), plus an f32
+  accumulator (``4 bytes × parameter elements per device``) with ``micro_batches > 1``.
+* activations: what the backward keeps under the recipe's remat policy and compute dtype,
+  per micro-batch (:mod:`meshtrain.analysis.activations`).
+* temporaries: the working set of one layer's backward ≈ one layer's activations with nothing
+  rematerialised (its intermediates and their cotangents), plus the f32 gradient of the logits
+  ``4·b·T·V/t`` (``b`` sequences per device, ``t`` tensor-parallel size over the vocabulary).
+
+Peak = sum of the components: parameters and optimizer state are live throughout, gradients and
+the saved activations of all layers coexist at the start of the backward pass, where one layer's
+working set is added. Measured peak (``MeasuredMemory.peak``) is XLA's buffer assignment:
+arguments + outputs − aliased (donated) + temporaries. (On XLA:CPU ``peak_memory_in_bytes``
+reports only the arguments; we do not use it.)
+
+ZeRO accounting (Rajbhandari et al., 2020) for ``Ψ`` parameters with mixed-precision Adam
+(``K = 12``: f32 master weights, momentum, variance), ``N_d`` data-parallel devices::
+
+    stage 0 (DP)      (2 + 2 + K)·Ψ
+    stage 1 (P_os)    2Ψ + 2Ψ + K·Ψ/N_d
+    stage 2 (P_os+g)  2Ψ + (2 + K)·Ψ/N_d
+    stage 3 (P_os+g+p) (2 + 2 + K)·Ψ/N_d
+
+see :func:`zero_model_state`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from meshtrain.analysis.activations import saved_activations
+from meshtrain.analysis.layout import layout_of
+from meshtrain.recipes import Remat
+
+
+class Component(str, enum.Enum):
+    PARAMS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer state"
+    ACTIVATIONS = "activations"
+    TEMPORARIES = "temporaries"
+    BATCH = "batch"
+
+
+class Fit(str, enum.Enum):
+    """Verdict against a device's memory: ``fits`` (≤ 90 %), ``tight`` (90–100 %: allocator
+    fragmentation and runtime buffers may tip it over), ``does not fit`` (> 100 %)."""
+
+    FITS = "fits"
+    TIGHT = "tight"
+    DOES_NOT_FIT = "does not fit"
+
+
+TIGHT_FRACTION = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes per device by component, each with the formula that produced it."""
+
+    components: Tuple[Tuple[Component, int], ...]
+    formulas: Tuple[Tuple[Component, str], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.components)
+
+    def __getitem__(self, component: Component) -> int:
+        return dict(self.components)[Component(component)]
+
+    def largest(self, k: int = 3) -> List[Tuple[Component, int]]:
+        return sorted(self.components, key=lambda cb: -cb[1])[:k]
+
+    def verdict(self, capacity_bytes: float) -> Fit:
+        if self.total > capacity_bytes:
+            return Fit.DOES_NOT_FIT
+        return Fit.TIGHT if self.total > TIGHT_FRACTION * capacity_bytes else Fit.FITS
+
+    def to_dict(self) -> Dict[str, object]:
+        f = dict(self.formulas)
+        return {"total": self.total,
+                "components": {c.value: {"bytes": b, "formula": f.get(c, "")} for c, b in self.components}}
+
+
+def estimate_memory(plan, cfg) -> MemoryEstimate:
+    """Per-device memory of ``make_train_step(plan)`` for the decoder ``cfg`` (a ``DecoderConfig``).
+
+    ``plan`` needs a ``BatchSpec``; it may live on an ``AbstractMesh`` (no devices needed).
+    """
+    if plan.batch is None:
+        raise ValueError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
+    lay = layout_of(plan)
+    B, T = plan.batch.batch_size, plan.batch.seq_len
+    split = lay.split()
+    per = plan.per_device_bytes()
+    params = plan.group("params")
+    elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params)
+    grads = per["params"] + (4 * elems if lay.micro_batches > 1 else 0)
+    weight_fraction = 0.0
+    total_param_bytes = sum(l.bytes_total for l in params)
+    if lay.compute_dtype != lay.param_dtype and total_param_bytes:
+        weight_fraction = per["params"] / total_param_bytes
+    model = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings)
+    acts = model.bytes_per_device(cfg, B, T, split, weight_fraction=weight_fraction)
+    none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings)
+    layer = none.layer_bytes_per_device(cfg, B, T, split)
+    b_loc = B // (split.batch * split.micro_batches)
+    vocab_split = lay.size(lay.vocab_axes)
+    logits_grad = 4 * b_loc * T * cfg.vocab_size // vocab_split
+    comps = ((Component.PARAMS, per["params"]), (Component.GRADIENTS, grads), (Component.OPTIMIZER, per["optimizer"]),
+             (Component.ACTIVATIONS, acts), (Component.TEMPORARIES, layer + logits_grad),
+             (Component.BATCH, per["batch"]))
+    remat = plan.recipe.remat.value
+    formulas = (
+        (Component.PARAMS, "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"),
+        (Component.GRADIENTS, "= parameters (same shardings and dtype)"
+         + (" + f32 accumulator 4 B × elements per device (micro-batches)" if lay.micro_batches > 1 else "")),
+        (Component.OPTIMIZER, "Σ optimizer-state leaves ÷ shards (plan)"),
+        (Component.ACTIVATIONS, f"saved tensors under remat={remat}, {lay.compute_dtype}, b={b_loc} per device "
+                                f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"),
+        (Component.TEMPORARIES, "one layer with remat=none (backward working set) + f32 logits gradient 4·b·T·V/t"),
+        (Component.BATCH, "input arrays (plan)"),
+    )
+    return MemoryEstimate(comps, formulas)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredMemory:
+    """``compiled.memory_analysis()`` per device, with ``peak = argument + output − alias + temp``."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+    @classmethod
+    def of(cls, compiled) -> "MeasuredMemory":
+        ma = compiled.memory_analysis()
+        return cls(int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
+                   int(ma.temp_size_in_bytes))
+
+    def to_dict(self) -> Dict[str, int]:
+        return {**dataclasses.asdict(self), "peak": self.peak}
+
+
+class ZeroStage(int, enum.Enum):
+    """ZeRO stages: what is partitioned over the ``N_d`` data-parallel devices."""
+
+    DP = 0
+    OS = 1
+    OS_G = 2
+    OS_G_P = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """Model-state bytes per device: ``params + grads + optimizer``."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def zero_model_state(num_params: float, stage: "ZeroStage | int", n_devices: int, *, param_bytes: float = 2,
+                     grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelState:
+    """ZeRO's model-state accounting per device (see the module docstring; defaults: mixed-precision
+    Adam, ``2Ψ + 2Ψ + KΨ`` with ``K = 12``). ``zero_model_state(7.5e9, 1, 64).total / 1e9 ≈ 31.4``."""
+    stage = ZeroStage(stage)
+    nd = float(n_devices)
+    psi = float(num_params)
+    return ModelState(param_bytes * psi / (nd if stage >= ZeroStage.OS_G_P else 1),
+                      grad_bytes * psi / (nd if stage >= ZeroStage.OS_G else 1),
+                      optimizer_bytes * psi / (nd if stage >= ZeroStage.OS else 1))

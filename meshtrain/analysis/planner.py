@@ -1,0 +1,281 @@
+"""The planner: evaluate one recipe + mesh, or search recipes × mesh factorisations × remat ×
+micro-batches, drop what does not fit, rank the rest by estimated step time.
+
+Example::
+
+    req = PlanRequest(get_config("llama3-70b"), num_devices=256, hardware="tpu-v5p")
+    result = plan_auto(req)
+    best = result.winner                     # Candidate: recipe, plan, memory, step time, warnings
+    print(result.why)                        # why it beat the runner-up
+    one = evaluate(req, get_recipe("fsdp_tp").with_mesh(fsdp=32, tensor=8))
+
+Everything is analytic (an ``AbstractMesh`` when the devices do not exist), so a 256-chip search
+takes seconds on a laptop. Warnings follow the usual rules: tensor parallelism beyond the fast-link
+domain, too few tokens per device for FSDP to hide its all-gathers, and head counts not divisible
+by ``tensor × context``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from meshtrain.analysis.hardware import Hardware, get_hardware
+from meshtrain.analysis.layout import layout_of
+from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
+from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, estimate_step_time
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.recipes import BUILTIN_RECIPES, Recipe, Remat
+
+AUTO_REMATS = (Remat.NONE, Remat.DOTS_NO_BATCH, Remat.FULL)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: a decoder config on ``num_devices`` devices of ``hardware``.
+
+    ``batch_size`` is global (default: one sequence per device), ``seq_len`` defaults to the model's
+    maximum. ``compute_dtype`` defaults to bfloat16 on accelerators (their peak figures are bf16)
+    and to the recipe's own on ``cpu``; ``param_dtype`` to the recipe's. ``recipes``: names to search
+    (default: all built-ins); ``remats``, ``micro_batches`` (default: powers of two up to
+    ``max_micro_batches`` that divide the per-device batch) bound the search.
+    """
+
+    model: object
+    num_devices: int
+    hardware: str = "cpu"
+    batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    recipes: Tuple[str, ...] = ()
+    remats: Tuple[Remat, ...] = AUTO_REMATS
+    compute_dtype: Optional[str] = None
+    param_dtype: Optional[str] = None
+    max_micro_batches: int = 16
+    micro_batches: Tuple[int, ...] = ()
+
+    def hw(self) -> Hardware:
+        return get_hardware(self.hardware, num_devices=self.num_devices)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size or self.num_devices
+
+    @property
+    def tokens_seq(self) -> int:
+        return self.seq_len or self.model.max_seq_len
+
+    def dtypes(self, recipe: Recipe) -> Dict[str, str]:
+        compute = self.compute_dtype or ("bfloat16" if self.hw().name != "cpu" else recipe.compute_dtype)
+        return {"compute_dtype": compute, "param_dtype": self.param_dtype or recipe.param_dtype}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One evaluated layout. ``rejected`` says why it cannot run (then estimates may be missing)."""
+
+    recipe: Recipe
+    mesh_sizes: Tuple[Tuple[str, int], ...]
+    plan: object = None
+    memory: Optional[MemoryEstimate] = None
+    step: Optional[StepTimeEstimate] = None
+    fit: Optional[Fit] = None
+    rejected: Optional[str] = None
+    warnings: Tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        mesh = ",".join(f"{a}={s}" for a, s in self.mesh_sizes if s > 1) or "1 device"
+        r = self.recipe
+        return f"{r.name}[{mesh}] remat={r.remat.value} micro={r.micro_batches}"
+
+    def summary(self) -> Dict[str, object]:
+        out = {"recipe": self.recipe.name, "mesh": dict(self.mesh_sizes), "remat": self.recipe.remat.value,
+               "micro_batches": self.recipe.micro_batches, "compute_dtype": self.recipe.compute_dtype,
+               "param_dtype": self.recipe.param_dtype}
+        if self.rejected:
+            out["rejected"] = self.rejected
+        if self.memory is not None:
+            out.update(memory_bytes=self.memory.total, fit=self.fit.value if self.fit else None)
+        if self.step is not None:
+            out.update(step_s=self.step.step_s, mfu=self.step.mfu, bound=self.step.bound.value)
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
+        return out
+
+
+def mesh_options(recipe: Recipe, num_devices: int) -> List[Dict[str, int]]:
+    """Every assignment of sizes to the recipe's mesh axes whose product is ``num_devices``."""
+    axes = [a for a, _ in recipe.mesh.ici]
+    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+    out = []
+    for sizes in itertools.product(divisors, repeat=len(axes) - 1):
+        rest = num_devices // math.prod(sizes) if num_devices % math.prod(sizes) == 0 else 0
+        if rest:
+            out.append(dict(zip(axes, sizes + (rest,))))
+    return out
+
+
+def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = None) -> List[str]:
+    """The well-known rules, checked for one plan (empty when all hold)."""
+    lay = layout_of(plan)
+    out = []
+    links = axis_links(lay, hw)
+    for axis in lay.tensor_axes:
+        if links.get(axis) is Link.SLOW:
+            out.append(f"tensor parallelism over {lay.tensor} devices ({axis}) leaves the {hw.fast_domain}-device "
+                       f"fast-link domain of {hw.name}: its per-layer all-reduces cross the slow links; keep "
+                       f"tensor × inner axes ≤ {hw.fast_domain}")
+    ctx = lay.sizes.get("context", 1)
+    for what, heads in (("query heads", cfg.n_heads), ("kv heads", cfg.n_kv_heads)):
+        ways = lay.tensor * ctx
+        if ways > 1 and heads % ways:
+            out.append(f"{what} ({heads}) not divisible by tensor × context = {lay.tensor} × {ctx}: heads are "
+                       f"split unevenly or replicated; pick tensor × context dividing {heads}")
+    batch = set(lay.batch_axes)
+    fsdp_axes = set()
+    for leaf in plan.group("params"):
+        for e in leaf.spec:
+            fsdp_axes |= ({e} if isinstance(e, str) else set(e or ())) & batch
+    if fsdp_axes:
+        g = lay.size(fsdp_axes)
+        link = Link.SLOW if any(links.get(a) is Link.SLOW for a in fsdp_axes) else Link.FAST
+        bw = hw.fast_link_bytes_per_s if link is Link.FAST else hw.slow_link_bytes_per_s
+        c = 2 if lay.compute_dtype == "bfloat16" else 4
+        need = hw.peak_flops * c / (2 * bw) * (g - 1) / g  # tokens/device with 2·W·tok/P ≥ W·c·(g-1)/g/bw
+        have = plan.batch.batch_size * plan.batch.seq_len // (lay.batch_split * lay.micro_batches)
+        if have < need:
+            out.append(f"FSDP over {'×'.join(sorted(fsdp_axes))}={g}: {have:,} tokens per device per micro-batch, "
+                       f"but about {need:,.0f} are needed for a layer's forward compute to hide its weight "
+                       f"all-gather on {hw.name} ({link.value} links); raise the batch, use fewer micro-batches, or "
+                       f"shard less with FSDP (more data or tensor parallelism)")
+    return out
+
+
+def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=None) -> Candidate:
+    """Plan ``recipe`` (its mesh resolved on ``request.num_devices``) and estimate it."""
+    import optax
+
+    from meshtrain.abstract import abstract_state
+    from meshtrain.models import model_factory
+    from meshtrain.plan import BatchSpec, make_plan
+
+    cfg, hw = request.model, request.hw()
+    recipe = recipe.with_options(**request.dtypes(recipe))
+    try:
+        sizes = tuple(recipe.mesh.resolve(request.num_devices).items())
+    except MeshtrainError as exc:
+        return Candidate(recipe, (), rejected=str(exc))
+    try:
+        if base_plan is None:
+            abstract = abstract or abstract_state(model_factory(cfg), optax.adamw(1e-3))
+            mesh = recipe.mesh.abstract(request.num_devices)
+            plan = make_plan(abstract, recipe, mesh, batch=BatchSpec(request.global_batch, request.tokens_seq))
+        else:
+            plan = dataclasses.replace(base_plan, recipe=recipe)
+            dp = layout_of(plan).batch_split
+            if plan.batch.batch_size % (dp * recipe.micro_batches):
+                raise ConfigError(f"batch size {plan.batch.batch_size} is not divisible by data-parallel size {dp} "
+                                  f"× micro-batches {recipe.micro_batches}")
+    except MeshtrainError as exc:
+        return Candidate(recipe, sizes, rejected=f"{type(exc).__name__}: {exc}")
+    memory = estimate_memory(plan, cfg)
+    fit = memory.verdict(hw.hbm_bytes)
+    step = estimate_step_time(plan, cfg, hw)
+    warnings = tuple(rule_warnings(cfg, plan, hw, step))
+    rejected = None
+    if fit is Fit.DOES_NOT_FIT:
+        top = ", ".join(f"{c.value} {b / 2 ** 30:.1f} GiB" for c, b in memory.largest(2))
+        rejected = f"does not fit: {memory.total / 2 ** 30:.1f} GiB > {hw.hbm_bytes / 2 ** 30:.1f} GiB ({top})"
+    return Candidate(recipe, sizes, plan, memory, step, fit, rejected, warnings)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoResult:
+    ranked: Tuple[Candidate, ...]
+    rejected: Tuple[Candidate, ...]
+    request: PlanRequest
+
+    @property
+    def winner(self) -> Candidate:
+        if not self.ranked:
+            reasons = sorted({c.rejected.split(":")[0] for c in self.rejected if c.rejected})
+            raise ConfigError(
+                f"no recipe and mesh fits {self.request.model.name} on {self.request.num_devices} × "
+                f"{self.request.hw().name} with batch {self.request.global_batch}×{self.request.tokens_seq} "
+                f"({len(self.rejected)} candidates rejected: {', '.join(reasons)}); use more devices, a shorter "
+                f"--seq-len or a smaller --batch-size")
+        return self.ranked[0]
+
+    @property
+    def why(self) -> str:
+        w = self.winner
+        others = [c for c in self.ranked[1:] if c.recipe.name != w.recipe.name]
+        lines = [f"{w.label}: {w.step.step_s:.3g} s/step, MFU {w.step.mfu:.1%}, {w.memory.total / 2 ** 30:.1f} GiB "
+                 f"per device ({w.fit.value}); {w.step.bound.value}-bound"]
+        if others:
+            r = others[0]
+            diffs = {"compute": r.step.compute_s - w.step.compute_s, "memory traffic": r.step.memory_s - w.step.memory_s,
+                     "exposed communication": r.step.exposed_comm_s - w.step.exposed_comm_s}
+            term = max(diffs, key=lambda k: diffs[k])
+            lines.append(f"beats the best other recipe, {r.label} ({r.step.step_s:.3g} s/step), mostly on {term} "
+                         f"({diffs[term]:+.3g} s for the runner-up)")
+        better = [c for c in self.rejected if c.step is not None and c.step.step_s < w.step.step_s]
+        if better:
+            b = min(better, key=lambda c: c.step.step_s)
+            lines.append(f"faster layouts were dropped because they do not fit, e.g. {b.label}: {b.rejected}")
+        return "\n".join(lines)
+
+    def rejection_counts(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for c in self.rejected:
+            key = (c.rejected or "").split(":")[0]
+            out[key] = out.get(key, 0) + 1
+        return out
+
+
+def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = None) -> AutoResult:
+    """Search recipes × mesh factorisations × remat × micro-batches; rank what fits by step time."""
+    import optax
+
+    from meshtrain.abstract import abstract_state
+    from meshtrain.models import model_factory
+
+    if recipes is None:
+        names = request.recipes or tuple(BUILTIN_RECIPES)
+        recipes = [BUILTIN_RECIPES[n] if n in BUILTIN_RECIPES else _unknown(n) for n in names]
+    abstract = abstract_state(model_factory(request.model), optax.adamw(1e-3))
+    ranked, rejected = [], []
+    seen = set()
+    for base in recipes:
+        for sizes in mesh_options(base, request.num_devices):
+            recipe = dataclasses.replace(base, mesh=base.mesh.with_sizes(sizes))
+            first = evaluate(request, recipe, abstract=abstract)
+            if first.plan is None:
+                rejected.append(first)
+                continue
+            dp = layout_of(first.plan).batch_split
+            per_device = request.global_batch // dp
+            micros = list(request.micro_batches) or [
+                m for m in (1, 2, 4, 8, 16, 32, 64) if m <= min(per_device, request.max_micro_batches)
+                and per_device % m == 0]
+            for remat, micro in itertools.product(request.remats, micros):
+                r = recipe.with_options(remat=remat, micro_batches=micro)
+                cand = evaluate(request, r, base_plan=first.plan)
+                key = (cand.recipe.name, cand.mesh_sizes, remat, micro)
+                if key in seen:
+                    continue
+                seen.add(key)
+                (rejected if cand.rejected else ranked).append(cand)
+    order = {Fit.FITS: 0, Fit.TIGHT: 1}
+    best = min((c.step.step_s for c in ranked), default=1.0)
+    # Within 0.5 % of each other, prefer the layout that leaves more memory free.
+    ranked.sort(key=lambda c: (order.get(c.fit, 2), round(c.step.step_s / best * 200), c.memory.total))
+    return AutoResult(tuple(ranked), tuple(rejected), request)
+
+
+def _unknown(name: str):
+    from meshtrain.recipes import get_recipe
+
+    return get_recipe(name)

@@ -1,0 +1,198 @@
+"""Step-time estimate from compute, memory traffic and per-axis communication, and the MFU it implies.
+
+Example::
+
+    est = estimate_step_time(plan, cfg, get_hardware("tpu-v5p"))
+    est.step_s, est.mfu, est.bound                # seconds, 0..1, "compute" / "memory" / "communication"
+    for a in est.axes: print(a.axes, a.link, a.seconds)
+
+Per device (``n`` devices, ``P`` peak FLOP/s, ``W`` HBM bytes/s)::
+
+    compute  = executed FLOPs / n / P                       (flops.step_flops: dense attention, remat)
+    memory   = HBM traffic / W
+    traffic  = m·((3 + r)·weights + 3·A_none + (A_none − A_saved)) + 2·params + grads + 2·optimizer
+    comm(op) = executions · (α·hops + wire bytes / link bytes/s)      per collective (comms.py)
+    exposed  = Σ critical-path comm + Σ_phase max(0, overlappable comm(phase) − overlap · compute(phase))
+    step     = max(compute, memory) + exposed
+    MFU      = model FLOPs (6·N·tokens + attention, flops.py) / (step · n · P)
+
+``weights`` are the compute-dtype bytes a device multiplies with (gathered over FSDP axes),
+``r = 1`` with ``remat=full``; ``A_none`` is every layer's activations with nothing saved-away
+(written in the forward, read and written again in the backward), ``A_saved`` what the recipe's
+remat keeps (the rest is written again when recomputed). ``hops = ⌈log₂ g⌉`` (all-gather,
+reduce-scatter) or ``2⌈log₂ g⌉`` (all-reduce) for a group of ``g`` devices. A mesh axis uses the
+slow links (InfiniBand / DCN) when it is a DCN axis of the recipe or when it and the axes inside it
+span more devices than the fast-link domain. ``overlap`` is 1 on GPU/TPU (XLA's latency-hiding
+scheduler runs FSDP gathers and gradient reductions behind compute) and 0 on CPU. Phases: the
+forward's FSDP gathers hide behind the forward compute (``forward FLOPs / executed FLOPs`` of the
+compute time), the backward re-gathers and gradient reductions behind the rest.
+
+The result is a roofline: it assumes matmuls run at the chip's peak, so it is an upper bound on MFU
+(well-tuned large runs reach roughly 40–60 %); use it to compare layouts, not to promise a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from meshtrain.analysis.activations import saved_activations
+from meshtrain.analysis.collectives import axes_key
+from meshtrain.analysis.comms import Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives
+from meshtrain.analysis.flops import step_flops
+from meshtrain.analysis.hardware import Hardware, get_hardware
+from meshtrain.analysis.layout import Layout, layout_of
+from meshtrain.analysis.memory import estimate_memory
+from meshtrain.recipes import Remat
+
+
+class Link(str, enum.Enum):
+    FAST = "fast"  # NVLink / ICI / shared memory
+    SLOW = "slow"  # InfiniBand / DCN
+
+
+class Bound(str, enum.Enum):
+    COMPUTE = "compute"
+    MEMORY = "memory"
+    COMMUNICATION = "communication"
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisTime:
+    """Communication over one set of mesh axes: ``wire_bytes`` sent per device per step, seconds."""
+
+    axes: str
+    link: Link
+    wire_bytes: float
+    seconds: float
+    exposed_seconds: float
+    collectives: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimeEstimate:
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    mfu: float
+    tokens_per_s: float
+    model_flops: float
+    executed_flops: float
+    axes: Tuple[AxisTime, ...]
+    hardware: str
+
+    @property
+    def bound(self) -> Bound:
+        if self.exposed_comm_s > max(self.compute_s, self.memory_s):
+            return Bound.COMMUNICATION
+        return Bound.COMPUTE if self.compute_s >= self.memory_s else Bound.MEMORY
+
+    def to_dict(self) -> Dict[str, object]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "axes"}
+        d["bound"] = self.bound.value
+        d["axes"] = [{**dataclasses.asdict(a), "link": a.link.value} for a in self.axes]
+        return d
+
+
+def backend_of(hw: Hardware) -> Backend:
+    if hw.name == "cpu":
+        return Backend.CPU
+    return Backend.TPU if hw.name.startswith("tpu") else Backend.GPU
+
+
+def axis_links(lay: Layout, hw: Hardware) -> Dict[str, Link]:
+    """Fast or slow links per mesh axis (see the module docstring)."""
+    out, inner = {}, 1
+    for axis, size in reversed(lay.mesh_sizes):
+        span = size * inner
+        out[axis] = Link.SLOW if (axis in lay.dcn_axes or (size > 1 and span > hw.fast_domain)) else Link.FAST
+        inner = span
+    return out
+
+
+def collective_seconds(op: CollectiveEstimate, link: Link, hw: Hardware) -> float:
+    bw = hw.fast_link_bytes_per_s if link is Link.FAST else hw.slow_link_bytes_per_s
+    alpha = hw.fast_latency_s if link is Link.FAST else hw.slow_latency_s
+    hops = math.ceil(math.log2(max(op.group_size, 2))) * (2 if op.kind == "all-reduce" else 1)
+    return op.executions * (alpha * hops) + op.wire_bytes_per_step / bw
+
+
+def hbm_traffic(plan, cfg, lay: Layout) -> float:
+    """Bytes one device reads + writes in HBM per step (see the module docstring)."""
+    c = np.dtype(lay.compute_dtype).itemsize
+    batch = set(lay.batch_axes)
+    weights = 0.0
+    for leaf in plan.group("params"):
+        axes = set()
+        for e in leaf.spec:
+            axes |= {e} if isinstance(e, str) else set(e or ())
+        weights += math.prod(leaf.shape) * c / lay.size(axes - batch)
+    B, T = plan.batch.batch_size, plan.batch.seq_len
+    split = lay.split()
+    a_none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings).bytes_per_device(cfg, B, T, split)
+    a_saved = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings).bytes_per_device(
+        cfg, B, T, split)
+    passes = 4 if plan.recipe.remat is Remat.FULL else 3
+    per = plan.per_device_bytes()
+    return lay.micro_batches * (passes * weights + 3 * a_none + max(a_none - a_saved, 0)) + \
+        3 * per["params"] + 2 * per["optimizer"]
+
+
+def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Optional[Backend] = None,
+                       collectives: Optional[List[CollectiveEstimate]] = None) -> StepTimeEstimate:
+    """Estimated seconds per optimizer step of ``plan`` (decoder ``cfg``) on ``hardware``."""
+    lay = layout_of(plan)
+    hw = get_hardware(hardware, num_devices=lay.num_devices)
+    backend = Backend(backend) if backend is not None else backend_of(hw)
+    n = lay.num_devices
+    B, T = plan.batch.batch_size, plan.batch.seq_len
+    flops = step_flops(cfg, B, T, plan.recipe.remat)
+    compute = flops.executed / n / hw.peak_flops
+    memory = hbm_traffic(plan, cfg, lay) / hw.hbm_bytes_per_s
+    ops = collectives if collectives is not None else analytic_collectives(plan, cfg, backend)
+    links = axis_links(lay, hw)
+    overlap = 0.0 if backend is Backend.CPU else 1.0
+    per_axes: Dict[str, List] = defaultdict(lambda: [None, 0.0, 0.0, 0.0, 0])
+    critical = 0.0
+    hidden = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0, Phase.UPDATE: 0.0}
+    fwd_share = flops.executed_forward / flops.executed if flops.executed else 0.0
+    capacity = {Phase.FORWARD: overlap * compute * fwd_share, Phase.BACKWARD: overlap * compute * (1 - fwd_share),
+                Phase.UPDATE: 0.0}
+    for op in ops:
+        link = Link.SLOW if any(links.get(a) is Link.SLOW for a in op.axes) else Link.FAST
+        sec = collective_seconds(op, link, hw)
+        row = per_axes[axes_key(op.axes)]
+        row[0] = link
+        row[1] += op.wire_bytes_per_step
+        row[2] += sec
+        row[4] += op.executions
+        if op.overlap is Overlap.EXPOSED:
+            critical += sec
+            row[3] += sec
+        else:
+            hidden[op.phase] += sec
+    exposed_phase = {ph: max(0.0, hidden[ph] - capacity[ph]) for ph in hidden}
+    share = {ph: exposed_phase[ph] / hidden[ph] if hidden[ph] else 0.0 for ph in hidden}
+    for op in ops:  # per-axis exposed time: critical ops fully, overlappable ones by their phase's exposed share
+        if op.overlap is Overlap.HIDDEN:
+            key = axes_key(op.axes)
+            per_axes[key][3] += collective_seconds(op, per_axes[key][0], hw) * share[op.phase]
+    axes = tuple(AxisTime(key, link, wire, sec, exp, count)
+                 for key, (link, wire, sec, exp, count) in sorted(per_axes.items()))
+    exposed = critical + sum(exposed_phase.values())
+    step = max(compute, memory) + exposed
+    mfu = flops.model / (step * n * hw.peak_flops) if step > 0 else 0.0
+    return StepTimeEstimate(compute, memory, sum(hidden.values()) + critical, exposed, step, mfu, B * T / step,
+                            flops.model, flops.executed, axes, hw.name)
+
+
+def fits_and_time(plan, cfg, hardware):
+    """``(MemoryEstimate, StepTimeEstimate)`` in one call (what the planner ranks on)."""
+    return estimate_memory(plan, cfg), estimate_step_time(plan, cfg, hardware)
