@@ -239,3 +239,23 @@ def test_inspect_function_matches_saved_layout(run, tmp_path):
         warnings.simplefilter("error")                 # a clean folder raises no warning
         with Checkpointer(tmp_path, save_every=1) as again:
             assert again.latest_valid_step() == 4
+
+
+def test_second_checkpointer_on_a_live_folder_only_reads(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path, save_every=1) as writer:
+        writer.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
+        writer.wait()
+        in_flight = tmp_path / "2.orbax-checkpoint-tmp"      # what the writer's next save looks like
+        in_flight.mkdir()
+        with pytest.warns(CheckpointWarning, match="is being written by pid"):
+            reader = Checkpointer(tmp_path, save_every=1)
+        assert in_flight.exists()                               # the reader cleans nothing
+        assert_bit_exact(states[1], reader.restore(plan).state)
+        with pytest.raises(CheckpointError, match="cannot save step 3: .* is being written by pid"):
+            reader.maybe_save(3, device(plan, states[3]), data_state={}, metadata={})
+        reader.close()
+        in_flight.rmdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                          # the writer closed: the lock is free again
+        Checkpointer(tmp_path, save_every=1).close()

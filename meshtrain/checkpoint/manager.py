@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import queue
 import shutil
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import integrity
+from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
 from meshtrain.checkpoint.inspection import META_FORMAT, read_meta
 from meshtrain.checkpoint.layout import describe_tree, from_nested, mismatch_error, mismatches, state_bytes, to_nested
 from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Restored, SaveResult, StepCheck,
@@ -131,21 +130,23 @@ class Checkpointer:
         self._inflight: Optional[int] = None
         self._session_steps: set = set()
         self._verified: Dict[int, Tuple[tuple, StepCheck]] = {}
-        self._trash: "queue.SimpleQueue[Optional[List[Path]]]" = queue.SimpleQueue()
-        self._janitor: Optional[threading.Thread] = None
+        self._janitor: Optional[Janitor] = None
         self._closed = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {exc}") from exc
-        self._clean_tmp("left by an earlier run that did not finish it")
-        if self._primary:
+        # process 0 writes manifests, cleans and deletes; it must be the folder's only writer
+        self._lock = WriterLock(self.directory) if self._primary else None
+        self._owner = self._lock is None or self._lock.acquired
+        if self._lock is not None and not self._owner:
+            _warn(f"{self.directory} is being written by {self._lock.holder()}; this Checkpointer can restore "
+                  f"but not save, clean or delete there")
+        if self._primary and self._owner:
+            self._clean_tmp("left by an earlier run that did not finish it")
             for p in integrity.trash_dirs(self.directory):   # retention deletes interrupted by a crash
                 integrity.remove_tree(p)
-            # one long-lived thread deletes what retention renamed: the loop never waits for a thread start
-            self._janitor = threading.Thread(target=_janitor, args=(self._trash,), name="meshtrain-ckpt-retention",
-                                             daemon=True)
-            self._janitor.start()
+            self._janitor = Janitor()
         self._manager = self._new_manager()
 
     # -- setup --------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Checkpointer:
     def _clean_tmp(self, why: str, step: Optional[int] = None) -> List[Path]:
         """Remove temporary step folders (all, or those of ``step``) on process 0."""
         removed = []
-        if not self._primary:
+        if not (self._primary and self._owner):
             return removed
         for p in integrity.tmp_dirs(self.directory):
             if step is not None and integrity.tmp_step(p) != step:
@@ -207,6 +208,9 @@ class Checkpointer:
             return SaveResult(False, time.perf_counter() - t0, step)
         if step == self._inflight or step in self._session_steps:
             return SaveResult(False, time.perf_counter() - t0, step, note=f"step {step} was already saved by this run")
+        if not self._owner:
+            raise CheckpointError(f"cannot save step {step}: {self.directory} is being written by "
+                                  f"{self._lock.holder()}; use another run folder, or stop that process")
         for name, value in (("data_state", data_state), ("metadata", metadata)):
             if not isinstance(value, dict):
                 raise CheckpointError(f"{name} must be a dict of JSON values, got {type(value).__name__}")
@@ -309,7 +313,7 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         """Keep the newest ``keep_last`` good steps and every multiple of ``keep_every``; delete older
         steps (good or not). Steps newer than the newest good one are left for :meth:`maybe_save`."""
-        if not self._primary:
+        if self._janitor is None:   # not process 0, or not the folder's writer
             return
         dirs = integrity.step_dirs(self.directory)
         good = [s for s in dirs if self.check(s, Verify.QUICK).status.usable]
@@ -326,13 +330,7 @@ class Checkpointer:
             trash.append(integrity.move_to_trash(dirs[s]))
             self._verified.pop(s, None)
         log.info("retention removes checkpoint steps %s from %s", doomed, self.directory)
-        self._trash.put(trash)
-
-    def _join_janitor(self) -> None:
-        if self._janitor is not None:
-            self._trash.put(None)
-            self._janitor.join()
-            self._janitor = None
+        self._janitor.delete(trash)
 
     # -- reading ------------------------------------------------------------------------------------
 
@@ -421,10 +419,14 @@ class Checkpointer:
         """True while a background save is still writing (the next due save would wait for it)."""
         return self._inflight is not None and self._manager.is_saving_in_progress()
 
-    def wait(self) -> None:
-        """Block until the pending async save is committed and verified; raises its error if it failed."""
+    def wait(self) -> float:
+        """Block until the pending async save is committed and verified; raises its error if it failed.
+
+        Returns the seconds spent blocked (count them as checkpoint stall, like ``blocking_s``)."""
         self._ensure_open()
+        t0 = time.perf_counter()
         self._wait_inflight()
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Wait for the pending save (raising its error), then release Orbax's threads. Idempotent."""
@@ -434,7 +436,10 @@ class Checkpointer:
             self._wait_inflight()
         finally:
             self._closed = True
-            self._join_janitor()
+            if self._janitor is not None:
+                self._janitor.close()
+            if self._lock is not None:
+                self._lock.release()
             try:
                 self._manager.close()
             except Exception as exc:  # noqa: BLE001 - the save error, if any, was raised above
@@ -453,19 +458,6 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
                 f"keep_every={self.keep_every}, async_save={self.async_save})")
-
-
-def _janitor(work: "queue.SimpleQueue[Optional[List[Path]]]") -> None:
-    """Delete the folders retention renamed, until ``None`` arrives."""
-    while True:
-        paths = work.get()
-        if paths is None:
-            return
-        for p in paths:
-            try:
-                integrity.remove_tree(p)
-            except OSError as exc:  # retried by the next Checkpointer on this folder
-                log.warning("could not delete old checkpoint folder %s: %s", p, exc)
 
 
 def _onto_target(state, target):
