@@ -44,11 +44,14 @@ CHUNK = 8 << 20
 
 def build(mb: float, recipe_name: str):
     """A decoder whose TrainState (params + Adam mu, nu) is about ``mb`` MB, on all devices."""
-    d_model, d_ff = 512, 2048
-    per_layer = 4 * d_model * d_model + 3 * d_model * d_ff
-    layers = max(1, round(mb * 1e6 / 12 / per_layer))        # 3 f32 copies of every parameter
-    cfg = mt.models.get_config("small", d_model=d_model, n_layers=layers, n_heads=8, n_kv_heads=8, head_dim=64,
-                               d_ff=d_ff, max_seq_len=64)
+    for d_model in (512, 256, 128):                           # the widest that still gives 2+ layers
+        d_ff = 4 * d_model
+        per_layer = 4 * d_model * d_model + 3 * d_model * d_ff
+        layers = max(1, round(mb * 1e6 / 12 / per_layer))    # 3 f32 copies of every parameter
+        if layers >= 2:
+            break
+    cfg = mt.models.get_config("small", d_model=d_model, n_layers=layers, n_heads=8, n_kv_heads=8,
+                               head_dim=d_model // 8, d_ff=d_ff, max_seq_len=64)
     abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-4))
     recipe = mt.get_recipe(recipe_name)
     mesh = recipe.mesh.build(jax.devices())
@@ -96,6 +99,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--saves", type=int, default=3, help="async saves in the training loop")
     ap.add_argument("--every", type=int, default=4, help="training steps between async saves")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--max-stall-ratio", type=float, default=None,
+                    help="exit 1 when the async stall exceeds this fraction of the sync save (e.g. 0.05)")
     args = ap.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
@@ -178,6 +183,9 @@ def main(argv=None) -> dict:
         print(f"training loop  {out['step_s']:.3f} s/step; extra loop time per async save "
               f"{out['loop_overhead_per_save_s']:.3f} s = {out['loop_overhead_ratio']:.0%} of the sync save "
               f"(includes the writer thread competing for CPU)")
+    if args.max_stall_ratio is not None and out["stall_ratio"] > args.max_stall_ratio:
+        print(f"FAIL: async stall is {out['stall_ratio']:.1%} of the sync save, above {args.max_stall_ratio:.1%}")
+        raise SystemExit(1)
     return out
 
 
