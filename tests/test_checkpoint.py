@@ -177,7 +177,7 @@ def test_resaving_a_step(run, tmp_path):
             ckpt.maybe_save(2, device(plan, states[3]), data_state={}, metadata={})
         with pytest.warns(CheckpointWarning, match="restoring step 1 while newer good steps"):
             ckpt.restore(plan, step=1)
-    (tmp_path / "2" / "meta" / "metadata").write_text("{}")   # a damaged step is replaced
+    (tmp_path / "2" / "meshtrain-meta.json").write_text("{}")   # a damaged step is replaced
     with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
         with pytest.warns(CheckpointWarning, match="step 2 .* is corrupt .* removing it"):
             assert ckpt.maybe_save(2, device(plan, states[3]), data_state={}, metadata={}).saved
@@ -219,7 +219,7 @@ def test_cli_list_and_inspect(run, tmp_path, capsys):
     assert "step 1: ok" in out and "params/embedding_vd" in out and "P(None, 'fsdp') on fsdp=8" in out
     assert main(["ckpt", "inspect", str(tmp_path), "--step", "3"]) == 1   # the empty folder
     capsys.readouterr()
-    a_file = str(tmp_path / "checkpoints" / "1" / "meta" / "metadata")
+    a_file = str(tmp_path / "checkpoints" / "1" / "meshtrain-meta.json")
     for argv in (["ckpt", "inspect", str(tmp_path / "nope")], ["ckpt", "list", a_file],
                  ["ckpt", "inspect", str(tmp_path), "--step", "9"]):
         assert main(argv) == 2

@@ -98,7 +98,7 @@ def test_truncated_file_is_skipped(run, ckdir):
     expect_fallback(plan, states, ckdir, f"step 2 .*corrupt: truncated: {biggest.relative_to(ckdir / '2').as_posix()}")
 
 
-@pytest.mark.parametrize("missing", ["meta/metadata", "state/_METADATA", "_CHECKPOINT_METADATA"])
+@pytest.mark.parametrize("missing", ["meshtrain-meta.json", "state/_METADATA", "_CHECKPOINT_METADATA"])
 def test_missing_metadata_file_is_skipped(run, ckdir, missing):
     plan, states = run
     (ckdir / "2" / missing).unlink()

@@ -17,6 +17,7 @@ from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.types import CheckpointError, StepCheck, Verify
 
 META_FORMAT = "meshtrain-checkpoint/1"
+META_FILE = "meshtrain-meta.json"
 
 
 def resolve_directory(path) -> Path:
@@ -44,8 +45,8 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def read_meta(step_dir: Path) -> Dict[str, Any]:
-    """The ``meta`` item of a step (user metadata, saved tree, versions), read as plain JSON."""
-    path = step_dir / "meta" / "metadata"
+    """A step's ``meshtrain-meta.json``: user metadata, data state, saved tree, versions."""
+    path = step_dir / META_FILE
     meta = _read_json(path, "metadata")
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or not isinstance(meta.get("tree"), dict):
         raise CheckpointError(f"{path} is not meshtrain checkpoint metadata (format {META_FORMAT})")
@@ -91,7 +92,8 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
         "directory": str(d), "step": step, "integrity": check.to_dict(),
         "steps": [full.get(s, integrity.check_step(p, s, Verify.QUICK)).to_dict() for s, p in steps.items()],
         "temporary": [p.name for p in integrity.tmp_dirs(d)],
-        "items": {p.name: integrity.folder_bytes(p) for p in sorted(steps[step].iterdir()) if p.is_dir()},
+        "items": {p.name: (integrity.folder_bytes(p) if p.is_dir() else p.stat().st_size)
+                  for p in sorted(steps[step].iterdir())},
     }
     try:
         meta = read_meta(steps[step])
@@ -105,10 +107,6 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
         "metadata": user, "tree": tree, "state_bytes": sum(e.get("bytes", 0) for e in tree),
         "saved_unix": meta.get("saved_unix"), "process_count": meta.get("process_count"),
         "device_count": meta.get("device_count"), "versions": meta.get("versions"),
+        "data_state": meta.get("data_state"),
     })
-    try:
-        info["data_state"] = _read_json(steps[step] / "data_state" / "metadata", "data state")
-    except CheckpointError as exc:
-        info["data_state"] = None
-        info["error"] = str(exc)
     return info

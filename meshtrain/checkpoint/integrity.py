@@ -5,14 +5,15 @@ Layout of a run's ``checkpoints/`` folder (Orbax's, plus one file per step)::
     checkpoints/
       100/                         committed step (Orbax renames the temporary folder when done)
         meshtrain-manifest.json    every other file of the step: size and SHA-256
-        state/ ...                 the sharded arrays (OCDBT), written by every process
-        data_state/metadata        JSON: the data iterator's position
-        meta/metadata              JSON: user metadata, saved tree, shapes, dtypes, shardings
+        meshtrain-meta.json        user metadata (recipe, seed, model), the data iterator's position,
+                                   every leaf's path, shape, dtype, saved sharding and bytes
+        state/ ...                 the sharded arrays (Orbax OCDBT), written by every process
+        _CHECKPOINT_METADATA       Orbax's step metadata (rewritten by Orbax after the commit)
       200.orbax-checkpoint-tmp/    a save in flight, or a stale one from a crash / full disk
 
-The manifest is written by process 0 into the temporary folder after every process has finished
-writing and Orbax has finalized the items, and *before* the rename that commits the step (Orbax's
-``post_finalization_callback``). So a committed step written by meshtrain always has its
+``meshtrain-meta.json`` and then the manifest are written by process 0 into the temporary folder
+after every process has finished writing and Orbax has finalized the item, and *before* the rename
+that commits the step (Orbax's ``post_finalization_callback``). So a committed step written by meshtrain always has its
 manifest; a committed step without one (plain Orbax, or a deleted manifest) is ``unverified``
 and is never restored automatically. Checking needs no JAX::
 

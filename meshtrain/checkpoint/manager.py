@@ -31,14 +31,15 @@ from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
-from meshtrain.checkpoint.inspection import META_FORMAT, read_meta
+from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT, read_meta
 from meshtrain.checkpoint.layout import describe_tree, from_nested, mismatch_error, mismatches, state_bytes, to_nested
 from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Restored, SaveResult, StepCheck,
                                         StepStatus, Verify)
 
 log = logging.getLogger("meshtrain.checkpoint")
 
-ITEMS = ("state", "data_state", "meta")
+#: The one Orbax item; the JSON (metadata, data position, tree) is written by process 0 with the manifest.
+ITEMS = ("state",)
 #: Bytes required beyond the state's size before a save starts (JSON items, OCDBT indices, manifest).
 FREE_MARGIN = 256 << 10
 
@@ -128,6 +129,7 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self._primary = jax.process_index() == 0
         self._inflight: Optional[int] = None
+        self._inflight_meta: Optional[Dict[str, Any]] = None
         self._session_steps: set = set()
         self._verified: Dict[int, Tuple[tuple, StepCheck]] = {}
         self._janitor: Optional[Janitor] = None
@@ -184,6 +186,7 @@ class Checkpointer:
         if target is None:
             raise CheckpointError(f"cannot find the folder being written for step {step} in {self.directory} "
                                   f"(found {[p.name for p in candidates]})")
+        integrity.write_json_atomic(target / META_FILE, self._inflight_meta)
         integrity.write_manifest(target, step)
 
     # -- saving -------------------------------------------------------------------------------------
@@ -220,12 +223,14 @@ class Checkpointer:
         self._wait_inflight()
         self._prepare_step_folder(step)
         self._check_space(step, state)
-        meta = {"format": META_FORMAT, "step": step, "user": metadata, "tree": describe_tree(state),
-                "saved_unix": time.time(), "process_count": jax.process_count(),
-                "device_count": jax.device_count(),
-                "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")}}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(to_nested(state)),
-                                  data_state=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+        # one Orbax item only (each item costs directories and threads in the blocking part); the JSON
+        # goes into the step folder from the save thread, just before the manifest and the commit
+        self._inflight_meta = {
+            "format": META_FORMAT, "step": step, "user": metadata, "data_state": data_state,
+            "tree": describe_tree(state), "saved_unix": time.time(), "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")}}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(to_nested(state)))
         self._inflight = step
         try:
             self._manager.save(step, args=args, force=True)
@@ -397,15 +402,14 @@ class Checkpointer:
         problems = mismatches(meta["tree"], target, allow_cast=allow_cast)
         if problems:
             raise mismatch_error(step, self.directory, problems, meta.get("user", {}))
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(to_nested(target)),
-                                  data_state=ocp.args.JsonRestore())
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(to_nested(target)))
         try:
             out = self._manager.restore(step, args=args)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"restoring step {step} from {self.directory} failed: {type(exc).__name__}: "
                                   f"{str(exc).strip()[:500]}") from exc
         state = _onto_target(from_nested(out["state"], target), target)
-        return Restored(step, state, dict(out["data_state"] or {}), meta.get("user", {}), meta["tree"])
+        return Restored(step, state, dict(meta.get("data_state") or {}), meta.get("user", {}), meta["tree"])
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
