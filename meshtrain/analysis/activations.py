@@ -13,8 +13,9 @@ gives a formula in the config's sizes that holds for every model of the family::
 Per device a saved tensor is divided by the batch split when it has a batch dimension, by the
 tensor-parallel size when it has a heads / kv-heads / MLP / vocab dimension, and (sequence
 parallelism) by the tensor-parallel size when it is a residual-stream tensor ``(b, t, d)``.
-Tensors without a batch dimension are weights (the parameters themselves, or their casts to the
-compute dtype: only the casts cost memory).
+Tensors without a batch dimension are weights: the parameters themselves (not counted again),
+their casts to the compute dtype (sharded like the parameters), or small derived tensors such as
+broadcast norm scales (counted whole).
 
 Next: :func:`meshtrain.analysis.memory.estimate_memory` adds parameters, gradients, optimizer
 state and temporaries.
@@ -67,6 +68,7 @@ class SavedTensor:
     const: int
     dtype: str
     count: int
+    cast: bool = False  # a parameter's shape in another dtype: a compute-dtype copy of a weight
 
     @property
     def is_weight(self) -> bool:
@@ -119,7 +121,10 @@ class ActivationModel:
         total = 0.0
         for t in self.tensors:
             nbytes = t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize
-            total += nbytes * weight_fraction if t.is_weight else nbytes / t.divisor(split)
+            if t.is_weight:
+                total += nbytes * weight_fraction if t.cast else nbytes
+            else:
+                total += nbytes / t.divisor(split)
         return int(total)
 
     def layer_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
@@ -174,10 +179,12 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     with jax.sharding.use_abstract_mesh(mesh):
         saved = jax.eval_shape(residuals, params, batch)
     param_shapes = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
+    shapes_only = {s for s, _ in param_shapes}
     groups: Dict[Tuple, int] = {}
     for x in saved:
         if (tuple(x.shape), str(x.dtype)) in param_shapes:
             continue  # the parameters themselves: already counted as parameters
+        cast = tuple(x.shape) in shapes_only
         exps: Dict[str, int] = {}
         const = 1
         for dim in x.shape:
@@ -185,7 +192,7 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
             const *= c
             for v, k in e:
                 exps[v] = exps.get(v, 0) + k
-        key = (tuple(sorted(exps.items())), const, str(x.dtype))
+        key = (tuple(sorted(exps.items())), const, str(x.dtype), cast)
         groups[key] = groups.get(key, 0) + 1
-    tensors = tuple(SavedTensor(e, c, dt, n) for (e, c, dt), n in sorted(groups.items(), key=str))
+    tensors = tuple(SavedTensor(e, c, dt, n, cast) for (e, c, dt, cast), n in sorted(groups.items(), key=str))
     return ActivationModel(remat, str(dtype), tensors)

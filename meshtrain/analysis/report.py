@@ -83,9 +83,13 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
 
 def single_dict(plan, cfg, args) -> Dict[str, object]:
     a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu")
+    import jax
+
     out = plan.to_dict()
     out.update(
         model=cfg.name, hardware=a["hw"].to_dict(),
+        mesh_kind="abstract" if isinstance(plan.mesh, jax.sharding.AbstractMesh) else "devices",
+        local_devices=len(jax.devices()),
         batch_shape={"batch_size": plan.batch.batch_size, "seq_len": plan.batch.seq_len},
         options={"remat": plan.recipe.remat.value, "micro_batches": plan.recipe.micro_batches,
                  "param_dtype": plan.recipe.param_dtype, "compute_dtype": plan.recipe.compute_dtype},

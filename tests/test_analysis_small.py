@@ -1,0 +1,90 @@
+"""The planner's estimates against XLA on the `small` model, 8 simulated devices, every built-in recipe.
+
+One module-scoped fixture compiles each recipe's train step once; the memory, collective and
+step-time ranking checks all reuse it. Tables are printed (``pytest -s``) for the report.
+"""
+
+import jax
+import optax
+import pytest
+
+import meshtrain as mt
+from meshtrain.analysis import (MeasuredMemory, analytic_collectives, compare_rankings, compile_recipe,
+                                estimate_memory, estimate_step_time, hlo_collectives, per_axis, per_axis_estimate,
+                                time_round_robin)
+
+RECIPES = ("dp", "fsdp", "zero1", "hsdp", "tp", "fsdp_tp", "fsdp_tp_sp")
+B, T = 16, 128
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = mt.models.get_config("small")
+    abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-3))
+    runs = {name: compile_recipe(abstract, mt.get_recipe(name), cfg, B, T, devices=jax.devices()[:8])
+            for name in RECIPES}
+    return cfg, runs
+
+
+def test_peak_memory_estimate_within_10_percent_of_xla(small):
+    cfg, runs = small
+    rows = []
+    for name, run in runs.items():
+        est = estimate_memory(run.plan, cfg).total
+        measured = MeasuredMemory.of(run.compiled).peak
+        rows.append((name, est, measured, est / measured - 1))
+    print("\nrecipe       estimate MiB  measured MiB  error")
+    for name, est, measured, err in rows:
+        print(f"{name:12s} {est / 2**20:12.2f} {measured / 2**20:13.2f} {err:+7.1%}")
+    bad = [(n, f"{e:+.1%}") for n, _, _, e in rows if abs(e) > TOLERANCE]
+    assert not bad, f"memory estimate off by more than {TOLERANCE:.0%}: {bad}"
+
+
+def test_estimate_components_add_up_and_parameters_match_the_compiled_arguments(small):
+    cfg, runs = small
+    for name, run in runs.items():
+        est = estimate_memory(run.plan, cfg)
+        assert est.total == sum(b for _, b in est.components)
+        ma = run.compiled.memory_analysis()
+        per = run.plan.per_device_bytes()
+        # Arguments are exactly parameters + optimizer state + batch (+ the step counter).
+        assert abs(ma.argument_size_in_bytes - (per["params"] + per["optimizer"] + per["batch"])) <= 64, name
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp", "tp"])
+def test_hlo_collective_bytes_agree_with_the_analytic_inventory(small, name):
+    cfg, runs = small
+    run = runs[name]
+    hlo = per_axis(hlo_collectives(run.compiled.as_text(), run.plan.mesh))
+    ana = per_axis_estimate(analytic_collectives(run.plan, cfg, "cpu"))
+    print(f"\n{name}: HLO {hlo}\n{name}: analytic {ana}")
+    assert set(ana) == set(hlo), (name, set(ana), set(hlo))
+    for axes, kinds in hlo.items():
+        assert ana[axes]["total"] == pytest.approx(kinds["total"], rel=TOLERANCE), (name, axes)
+        for kind, nbytes in kinds.items():
+            if nbytes > 0.05 * kinds["total"]:  # every kind that carries a real share of the bytes
+                assert ana[axes].get(kind, 0) == pytest.approx(nbytes, rel=TOLERANCE), (name, axes, kind)
+
+
+def test_collectives_of_the_other_recipes_agree_per_axis(small):
+    cfg, runs = small
+    for name in ("zero1", "hsdp", "fsdp_tp", "fsdp_tp_sp"):
+        run = runs[name]
+        hlo = per_axis(hlo_collectives(run.compiled.as_text(), run.plan.mesh))
+        ana = per_axis_estimate(analytic_collectives(run.plan, cfg, "cpu"))
+        total = sum(v["total"] for v in hlo.values())
+        for axes, kinds in hlo.items():
+            if kinds["total"] > 0.05 * total:
+                assert ana.get(axes, {}).get("total", 0) == pytest.approx(kinds["total"], rel=TOLERANCE), (name, axes)
+
+
+def test_cpu_ranking_by_estimated_step_time_matches_measured_steps(small):
+    cfg, runs = small
+    estimates = {n: estimate_step_time(r.plan, cfg, "cpu").step_s for n, r in runs.items()}
+    times = time_round_robin(list(runs.values()), rounds=3, warmup=1)
+    cmp = compare_rankings(estimates, times)
+    print("\nestimated:", " < ".join(cmp.estimated_order), "\nmeasured: ", " < ".join(cmp.measured_order),
+          f"\nKendall tau {cmp.kendall_tau:+.2f}; distinguishable {cmp.distinguishable}; ties {cmp.ties}")
+    assert cmp.distinguishable, f"no recipe pair was measurably different (too noisy?): {times}"
+    assert cmp.agrees, f"estimate orders measurably different recipes the other way: {cmp.disagreements}"
