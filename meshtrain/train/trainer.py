@@ -61,24 +61,28 @@ def _default_run_dir(cfg: TrainConfig) -> str:
 
 
 class _StopFlag:
-    """SIGTERM → finish the current step, save, exit 0. Multi-process runs agree on the step through
-    JAX's preemption sync point (every process sees the same answer for the same step)."""
+    """SIGTERM → finish the current step, save, exit 0; every process stops after the same step.
+
+    One process: a Python SIGTERM handler sets the flag. Several processes: see
+    :class:`meshtrain.distributed.StopAgreement` (JAX's preemption sync point by default, which
+    catches SIGTERM from the moment ``jax.distributed`` starts; else a per-step max of the flags).
+    """
 
     def __init__(self):
+        from meshtrain.distributed import StopAgreement
+
         self.requested = False
         self._previous = None
-        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+        self.agreement = StopAgreement.current()
+        if self.agreement.needs_handler and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
 
     def should_stop(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            return bool(multihost_utils.reached_preemption_sync_point(step)) or self.requested
-        return self.requested
+        """Call after every step on every process (the same steps everywhere); True: save and stop."""
+        return self.agreement.should_stop(step, self.requested)
 
     def restore(self):
         if self._previous is not None:
@@ -168,6 +172,7 @@ class Trainer:
         first_loss = final_loss = eval_loss = None
         skips = 0
         preempted = False
+        clock.add("setup_s", clock.elapsed())  # plan, data, init or restore
         try:
             batch = next(it)
             t0 = time.perf_counter()
@@ -317,9 +322,19 @@ class Trainer:
 
 
 def _devices(requested: Optional[int]):
+    """All devices, or the first ``requested``: of the machine, or of each process in a multi-process
+    run (``--devices`` counts per process there, like the CPU simulation's device count)."""
     devices = jax.devices()
     if requested is None:
         return devices
+    if jax.process_count() > 1:
+        mine = [d for d in devices if d.process_index == jax.process_index()]
+        if requested > len(mine):
+            raise ConfigError(f"--devices {requested} (per process) but process {jax.process_index()} has only "
+                              f"{len(mine)} {mine[0].platform} devices; lower --devices")
+        chosen = {d.id for p in range(jax.process_count())
+                  for d in [d for d in devices if d.process_index == p][:requested]}
+        return [d for d in devices if d.id in chosen]
     if requested > len(devices):
         raise ConfigError(f"--devices {requested} but only {len(devices)} {devices[0].platform} devices exist")
     return devices[:requested]
