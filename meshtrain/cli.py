@@ -16,8 +16,11 @@ COMMANDS = ("recipes", "plan", "train", "ckpt", "launch")
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=None,
-                        help="number of devices; without an accelerator, simulate this many CPU devices "
-                             "(default: all accelerators, or 8 CPU devices)")
+                        help="number of devices (per process in a multi-process run); without an accelerator, "
+                             "simulate this many CPU devices (default: all accelerators, or 8 CPU devices)")
+    from meshtrain.distributed import add_distributed_args
+
+    add_distributed_args(parser)
 
 
 def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
@@ -68,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from meshtrain import distributed
     from meshtrain.errors import MeshtrainError
 
     parser = build_parser()
@@ -75,13 +79,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if getattr(args, "setup_devices", True):
             setup_devices(getattr(args, "devices", None))
+            # Before any backend starts: MESHTRAIN_* variables, flags or the cluster may ask for it.
+            distributed.initialize(distributed.config_from_args(args))
         return int(args.run(args) or 0)
     except MeshtrainError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        where = distributed.current()
+        print(f"error: {f'[process {where.process_id}] ' if where else ''}{exc}", file=sys.stderr)
+        return _leave(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return _leave(130)
+    except Exception:
+        if not distributed.is_multiprocess():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return _leave(1)
+
+
+def _leave(code: int) -> int:
+    """In a multi-process run, a failing process leaves at once: a normal exit would wait in
+    jax.distributed's shutdown barrier for peers that are themselves waiting for it."""
+    from meshtrain import distributed
+
+    if distributed.is_multiprocess():
+        distributed.exit_now(code)
+    return code
 
 
 if __name__ == "__main__":
