@@ -1,5 +1,218 @@
-"""``meshtrain launch``: not built yet."""
+"""``meshtrain launch``: run a meshtrain command as N cooperating processes on this machine.
+
+Example (2 processes × 4 simulated CPU devices = one 8-device mesh)::
+
+    meshtrain launch --processes 2 --devices-per-process 4 -- train --model tiny --recipe hsdp --steps 10
+
+Every process gets ``MESHTRAIN_COORDINATOR=127.0.0.1:PORT``, ``MESHTRAIN_NUM_PROCESSES=N``,
+``MESHTRAIN_PROCESS_ID=i`` and ``JAX_NUM_CPU_DEVICES=M`` (JAX on CPU; gloo collectives). Process 0
+writes to this terminal as usual; the lines every process writes to stderr (and the others to
+stdout) carry a ``[i]`` prefix. SIGTERM / SIGINT / SIGHUP sent to the launcher go to every process
+(SIGTERM: all stop after the same step, save a checkpoint and exit 0). When one process fails, the
+others get SIGTERM and, after ``--grace`` seconds, SIGKILL; the launcher exits with the first
+failure's status (128 + signal for a process killed by a signal), else 0.
+For clusters use the templates in ``recipes/launch/`` (SLURM, GKE/JobSet) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+#: Flags of the launched command that the launcher sets itself.
+_OWNED = ("--coordinator", "--num-processes", "--process-id", "--distributed")
 
 
 def add_parser(sub):
-    pass
+    p = sub.add_parser("launch", help="run a command as N local processes (multi-process on one machine)",
+                       description=__doc__.split("\n\n")[0] + " Example: meshtrain launch --processes 2 "
+                       "--devices-per-process 4 -- train --model tiny --recipe hsdp --steps 10",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--processes", type=int, required=True, help="number of processes to start")
+    p.add_argument("--devices-per-process", type=int, default=None,
+                   help="simulated CPU devices in each process (default: 8, or JAX_NUM_CPU_DEVICES)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--init-timeout", type=float, default=60.0,
+                   help="seconds each process waits for the coordinator and its peers (default 60)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="after a failure, seconds the other processes get between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the meshtrain command to run in every process, after --, e.g. -- train --steps 10")
+    p.set_defaults(run=run, setup_devices=False)
+
+
+def _command(args) -> List[str]:
+    from meshtrain.cli import COMMANDS
+    from meshtrain.errors import ConfigError
+
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if args.processes < 1:
+        raise ConfigError(f"--processes {args.processes}: give at least 1")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        raise ConfigError(f"--devices-per-process {args.devices_per_process}: give at least 1")
+    if not cmd or cmd[0] not in COMMANDS or cmd[0] == "launch":
+        raise ConfigError(f"give the meshtrain command to launch after --, e.g. `meshtrain launch --processes 2 "
+                          f"-- train --steps 10` (one of: {', '.join(c for c in COMMANDS if c != 'launch')})"
+                          + (f"; got {cmd[0]!r}" if cmd else ""))
+    for flag in _OWNED:
+        if any(a == flag or a.startswith(flag + "=") for a in cmd):
+            raise ConfigError(f"{flag} is set by `meshtrain launch` for each process; remove it from the command")
+    for i, a in enumerate(cmd):
+        if a == "--devices" or a.startswith("--devices="):
+            value = a.partition("=")[2] or (cmd[i + 1] if i + 1 < len(cmd) else "")
+            if args.devices_per_process is not None and value != str(args.devices_per_process):
+                raise ConfigError(f"--devices {value} in the command and --devices-per-process "
+                                  f"{args.devices_per_process} disagree; give the per-process count once")
+    return cmd
+
+
+class _Relay(threading.Thread):
+    """Copies a child's pipe to our stream line by line with a ``[i] `` prefix."""
+
+    lock = threading.Lock()
+
+    def __init__(self, pipe, out, prefix: bytes):
+        super().__init__(daemon=True)
+        self.pipe, self.out, self.prefix = pipe, out, prefix
+
+    def run(self):
+        for line in iter(self.pipe.readline, b""):
+            with self.lock:
+                self.out.write(self.prefix + line)
+                self.out.flush()
+        self.pipe.close()
+
+
+def _status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _say(text: str) -> None:
+    with _Relay.lock:
+        sys.stderr.buffer.write(f"[launch] {text}\n".encode())
+        sys.stderr.buffer.flush()
+
+
+class ProcessGroup:
+    """N child processes supervised together: output relayed with ``[i]`` prefixes, signals forwarded,
+    the others stopped (SIGTERM, then SIGKILL after ``grace`` seconds) when one fails.
+
+    ``ProcessGroup([argv0, argv1], [env0, env1], grace=10).run()`` returns the first failure's exit
+    status (``128 + signal`` for a process killed by a signal), or 0 when every process succeeded.
+    """
+
+    def __init__(self, argvs: List[List[str]], envs: List[dict], grace: float = 10.0, quiet: bool = False):
+        self.argvs, self.envs, self.grace, self.quiet = argvs, envs, grace, quiet
+        self.procs: List[subprocess.Popen] = []
+        self._relays: List[_Relay] = []
+        self._signals = 0
+
+    def start(self) -> None:
+        out, err = sys.stdout.buffer, sys.stderr.buffer
+        sys.stdout.flush()
+        for i, (argv, env) in enumerate(zip(self.argvs, self.envs)):
+            # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
+            p = subprocess.Popen(argv, env=env, stdout=None if i == 0 else subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+            self.procs.append(p)
+            prefix = f"[{i}] ".encode()
+            self._relays.append(_Relay(p.stderr, err, prefix))
+            if i:
+                self._relays.append(_Relay(p.stdout, out, prefix))
+        for r in self._relays:
+            r.start()
+
+    def forward(self, signum, frame=None) -> None:
+        """Send ``signum`` to every live process; a second SIGINT/SIGHUP becomes SIGKILL."""
+        self._signals += 1
+        sig = signum if self._signals == 1 or signum == signal.SIGTERM else signal.SIGKILL
+        for p in self.procs:
+            self._send(p, sig)
+
+    @staticmethod
+    def _send(p: subprocess.Popen, sig) -> None:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def supervise(self) -> int:
+        first: Optional[tuple] = None
+        kill_at: Optional[float] = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if first is None:
+                failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
+                if failed:
+                    first = failed[0]
+                    live = [j for j, c in enumerate(codes) if c is None]
+                    self._say(f"process {first[0]} exited with status {_status(first[1])}"
+                              + (f"; stopping processes {', '.join(map(str, live))} (SIGTERM, SIGKILL after "
+                                 f"{self.grace:g} s)" if live else ""))
+                    for j in live:
+                        self._send(self.procs[j], signal.SIGTERM)
+                    kill_at = time.monotonic() + self.grace
+            if all(c is not None for c in codes):
+                break
+            if kill_at is not None and time.monotonic() >= kill_at:
+                for j, p in enumerate(self.procs):
+                    if p.poll() is None:
+                        self._say(f"process {j} did not stop within {self.grace:g} s; killing it")
+                        p.kill()
+                kill_at = None
+            time.sleep(0.05)
+        return _status(first[1]) if first else 0
+
+    def close(self) -> None:
+        for p in self.procs:  # never leave a child behind (e.g. the launcher itself failed)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for r in self._relays:
+            r.join(timeout=5)
+
+    def run(self) -> int:
+        """Start, forward SIGTERM/SIGINT/SIGHUP while waiting, return the exit status."""
+        previous = {s: signal.signal(s, self.forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            self.start()
+            self._say(f"{len(self.procs)} processes: pids {' '.join(str(p.pid) for p in self.procs)}")
+            return self.supervise()
+        finally:
+            self.close()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            _say(text)
+
+
+def run(args) -> int:
+    from meshtrain import distributed
+
+    cmd = _command(args)
+    n = args.processes
+    port = args.port or distributed.free_port()
+    env = dict(os.environ)
+    for name in (distributed.ENV_BIND, "JAX_COORDINATOR_ADDRESS"):
+        env.pop(name, None)
+    env.update({distributed.ENV_MODE: "on", distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                distributed.ENV_NUM_PROCESSES: str(n), distributed.ENV_TIMEOUT: f"{args.init_timeout:g}",
+                "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
+    if args.devices_per_process is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(args.devices_per_process)
+    _say(f"coordinator 127.0.0.1:{port}")
+    argv = [sys.executable, "-m", "meshtrain", *cmd]
+    group = ProcessGroup([argv] * n, [dict(env, **{distributed.ENV_PROCESS_ID: str(i)}) for i in range(n)],
+                         grace=args.grace)
+    return group.run()
