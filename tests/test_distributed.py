@@ -1,0 +1,252 @@
+"""Several processes (issue 6), each case in subprocesses on 127.0.0.1 with simulated CPU devices.
+
+2 processes × 4 devices must train exactly like 1 process × 8 devices; checkpoints move between
+process counts and meshes; SIGTERM to one process stops both at the same step; an unreachable
+coordinator fails in time with its address. Runs share one persistent compilation cache (a fresh
+folder per test session) so identical programs compile once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from meshtrain.distributed import free_port
+
+RTOL = 1e-5  # f32 parity (DESIGN.md)
+STEPS, CKPT_AT = 10, 5
+TRAIN = ["train", "--model", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--seed", "0",
+         "--eval-every", "0", "--progress", "none", "--compute-dtype", "float32"]
+TIMEOUT_S = 600  # a hung run fails the test instead of the suite
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MESHTRAIN_", "JAX_", "SLURM_", "OMPI_"))}
+    base.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return base
+
+
+def meshtrain(env, *args, check=True):
+    """``python -m meshtrain ARGS`` in a subprocess; returns the CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-m", "meshtrain", *args], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"meshtrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def launch(env, *args, processes=2, devices=4, check=True):
+    return meshtrain(env, "launch", "--processes", str(processes), "--devices-per-process", str(devices),
+                     "--init-timeout", "120", "--", *args, check=check)
+
+
+def records(run_dir: Path):
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(run_dir: Path):
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+def events(run_dir: Path, name: str):
+    return [r for r in records(run_dir) if r.get("event") == name]
+
+
+def assert_same_losses(got: dict, want: dict, steps):
+    assert steps and set(steps) <= set(got), f"steps {sorted(steps)} missing from {sorted(got)}"
+    bad = {s: (got[s], want[s]) for s in steps if abs(got[s] - want[s]) > RTOL * abs(want[s])}
+    assert not bad, f"losses differ beyond rtol {RTOL} (step: got, want): {bad}"
+
+
+def copy_step(src_run: Path, step: int, dst_run: Path) -> None:
+    """A fresh run folder holding only checkpoint ``step`` of ``src_run``."""
+    shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
+
+
+@pytest.fixture(scope="module")
+def baseline(env, tmp_path_factory):
+    """1 process × 8 devices, fsdp, checkpoints every 5 steps."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    meshtrain(env, *TRAIN, "--recipe", "fsdp", "--devices", "8", "--ckpt-every", str(CKPT_AT), "--out", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_fsdp(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-fsdp") / "run"
+    launch(env, *TRAIN, "--recipe", "fsdp", "--ckpt-every", str(CKPT_AT), "--out", str(out))
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["fsdp", "hsdp"])
+def test_two_processes_train_like_one(recipe, env, baseline, two_fsdp, tmp_path):
+    """2 processes × 4 devices: the same losses as 1 process × 8 (fsdp and hsdp give the same math)."""
+    if recipe == "fsdp":
+        run = two_fsdp
+    else:
+        run = tmp_path / "run"
+        launch(env, *TRAIN, "--recipe", recipe, "--out", str(run))
+    want = losses(baseline)
+    assert sorted(want) == list(range(1, STEPS + 1))
+    assert_same_losses(losses(run), want, range(1, STEPS + 1))
+    assert json.loads((run / "plan.json").read_text())["recipe"] == recipe
+    assert events(run, "summary")[-1]["steps"] == STEPS
+
+
+def test_checkpoint_from_one_process_resumes_in_two(env, baseline, tmp_path):
+    """Saved by 1 process on fsdp=8, restored by 2 processes on hsdp (data=2 × fsdp=4)."""
+    run = tmp_path / "run"
+    copy_step(baseline, CKPT_AT, run)
+    launch(env, *TRAIN, "--recipe", "hsdp", "--resume", "--out", str(run))
+    assert [e["restored_step"] for e in events(run, "restart")] == [CKPT_AT]
+    got = losses(run)
+    assert sorted(got) == list(range(CKPT_AT + 1, STEPS + 1))
+    assert_same_losses(got, losses(baseline), range(CKPT_AT + 1, STEPS + 1))
+
+
+def _spawn_two(env, args, port, logs: Path):
+    """Two processes started the cluster way: MESHTRAIN_* variables, no launcher."""
+    procs = []
+    for i in range(2):
+        child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
+                     MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
+        procs.append(subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=child,
+                                      stdout=open(logs / f"out{i}.txt", "w"), stderr=open(logs / f"err{i}.txt", "w")))
+    return procs
+
+
+def _tail(logs: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(logs.glob("*.txt")))
+
+
+@pytest.fixture(scope="module")
+def preempted(env, tmp_path_factory):
+    """2 processes on fsdp; SIGTERM to process 1 only, once the plan is built (training under way)."""
+    root = tmp_path_factory.mktemp("sigterm")
+    run = root / "run"
+    procs = _spawn_two(env, [*TRAIN, "--recipe", "fsdp", "--ckpt-every", str(10 * STEPS), "--out", str(run)],
+                       free_port(), root)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run / "plan.json").exists():
+        assert all(p.poll() is None for p in procs), f"a process ended before training:\n{_tail(root)}"
+        assert time.monotonic() < deadline, f"no plan.json after {TIMEOUT_S} s:\n{_tail(root)}"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    try:
+        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return run, codes, root
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step(preempted):
+    run, codes, logs = preempted
+    assert codes == [0, 0], f"exit codes {codes}\n{_tail(logs)}"
+    stops = events(run, "preempted")
+    assert len(stops) == 1, f"no preemption recorded (the run finished first?):\n{_tail(logs)}"
+    step = stops[0]["step"]
+    assert 1 <= step < STEPS
+    assert sorted(losses(run)) == list(range(1, step + 1))
+    # One complete checkpoint at that step, written by both processes (one shard folder each).
+    ckpts = run / "checkpoints"
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [step]
+    assert sorted(p.name for p in (ckpts / str(step) / "state").glob("ocdbt.process_*")) == \
+        ["ocdbt.process_0", "ocdbt.process_1"]
+    assert (ckpts / str(step) / "commit_success.txt").exists()
+
+
+def test_preempted_two_process_checkpoint_resumes_in_one_process(env, preempted, baseline):
+    """``--resume`` continues the preempted 2-process run in 1 process on another mesh (hsdp
+    data=2 × fsdp=4 instead of fsdp 2×4) with the losses of the uninterrupted run."""
+    run, codes, logs = preempted
+    stops = events(run, "preempted")
+    assert codes == [0, 0] and stops, f"the preempted run failed:\n{_tail(logs)}"
+    step = stops[0]["step"]
+    meshtrain(env, *TRAIN, "--recipe", "hsdp", "--devices", "8", "--resume", "--out", str(run))
+    assert [e["restored_step"] for e in events(run, "restart")] == [step]
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_same_losses(got, losses(baseline), range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("process_id, expect", [("1", "cannot reach the coordinator"),
+                                                 ("0", "not all 2 processes joined")])
+def test_missing_coordinator_or_peers_fail_in_time_naming_the_address(process_id, expect, env, tmp_path):
+    """Process 1 with nobody listening at the coordinator address, and process 0 whose peer never
+    comes: both stop after the timeout with exit 2 and a message naming the address and timeout."""
+    port = free_port()
+    timeout_s = 2.0
+    child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
+                 MESHTRAIN_PROCESS_ID=process_id, MESHTRAIN_INIT_TIMEOUT=str(timeout_s), JAX_NUM_CPU_DEVICES="4")
+    t0 = time.monotonic()
+    proc = meshtrain(child, *TRAIN, "--out", str(tmp_path / "run"), check=False)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expect in proc.stderr, proc.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in proc.stderr and f"within {timeout_s:g} s" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert elapsed >= timeout_s
+    # Interpreter start-up and imports come on top of the timeout; the wait itself is bounded.
+    assert elapsed < timeout_s + 30, f"took {elapsed:.1f} s for a {timeout_s:g} s timeout"
+    assert not (tmp_path / "run").exists()
+
+
+HYBRID = textwrap.dedent("""
+    import json, sys
+    from meshtrain import distributed
+    info = distributed.initialize()
+    import jax
+    from meshtrain import get_recipe
+    devices = jax.devices()
+    spec = distributed.auto_dcn(get_recipe("hsdp").mesh, devices)
+    mesh = spec.build(devices)
+    explicit = distributed.split_dcn(get_recipe("hsdp").mesh, len(devices), {"data": 2}).build(devices)
+    print(json.dumps({
+        "process": info.process_id, "granules": distributed.granules(devices),
+        "dcn": dict(spec.dcn), "ici": dict(spec.ici), "shape": dict(mesh.shape),
+        "same": (mesh.devices == explicit.devices).all().item(),
+        "rows": [sorted({d.process_index for d in row.flat}) for row in mesh.devices]}))
+""")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="MeshSpec.build sends CPU devices (all slice_index 0) to create_hybrid_device_mesh; "
+                          "needs the mesh.py diff in /work/drafts/distributed-mesh.diff (then drop this marker)")
+def test_hsdp_replicas_across_processes_fsdp_within(env, tmp_path):
+    """``auto_dcn``: with 2 processes, hsdp puts ``data`` on DCN (one replica per process) and
+    ``fsdp`` within each process; ``MeshSpec.build`` groups the CPU devices by process."""
+    script = tmp_path / "hybrid.py"
+    script.write_text(HYBRID)
+    port = free_port()
+    procs = []
+    for i in range(2):
+        child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
+                     MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=child, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for i, r in enumerate(results):
+        assert r["process"] == i and r["granules"] == 2
+        assert r["dcn"] == {"data": 2} and r["ici"] == {"data": 1, "fsdp": 4}
+        assert r["shape"] == {"data": 2, "fsdp": 4}
+        assert r["rows"] == [[0], [1]]  # replica p lives on process p
+        assert r["same"]
