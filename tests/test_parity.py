@@ -56,3 +56,13 @@ def test_mesh_override_matches_single_device(baseline):
     losses, plan, _ = run_steps(recipe, mesh, steps=3)
     assert plan.mesh_sizes == {"data": 1, "fsdp": 2, "tensor": 4}
     assert rel_diff(losses, baseline[0][:3]) <= 1e-5
+
+
+def test_tied_embeddings_match_single_device():
+    abstract = tiny_abstract(tie_embeddings=True)
+    assert "lm_head_dv" not in abstract.params
+    one, one_mesh = single_device("dp")
+    base, _, _ = run_steps(one, one_mesh, steps=5, abstract=abstract)
+    recipe, mesh = mesh_for("fsdp_tp_sp")
+    losses, _, _ = run_steps(recipe, mesh, steps=5, abstract=abstract)
+    assert rel_diff(losses, base) <= 1e-5
