@@ -239,11 +239,13 @@ def resolve(config: Optional[DistributedConfig] = None,
     cfg = config or DistributedConfig.from_env(env)
     if cfg.mode is Mode.OFF:
         return None
+    names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
     explicit = (cfg.coordinator, cfg.num_processes, cfg.process_id)
-    found = _from_slurm(env) if None in explicit else None
-    if found is None and None in explicit:
+    found = None
+    if None in explicit:  # complete explicit settings skip every detection
+        found = _from_slurm(env)
         hint = _cluster_hint(env)
-        if hint or (cfg.mode is Mode.ON and None in (cfg.coordinator, cfg.num_processes, cfg.process_id)):
+        if found is None and (hint or cfg.mode is Mode.ON):
             found = _from_jax(hint, cfg.init_timeout_s)
     if found is None and explicit == (None, None, None):
         if cfg.mode is Mode.ON:
@@ -254,12 +256,11 @@ def resolve(config: Optional[DistributedConfig] = None,
     coordinator = cfg.coordinator or (found.coordinator if found else None)
     n = cfg.num_processes if cfg.num_processes is not None else (found.num_processes if found else None)
     pid = cfg.process_id if cfg.process_id is not None else (found.process_id if found else None)
-    missing = [name for name, v in ((ENV_COORDINATOR, coordinator), (ENV_NUM_PROCESSES, n),
-                                    (ENV_PROCESS_ID, pid)) if v is None]
+    missing = [name for name, v in zip(names, (coordinator, n, pid)) if v is None]
     if missing:
-        raise DistributedError(f"multi-process start-up needs {', '.join(missing)} too (given: "
-                               f"{', '.join(f'{k}={v}' for k, v in zip((ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID), explicit) if v is not None)}); "
-                               f"set them (or the --coordinator / --num-processes / --process-id flags) on every process")
+        given = ", ".join(f"{k}={v}" for k, v in zip(names, explicit) if v is not None)
+        raise DistributedError(f"multi-process start-up needs {', '.join(missing)} too (given: {given}); set them "
+                               f"(or the --coordinator / --num-processes / --process-id flags) on every process")
     if not 0 <= pid < n:
         raise DistributedError(f"process id {pid} is outside 0..{n - 1} for {n} processes; give each process a "
                                f"distinct {ENV_PROCESS_ID} from 0 to {n - 1}")

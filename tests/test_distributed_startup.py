@@ -136,3 +136,16 @@ def test_dcn_that_does_not_fit_is_explained():
         dist.split_dcn(get_recipe("hsdp").mesh, 8, {"data": 3})
     with pytest.raises(MeshError, match="not part of this mesh"):
         dist.split_dcn(get_recipe("fsdp").mesh, 8, {"data": 2})
+
+
+def test_cli_flags_reach_the_start_up():
+    from meshtrain.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "1",
+                                      "--init-timeout", "5", "--coordinator-bind", "0.0.0.0:1"])
+    cfg = dist.config_from_args(args)
+    assert (cfg.init_timeout_s, cfg.bind) == (5.0, "0.0.0.0:1")
+    c = dist.resolve(cfg, environ={})
+    assert (c.coordinator, c.num_processes, c.process_id) == ("h:1", 2, 1)
+    off = dist.config_from_args(build_parser().parse_args(["train", "--distributed", "off"]))
+    assert dist.resolve(off, environ=EXPLICIT) is None
