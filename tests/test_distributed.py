@@ -207,6 +207,69 @@ def test_missing_coordinator_or_peers_fail_in_time_naming_the_address(process_id
     assert not (tmp_path / "run").exists()
 
 
+DATA = textwrap.dedent("""
+    import json
+    import numpy as np
+    from meshtrain import distributed
+    info = distributed.initialize()
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from meshtrain.data import BatchIterator, load_source
+    from meshtrain.data.loader import KEYS
+    mine = lambda p: [d for d in jax.devices() if d.process_index == p]
+    layouts = {"contiguous": mine(0) + mine(1),                               # process p: rows 4p..4p+3
+               "interleaved": mine(0)[:2] + mine(1)[:2] + mine(0)[2:] + mine(1)[2:]}  # process 0: 0,1,4,5
+    source, out = load_source(None), {}
+    for name, order in layouts.items():
+        mesh = Mesh(np.array(order), ("data",))
+        shardings = {k: NamedSharding(mesh, PartitionSpec("data")) for k in KEYS}
+        it = BatchIterator(source, 8, 16, seed=3, shardings=shardings, prefetch=0)
+        ref = BatchIterator(source, 8, 16, seed=3, prefetch=0)  # one process, numpy: the whole batch
+        equal = []
+        for _ in range(3):
+            got, want = next(it), next(ref)
+            equal += [bool((np.asarray(multihost_utils.process_allgather(got[k], tiled=True)) == want[k]).all())
+                      for k in KEYS]
+        out[name] = {"rows": it._rows.tolist(), "equal": all(equal), "samples_seen": it.state()["samples_seen"]}
+    print(json.dumps({"process": info.process_id, **out}))
+""")
+
+
+def _run_script(env, script, tmp_path):
+    """Run ``script`` as 2 processes × 4 CPU devices; returns each process's last stdout line as JSON."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    port = free_port()
+    procs = []
+    for i in range(2):
+        child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
+                     MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
+        procs.append(subprocess.Popen([sys.executable, str(path)], env=child, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_each_process_reads_only_its_rows_and_the_global_batch_is_whole(env, tmp_path):
+    """The per-process loader: each process packs only the rows its devices hold (contiguous or
+    not), and the assembled global arrays equal the one-process batches; the position is global."""
+    results = _run_script(env, DATA, tmp_path)
+    assert results[0]["contiguous"]["rows"] == [0, 1, 2, 3] and results[1]["contiguous"]["rows"] == [4, 5, 6, 7]
+    assert results[0]["interleaved"]["rows"] == [0, 1, 4, 5] and results[1]["interleaved"]["rows"] == [2, 3, 6, 7]
+    for r in results:
+        for layout in ("contiguous", "interleaved"):
+            assert r[layout]["equal"], (r["process"], layout)
+            assert r[layout]["samples_seen"] == 3 * 8
+
+
 HYBRID = textwrap.dedent("""
     import json, sys
     from meshtrain import distributed
@@ -231,19 +294,7 @@ HYBRID = textwrap.dedent("""
 def test_hsdp_replicas_across_processes_fsdp_within(env, tmp_path):
     """``auto_dcn``: with 2 processes, hsdp puts ``data`` on DCN (one replica per process) and
     ``fsdp`` within each process; ``MeshSpec.build`` groups the CPU devices by process."""
-    script = tmp_path / "hybrid.py"
-    script.write_text(HYBRID)
-    port = free_port()
-    procs = []
-    for i in range(2):
-        child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
-                     MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=child, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-4000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    results = _run_script(env, HYBRID, tmp_path)
     for i, r in enumerate(results):
         assert r["process"] == i and r["granules"] == 2
         assert r["dcn"] == {"data": 2} and r["ici"] == {"data": 1, "fsdp": 4}
