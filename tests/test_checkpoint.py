@@ -15,8 +15,8 @@ from helpers import TINY_BATCH, TINY_SEQ, mesh_for, tiny_abstract
 from jax.sharding import NamedSharding
 
 import meshtrain as mt
-from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Restored, SaveResult,
-                                  StepStatus, inspect_checkpoint, integrity)
+from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Compression, Restored,
+                                  SaveResult, StepStatus, inspect_checkpoint, integrity)
 
 
 def host(state):
@@ -102,6 +102,22 @@ def test_sync_save_commits_before_returning(run, tmp_path):
     ckpt.close()
     with pytest.raises(CheckpointError, match="closed"):
         ckpt.maybe_save(2, device(plan, states[2]), data_state={}, metadata={})
+
+
+def test_uncompressed_checkpoints_restore_either_way(run, tmp_path):
+    plan, _, states = run
+    with Checkpointer(tmp_path / "raw", save_every=1, compression=Compression.NONE) as raw, \
+            Checkpointer(tmp_path / "zstd", save_every=1) as zstd:
+        for ckpt in (raw, zstd):
+            ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
+            ckpt.wait()
+        assert inspect_checkpoint(tmp_path / "raw")["compression"] == "none"
+        assert_bit_exact(states[1], raw.restore(plan).state)
+        assert_bit_exact(states[1], zstd.restore(plan).state)
+    with Checkpointer(tmp_path / "zstd", save_every=1, compression="none") as reader:   # reads zstd chunks
+        assert_bit_exact(states[1], reader.restore(plan).state)
+    with pytest.raises(CheckpointError, match="compression='lz4': use one of"):
+        Checkpointer(tmp_path / "x", save_every=1, compression="lz4")
 
 
 def test_interval_and_retention_keep_last_plus_every_kth(run, tmp_path):

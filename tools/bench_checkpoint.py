@@ -11,7 +11,8 @@ What is measured (same state, same folder, same process):
 * sync save: ``Checkpointer(async_save=False).maybe_save`` wall time until the step is committed
   with its manifest (write + SHA-256 of every file + rename); throughput = state bytes / time.
 * async save inside a training loop: ``SaveResult.blocking_s`` of each save (the stall: the loop
-  cannot run while Orbax takes the arrays' host copies and starts its writer), the same counting
+  cannot run while Orbax takes the arrays' host copies and starts its writer; the loop waits for
+  every device to finish the step first, so step compute is not counted as stall), the same counting
   every ``maybe_save`` call (calls between saves collect the finished save and apply retention), and
   the loop's extra time per save compared with the same steps without saving (``loop_overhead``:
   the writer thread competes with the step for CPU cores; the final ``wait()`` is excluded).
@@ -37,7 +38,7 @@ jax.config.update("jax_num_cpu_devices", int(os.environ.get("BENCH_DEVICES", "8"
 import optax  # noqa: E402
 
 import meshtrain as mt  # noqa: E402
-from meshtrain.checkpoint import Checkpointer  # noqa: E402
+from meshtrain.checkpoint import Checkpointer, Compression  # noqa: E402
 
 CHUNK = 8 << 20
 
@@ -98,6 +99,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="sync saves and raw writes to take the median of")
     ap.add_argument("--saves", type=int, default=3, help="async saves in the training loop")
     ap.add_argument("--every", type=int, default=4, help="training steps between async saves")
+    ap.add_argument("--compression", choices=[c.value for c in Compression], default="zstd",
+                    help="chunk compression of the checkpoints (zstd: Orbax's default)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--max-stall-ratio", type=float, default=None,
                     help="exit 1 when the async stall exceeds this fraction of the sync save (e.g. 0.05)")
@@ -117,7 +120,8 @@ def main(argv=None) -> dict:
         raw_buffered = statistics.median(raw_write(root, nbytes, False) for _ in range(args.repeats))
 
         sync_times = []
-        with Checkpointer(root / "sync", save_every=1, keep_last=1, async_save=False) as ckpt:
+        with Checkpointer(root / "sync", save_every=1, keep_last=1, async_save=False,
+                          compression=args.compression) as ckpt:
             for i in range(1, args.repeats + 1):
                 t0 = time.perf_counter()
                 ckpt.maybe_save(i, state, data_state={}, metadata=meta)
@@ -130,13 +134,15 @@ def main(argv=None) -> dict:
         for i in range(1, steps + 1):
             state, m = step_fn(state, batch_for(plan, i))
             float(m["loss"])                                    # a real loop reads its metrics
+            jax.block_until_ready(state)                        # (all devices done: the same in both loops)
         loop_plain = time.perf_counter() - t0
         stalls, other_calls = [], 0.0
-        with Checkpointer(root / "async", save_every=args.every, keep_last=1) as ckpt:
+        with Checkpointer(root / "async", save_every=args.every, keep_last=1, compression=args.compression) as ckpt:
             t0 = time.perf_counter()
             for i in range(1, steps + 1):
                 state, m = step_fn(state, batch_for(plan, i))
                 float(m["loss"])
+                jax.block_until_ready(state)                    # blocking_s then counts checkpoint work only
                 res = ckpt.maybe_save(i, state, data_state={"step": i}, metadata=meta)
                 if res.saved:
                     stalls.append(res.blocking_s)
@@ -151,7 +157,7 @@ def main(argv=None) -> dict:
         total_stall_per_save = (sum(stalls) + other_calls) / len(stalls)
         out = {
             "device": f"{len(jax.devices())} x {jax.devices()[0].platform}", "cpu_cores": os.cpu_count(),
-            "recipe": plan.recipe.name, "layers": cfg.n_layers, "params": plan.abstract.num_params,
+            "recipe": plan.recipe.name, "compression": args.compression, "layers": cfg.n_layers, "params": plan.abstract.num_params,
             "state_bytes": nbytes, "checkpoint_bytes_on_disk": disk_bytes, "folder": str(root),
             "raw_fsync_s": raw_fsync, "raw_fsync_MBps": nbytes / raw_fsync / 1e6,
             "raw_buffered_s": raw_buffered, "raw_buffered_MBps": nbytes / raw_buffered / 1e6,
@@ -171,7 +177,8 @@ def main(argv=None) -> dict:
     else:
         mb = lambda n: f"{n / 1e6:.1f} MB"  # noqa: E731
         print(f"state {mb(out['state_bytes'])} ({out['params']:,} params, {out['layers']} layers, recipe "
-              f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores); on disk {mb(out['checkpoint_bytes_on_disk'])}")
+              f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores); on disk {mb(out['checkpoint_bytes_on_disk'])} "
+              f"({out['compression']})")
         print(f"raw write      {out['raw_fsync_s']:.3f} s  {out['raw_fsync_MBps']:.0f} MB/s (fsync)   "
               f"{out['raw_buffered_s']:.3f} s  {out['raw_buffered_MBps']:.0f} MB/s (buffered)")
         print(f"sync save      {out['sync_save_s']:.3f} s  {out['sync_save_MBps']:.0f} MB/s  "

@@ -11,8 +11,8 @@ See :mod:`meshtrain.checkpoint.integrity` for the on-disk layout and how steps a
 
 from meshtrain.checkpoint.inspection import inspect_checkpoint, list_checkpoints, resolve_directory
 from meshtrain.checkpoint.manager import Checkpointer
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Restored, SaveResult, StepCheck,
-                                        StepStatus, Verify)
+from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, Restored, SaveResult,
+                                        StepCheck, StepStatus, Verify)
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Restored", "SaveResult", "StepCheck",
-           "StepStatus", "Verify", "inspect_checkpoint", "list_checkpoints", "resolve_directory"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Compression", "Restored", "SaveResult",
+           "StepCheck", "StepStatus", "Verify", "inspect_checkpoint", "list_checkpoints", "resolve_directory"]

@@ -107,6 +107,7 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
         "metadata": user, "tree": tree, "state_bytes": sum(e.get("bytes", 0) for e in tree),
         "saved_unix": meta.get("saved_unix"), "process_count": meta.get("process_count"),
         "device_count": meta.get("device_count"), "versions": meta.get("versions"),
+        "compression": meta.get("compression"),
         "data_state": meta.get("data_state"),
     })
     return info

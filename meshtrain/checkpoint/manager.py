@@ -33,8 +33,8 @@ from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT, read_meta
 from meshtrain.checkpoint.layout import describe_tree, from_nested, mismatch_error, mismatches, state_bytes, to_nested
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Restored, SaveResult, StepCheck,
-                                        StepStatus, Verify)
+from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, Restored, SaveResult,
+                                        StepCheck, StepStatus, Verify)
 
 log = logging.getLogger("meshtrain.checkpoint")
 
@@ -111,12 +111,13 @@ class Checkpointer:
       keep_every: ...plus every step that is a multiple of ``keep_every`` (``None``: none extra).
       async_save: write in a background thread (default); the loop blocks only to copy arrays to host.
         ``False`` blocks until the step is committed and verified.
+      compression: :class:`Compression` of the array chunks (default ``zstd``, Orbax's default).
 
     Next: :meth:`maybe_save` each step, :meth:`restore` on start, :meth:`close` at the end.
     """
 
     def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
-                 async_save: bool = True):
+                 async_save: bool = True, compression: Compression = Compression.ZSTD):
         for name, value, low in (("save_every", save_every, 1), ("keep_last", keep_last, 1)):
             if not isinstance(value, int) or value < low:
                 raise CheckpointError(f"{name}={value!r}: give an integer >= {low}")
@@ -127,6 +128,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint directory {self.directory} is a file; pass a folder")
         self.save_every, self.keep_last, self.keep_every = save_every, keep_last, keep_every
         self.async_save = bool(async_save)
+        try:
+            self.compression = Compression(compression)
+        except ValueError:
+            raise CheckpointError(f"compression={compression!r}: use one of "
+                                  f"{[c.value for c in Compression]}") from None
         self._primary = jax.process_index() == 0
         self._inflight: Optional[int] = None
         self._inflight_meta: Optional[Dict[str, Any]] = None
@@ -158,7 +164,9 @@ class Checkpointer:
             max_to_keep=None, save_interval_steps=1, create=True, cleanup_tmp_directories=False,
             enable_async_checkpointing=True,  # a synchronous save is an async save plus wait()
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
-        return ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        handler = ocp.PyTreeCheckpointHandler(use_compression=self.compression is Compression.ZSTD)
+        return ocp.CheckpointManager(self.directory, item_names=ITEMS, item_handlers={"state": handler},
+                                     options=options)
 
     def _clean_tmp(self, why: str, step: Optional[int] = None) -> List[Path]:
         """Remove temporary step folders (all, or those of ``step``) on process 0."""
@@ -228,9 +236,9 @@ class Checkpointer:
         self._inflight_meta = {
             "format": META_FORMAT, "step": step, "user": metadata, "data_state": data_state,
             "tree": describe_tree(state), "saved_unix": time.time(), "process_count": jax.process_count(),
-            "device_count": jax.device_count(),
+            "device_count": jax.device_count(), "compression": self.compression.value,
             "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")}}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(to_nested(state)))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(state)))
         self._inflight = step
         try:
             self._manager.save(step, args=args, force=True)
@@ -402,7 +410,9 @@ class Checkpointer:
         problems = mismatches(meta["tree"], target, allow_cast=allow_cast)
         if problems:
             raise mismatch_error(step, self.directory, problems, meta.get("user", {}))
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(to_nested(target)))
+        nested = to_nested(target)
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=nested, restore_args=ocp.checkpoint_utils.construct_restore_args(nested)))
         try:
             out = self._manager.restore(step, args=args)
         except Exception as exc:  # noqa: BLE001
@@ -461,7 +471,7 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
-                f"keep_every={self.keep_every}, async_save={self.async_save})")
+                f"keep_every={self.keep_every}, async_save={self.async_save}, compression={self.compression.value})")
 
 
 def _onto_target(state, target):

@@ -123,7 +123,8 @@ def run_inspect(args) -> int:
     versions = info.get("versions") or {}
     print(f"saved {_when(info.get('saved_unix'))} by {info.get('process_count')} process(es) on "
           f"{info.get('device_count')} devices; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    print(f"model {info.get('model') or '-'}  recipe {recipe_text}  seed {info.get('seed')}")
+    print(f"model {info.get('model') or '-'}  recipe {recipe_text}  seed {info.get('seed')}  "
+          f"compression {info.get('compression') or '-'}")
     print(f"data state {json.dumps(info.get('data_state'))}")
     print("items on disk: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in info["items"].items())
           + f"; state {_fmt_bytes(info['state_bytes'])} in memory")
