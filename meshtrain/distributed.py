@@ -384,9 +384,26 @@ def initialize(config: Optional[DistributedConfig] = None, *, environ: Optional[
     return _current
 
 
-def exit_now(code: int) -> None:
-    """Leave a multi-process run at once (after flushing output): the normal exit would wait in
-    ``jax.distributed``'s shutdown barrier for peers that may be stuck waiting for this process."""
+#: Seconds a failing process waits for its peers to leave together before it exits anyway.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def exit_now(code: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Leave a multi-process run with status ``code`` within ``grace_s`` seconds.
+
+    A normal exit waits in ``jax.distributed``'s shutdown barrier (up to minutes) for peers that may
+    be stuck in a collective waiting for this process. This tries that barrier for ``grace_s``
+    seconds only: peers failing the same way (a bad setting) leave together and each reports its
+    own error (process 0 serves the coordination service: leaving first would abort the others
+    before they print), then exits regardless."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if is_multiprocess():
+        import jax
+
+        t = threading.Thread(target=jax.distributed.shutdown, name="meshtrain-shutdown", daemon=True)
+        t.start()
+        t.join(grace_s)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
