@@ -88,7 +88,7 @@ def baseline(env, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_fsdp(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("two-fsdp") / "run"
-    launch(env, *TRAIN, "--recipe", "fsdp", "--ckpt-every", str(CKPT_AT), "--out", str(out))
+    launch(env, *TRAIN, "--recipe", "fsdp", "--out", str(out))
     return out
 
 
