@@ -22,7 +22,7 @@ TOLERANCE = 0.10
 def small():
     cfg = mt.models.get_config("small")
     abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-3))
-    runs = {name: compile_recipe(abstract, mt.get_recipe(name), cfg, B, T, devices=jax.devices()[:8])
+    runs = {name: compile_recipe(abstract, mt.get_recipe(name), cfg, B, T, devices=jax.devices()[:8], init="host")
             for name in RECIPES}
     return cfg, runs
 

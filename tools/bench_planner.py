@@ -48,7 +48,7 @@ def main(argv=None) -> int:
           f"{len(jax.devices())} devices; model {cfg.name}, batch {args.batch_size}×{args.seq_len}")
     runs, out = [], {"model": cfg.name, "batch": [args.batch_size, args.seq_len], "host": host, "recipes": {}}
     for name in args.recipes.split(","):
-        run = compile_recipe(abstract, mt.get_recipe(name), cfg, args.batch_size, args.seq_len)
+        run = compile_recipe(abstract, mt.get_recipe(name), cfg, args.batch_size, args.seq_len, init="host")
         runs.append(run)
         mem_e, mem_m = estimate_memory(run.plan, cfg), MeasuredMemory.of(run.compiled)
         hlo = per_axis(hlo_collectives(run.compiled.as_text(), run.plan.mesh))

@@ -13,7 +13,7 @@ The formulas behind every number are in the docstrings of the modules that compu
 """
 
 from meshtrain.analysis.activations import ActivationModel, ActivationSplit, saved_activations
-from meshtrain.analysis.benchmark import compare_rankings, compile_recipe, time_round_robin
+from meshtrain.analysis.benchmark import StateInit, compare_rankings, compile_recipe, time_round_robin
 from meshtrain.analysis.collectives import Collective, hlo_collectives, per_axis, summarize, wire_bytes
 from meshtrain.analysis.comms import Backend, CollectiveEstimate, analytic_collectives, per_axis_estimate
 from meshtrain.analysis.flops import model_flops_per_token, step_flops
@@ -25,7 +25,7 @@ from meshtrain.analysis.steptime import StepTimeEstimate, estimate_step_time
 
 __all__ = [
     "ActivationModel", "ActivationSplit", "Backend", "Collective", "CollectiveEstimate", "Component", "Fit",
-    "Hardware", "Layout", "MeasuredMemory", "MemoryEstimate", "PROFILES", "StepTimeEstimate", "ZeroStage",
+    "Hardware", "Layout", "MeasuredMemory", "MemoryEstimate", "PROFILES", "StateInit", "StepTimeEstimate", "ZeroStage",
     "analytic_collectives", "compare_rankings", "compile_recipe", "estimate_memory", "estimate_step_time",
     "get_hardware", "hardware_names", "hlo_collectives", "layout_of", "measure_cpu", "model_flops_per_token",
     "per_axis", "per_axis_estimate", "saved_activations", "step_flops", "summarize", "time_round_robin",

@@ -18,11 +18,23 @@ reported but not counted as a disagreement (the model cannot resolve that differ
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import time
 from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
+
+
+class StateInit(str, enum.Enum):
+    """How :func:`compile_recipe` builds the state it times: ``random`` (``init_state``: one more
+    compile), ``host`` (parameters ~ N(0, 0.02²) drawn on the host, optimizer state zero, placed with
+    ``device_put`` on the plan's shardings: no compile; step time does not depend on the values), or
+    ``none`` (compile only)."""
+
+    RANDOM = "random"
+    HOST = "host"
+    NONE = "none"
 
 
 @dataclasses.dataclass
@@ -45,8 +57,9 @@ class CompiledRun:
 
 
 def compile_recipe(abstract, recipe, cfg, batch_size: int, seq_len: int, *, devices=None, name=None,
-                   init: bool = True) -> CompiledRun:
-    """Plan, lower and compile ``recipe``'s train step; with ``init`` also build state and a batch."""
+                   init: "StateInit | str | bool" = StateInit.RANDOM) -> CompiledRun:
+    """Plan, lower and compile ``recipe``'s train step, and build a state and batch per ``init``
+    (:class:`StateInit`; ``False`` means ``none``)."""
     import jax
     import jax.numpy as jnp
 
@@ -58,9 +71,23 @@ def compile_recipe(abstract, recipe, cfg, batch_size: int, seq_len: int, *, devi
     batch_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.batch_shardings[k])
                  for k, v in plan.batch.abstract().items()}
     compiled = step.lower(mt.abstract_train_state(plan), batch_abs).compile()
+    init = StateInit.NONE if init is False else StateInit.RANDOM if init is True else StateInit(init)
     state = batch = None
-    if init:
-        state = mt.init_state(plan, seed=0)
+    if init is not StateInit.NONE:
+        if init is StateInit.RANDOM:
+            state = mt.init_state(plan, seed=0)
+        else:
+            target = mt.abstract_train_state(plan)
+            rng = np.random.default_rng(0)
+
+            def host(s, scale):
+                if scale and np.issubdtype(s.dtype, np.floating):
+                    return jax.device_put((rng.standard_normal(s.shape) * scale).astype(s.dtype), s.sharding)
+                return jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
+
+            state = mt.TrainState(host(target.step, 0), jax.tree.map(lambda s: host(s, 0.02), target.params),
+                                  jax.tree.map(lambda s: host(s, 0), target.opt_state),
+                                  jax.tree.map(lambda s: host(s, 0), target.model_state))
         rng = np.random.default_rng(0)
         toks = rng.integers(0, cfg.vocab_size, (batch_size, seq_len + 1))
         host = {"inputs": toks[:, :-1], "targets": toks[:, 1:],

@@ -43,6 +43,9 @@ def add_parser(sub):
     p.add_argument("--check", choices=CHECKS, default="none",
                    help="compile: compile here and compare with XLA (≤ 8 devices); lower: lower on an "
                         "AbstractMesh for the target platform; tpu: compile for a fake TPU topology (needs libtpu)")
+    p.add_argument("--topology", default=None,
+                   help="with --check tpu: fake TPU topology, e.g. v5e:4x4 or v5p:2x2x2 (default: from "
+                        "--hardware and --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     add_device_args(p)
     p.set_defaults(run=run, setup_devices=False)
