@@ -143,8 +143,15 @@ class MeshSpec:
         from jax.experimental import mesh_utils
 
         if math.prod(dcn_shape) > 1:
-            if getattr(devices[0], "slice_index", None) is not None:
-                array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+            # CPU devices (and one-slice GPU/TPU jobs) all report slice 0: group those by process.
+            slices = {getattr(d, "slice_index", None) for d in devices}
+            if None not in slices and len(slices) > 1:
+                try:
+                    array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+                except (ValueError, NotImplementedError, AssertionError) as exc:
+                    raise MeshError(f"cannot lay out ICI {dict(zip(names, ici_shape))} × DCN "
+                                    f"{dict(zip(names, dcn_shape))} on {len(slices)} slices of "
+                                    f"{len(devices)} {devices[0].platform} devices: {exc}") from exc
             else:
                 array = _hybrid_by_process(ici_shape, dcn_shape, devices)
         else:

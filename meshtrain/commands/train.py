@@ -20,6 +20,9 @@ def add_parser(sub):
     p.add_argument("--model", default=d.model, help=f"model config (tiny, small, llama3-8b, ...; default {d.model})")
     p.add_argument("--recipe", default=d.recipe, help=f"recipe name or .yaml file (default {d.recipe})")
     p.add_argument("--mesh", default=None, help="mesh overrides, e.g. fsdp=4,tensor=2")
+    p.add_argument("--dcn", default=None,
+                   help="how much of each mesh axis spans processes/slices (DCN), e.g. data=2; the total sizes "
+                        "stay as --mesh says (default: the outermost axes, when devices span several processes)")
     add_device_args(p)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (sequences)")

@@ -35,7 +35,9 @@ class TrainConfig:
     """A training run. Every field has a default: ``TrainConfig()`` is the CLI's main job.
 
     Model and layout: ``model`` (a config name; ignored when the Trainer gets a factory), ``recipe``
-    (name or YAML file), ``mesh`` (overrides, ``"fsdp=4,tensor=2"``), ``devices``, ``compute_dtype``,
+    (name or YAML file), ``mesh`` (overrides, ``"fsdp=4,tensor=2"``), ``dcn`` (the part of those sizes
+    that spans processes/slices, ``"data=2"``; ``None``: the outermost axes when there are several),
+    ``devices``, ``compute_dtype``,
     ``param_dtype``, ``remat``, ``micro_batches`` (``None`` keeps the recipe's).
     Data: ``data`` (``None`` = the embedded corpus), ``batch_size`` (global), ``seq_len``, ``seed``,
     ``val_fraction``. Optimizer: AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio``,
@@ -48,6 +50,7 @@ class TrainConfig:
     model: str = "small"
     recipe: str = "fsdp"
     mesh: Optional[str] = None
+    dcn: Optional[str] = None
     devices: Optional[int] = None
     compute_dtype: Optional[str] = None
     param_dtype: Optional[str] = None

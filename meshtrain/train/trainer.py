@@ -128,6 +128,11 @@ class Trainer:
                  if getattr(cfg, k) is not None}
         recipe = recipe.with_options(**knobs) if knobs else recipe
         devices = devices if devices is not None else _devices(cfg.devices)
+        from meshtrain.distributed import auto_dcn, split_dcn
+
+        layout = (split_dcn(recipe.mesh, len(devices), MeshSpec.parse(cfg.dcn)) if cfg.dcn
+                  else auto_dcn(recipe.mesh, devices))
+        recipe = dataclasses.replace(recipe, mesh=layout)
         mesh = recipe.mesh.build(devices)
         tx = self.tx or default_optimizer(cfg, abstract_state(self.factory).param_axes)
         abstract = abstract_state(self.factory, tx)
