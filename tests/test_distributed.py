@@ -288,9 +288,6 @@ HYBRID = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="MeshSpec.build sends CPU devices (all slice_index 0) to create_hybrid_device_mesh; "
-                          "needs the mesh.py diff in /work/drafts/distributed-mesh.diff (then drop this marker)")
 def test_hsdp_replicas_across_processes_fsdp_within(env, tmp_path):
     """``auto_dcn``: with 2 processes, hsdp puts ``data`` on DCN (one replica per process) and
     ``fsdp`` within each process; ``MeshSpec.build`` groups the CPU devices by process."""
