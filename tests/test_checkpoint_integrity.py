@@ -17,7 +17,8 @@ from helpers import TINY_BATCH, TINY_SEQ, mesh_for, tiny_abstract
 from test_checkpoint import assert_bit_exact, assert_on_mesh, device, random_state
 
 import meshtrain as mt
-from meshtrain.checkpoint import Checkpointer, CheckpointError, CheckpointWarning, StepStatus, integrity, manager
+from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, StepStatus, Verify, integrity,
+                                  manager)
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +235,23 @@ def test_full_disk_on_tmpfs(run, small_disk, monkeypatch):
     assert ckpt.all_steps() == [4, 8]
     with Checkpointer(d, save_every=2) as again:
         assert_bit_exact(states[3], again.restore(plan).state)
+
+
+def test_block_checksums_name_the_corrupt_range(tmp_path, monkeypatch):
+    """Files are hashed in blocks (in parallel); a flip is reported with the byte range of its block."""
+    monkeypatch.setattr(integrity, "BLOCK_BYTES", 1000)
+    step_dir = tmp_path / "7"
+    (step_dir / "state").mkdir(parents=True)
+    data = bytes(random.Random(0).randrange(256) for _ in range(4500))
+    (step_dir / "state" / "big").write_bytes(data)
+    (step_dir / "small").write_bytes(b"abc")
+    (step_dir / "empty").write_bytes(b"")
+    manifest = integrity.write_manifest(step_dir, 7)
+    assert len(manifest["files"]["state/big"]["sha256"]) == 5 and manifest["total_bytes"] == 4503
+    assert integrity.check_step(step_dir, 7).status is StepStatus.OK
+    flipped = bytearray(data)
+    flipped[2345] ^= 0x10
+    (step_dir / "state" / "big").write_bytes(bytes(flipped))
+    check = integrity.check_step(step_dir, 7)
+    assert check.status is StepStatus.CORRUPT and "state/big (bytes 2000-2999 differ" in check.reason
+    assert integrity.check_step(step_dir, 7, Verify.QUICK).status is StepStatus.OK   # sizes only
