@@ -25,7 +25,20 @@ GiB = 2 ** 30
 
 
 def _gib(n: float) -> str:
-    return "unlimited" if math.isinf(n) else f"{n / GiB:.2f} GiB"
+    """Bytes with a binary unit that keeps 3 significant digits (``unlimited`` for inf)."""
+    if math.isinf(n):
+        return "unlimited"
+    for unit, size in (("TiB", 2 ** 40), ("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _rate(x: float, unit: str) -> str:
+    for prefix, size in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if x >= size:
+            return f"{x / size:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
 
 
 def _finite(x):
@@ -122,10 +135,10 @@ def single_text(plan, cfg, args, *, table: bool = True) -> str:
     hw, mem, step = a["hw"], a["memory"], a["step"]
     r = plan.recipe
     lines = [plan.describe(max_rows=None)] if table else []
-    lines += ["", f"hardware {hw.name}: {hw.description}; peak {hw.peak_flops / 1e12:.1f} TFLOP/s, HBM "
-                  f"{_gib(hw.hbm_bytes)} at {hw.hbm_bytes_per_s / 1e9:.0f} GB/s, fast links "
-                  f"{hw.fast_link_bytes_per_s / 1e9:.0f} GB/s within {hw.fast_domain}, slow links "
-                  f"{hw.slow_link_bytes_per_s / 1e9:.1f} GB/s (sources: meshtrain.analysis.hardware)",
+    lines += ["", f"hardware {hw.name}: {hw.description}; peak {_rate(hw.peak_flops, 'FLOP/s')}, HBM "
+                  f"{_gib(hw.hbm_bytes)} at {_rate(hw.hbm_bytes_per_s, 'B/s')}, fast links "
+                  f"{_rate(hw.fast_link_bytes_per_s, 'B/s')} within {hw.fast_domain}, slow links "
+                  f"{_rate(hw.slow_link_bytes_per_s, 'B/s')} (sources: meshtrain.analysis.hardware)",
               f"batch {plan.batch.batch_size}×{plan.batch.seq_len} tokens; params {r.param_dtype}, compute "
               f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {r.micro_batches}", ""]
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
