@@ -64,7 +64,8 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
 
     ``step=None`` takes the newest step that passes the full check (the one ``restore`` would use),
     or the newest step when none passes. Keys: ``directory``, ``step``, ``integrity`` (status, reason,
-    bytes), ``steps`` (every step, quick check), ``temporary`` (uncommitted folders), ``recipe``,
+    bytes), ``steps`` (every step, quick check), ``temporary`` (uncommitted folders), ``recipe``, ``mesh``
+    (axis sizes the state was saved from),
     ``model``, ``metadata``, ``data_state``, ``tree`` (path, shape, dtype, saved sharding, bytes),
     ``state_bytes``, ``items`` (bytes on disk per item), ``saved_unix``, ``versions``; ``error`` when
     the metadata cannot be read.
@@ -102,12 +103,13 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
         return info
     user = meta.get("user") or {}
     tree = [{"path": path, **entry} for path, entry in meta["tree"].items()]
+    mesh = next((e["sharding"]["mesh"] for e in tree if isinstance(e.get("sharding"), dict)), None)
     info.update({
         "recipe": user.get("recipe"), "model": user.get("model"), "seed": user.get("seed"),
         "metadata": user, "tree": tree, "state_bytes": sum(e.get("bytes", 0) for e in tree),
         "saved_unix": meta.get("saved_unix"), "process_count": meta.get("process_count"),
         "device_count": meta.get("device_count"), "versions": meta.get("versions"),
-        "compression": meta.get("compression"),
+        "compression": meta.get("compression"), "mesh": mesh,
         "data_state": meta.get("data_state"),
     })
     return info

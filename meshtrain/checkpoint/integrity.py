@@ -155,11 +155,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def write_json_atomic(path: Path, obj, sort_keys: bool = True) -> None:
     """Write JSON to ``path`` via a temporary file, fsync, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        json.dump(obj, f, indent=1, sort_keys=sort_keys)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -194,7 +194,7 @@ class Checkpointer:
         if target is None:
             raise CheckpointError(f"cannot find the folder being written for step {step} in {self.directory} "
                                   f"(found {[p.name for p in candidates]})")
-        integrity.write_json_atomic(target / META_FILE, self._inflight_meta)
+        integrity.write_json_atomic(target / META_FILE, self._inflight_meta, sort_keys=False)  # tree order
         integrity.write_manifest(target, step)
 
     # -- saving -------------------------------------------------------------------------------------

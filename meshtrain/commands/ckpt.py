@@ -115,15 +115,14 @@ def run_inspect(args) -> int:
         return 1
     recipe = info.get("recipe")
     if isinstance(recipe, dict):
-        mesh = recipe.get("mesh", {})
-        sizes = ",".join(f"{k}={v}" for k, v in {**mesh.get("dcn", {}), **mesh.get("ici", {})}.items())
-        recipe_text = f"{recipe.get('name')} (strategies {', '.join(recipe.get('strategies', []))}; mesh {sizes})"
+        recipe_text = f"{recipe.get('name')} (strategies {', '.join(recipe.get('strategies', []))})"
     else:
         recipe_text = str(recipe) if recipe is not None else "-"
+    mesh = ",".join(f"{k}={v}" for k, v in (info.get("mesh") or {}).items()) or "-"
     versions = info.get("versions") or {}
     print(f"saved {_when(info.get('saved_unix'))} by {info.get('process_count')} process(es) on "
           f"{info.get('device_count')} devices; " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    print(f"model {info.get('model') or '-'}  recipe {recipe_text}  seed {info.get('seed')}  "
+    print(f"model {info.get('model') or '-'}  recipe {recipe_text}  saved on mesh {mesh}  seed {info.get('seed')}  "
           f"compression {info.get('compression') or '-'}")
     print(f"data state {json.dumps(info.get('data_state'))}")
     print("items on disk: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in info["items"].items())
