@@ -66,8 +66,8 @@ def test_peak_given_reports_mfu(tmp_path):
     s = Trainer(tiny_config(tmp_path, "mfu", steps=3, peak_flops_per_device=1e12)).run()
     rec = [json.loads(l) for l in open(os.path.join(s.run_dir, "metrics.jsonl")) if '"loss"' in l]
     cfg = mt.models.get_config("tiny")
-    from meshtrain.train.metrics import decoder_flops_per_token
-    expected = rec[-1]["tokens_per_s"] * decoder_flops_per_token(cfg, 64) / (1e12 * 8)
+    from meshtrain.analysis import model_flops_per_token
+    expected = rec[-1]["tokens_per_s"] * model_flops_per_token(cfg, 64) / (1e12 * 8)
     assert rec[-1]["mfu"] == pytest.approx(expected)
 
 

@@ -6,9 +6,6 @@ import dataclasses
 
 from meshtrain.cli import add_device_args
 
-_DEFAULTS = None
-
-
 def add_parser(sub):
     from meshtrain.train.config import TrainConfig
 
@@ -48,6 +45,8 @@ def add_parser(sub):
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per device for MFU (default: known accelerators; omitted on CPU)")
+    p.add_argument("--hardware", default=None,
+                   help="hardware profile for MFU's peak (h100, tpu-v5p, ..., or cpu: measured on this host)")
     p.set_defaults(run=run)
 
 

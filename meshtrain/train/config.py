@@ -44,7 +44,8 @@ class TrainConfig:
     global-norm clipping at ``clip_norm`` (``0`` disables). Loop: ``steps``, ``eval_every`` and
     ``eval_batches`` (``0`` disables), ``log_every``, ``nonfinite`` policy and ``max_skips`` in a row.
     Output: ``out`` (the run folder), ``ckpt_every`` (``0`` disables), ``keep_last``, ``keep_every``,
-    ``resume``, ``progress``, ``peak_flops_per_device`` (for MFU; ``None`` = from the device kind).
+    ``resume``, ``progress``, ``peak_flops_per_device`` or ``hardware`` (a profile name such as
+``h100``, or ``cpu`` to measure this host) for MFU; ``None`` = from the device kind.
     """
 
     model: str = "small"
@@ -81,6 +82,7 @@ class TrainConfig:
     resume: Resume = Resume.NO
     progress: Progress = Progress.AUTO
     peak_flops_per_device: Optional[float] = None
+    hardware: Optional[str] = None
 
     def __post_init__(self):
         for name in ("nonfinite", "resume", "progress"):

@@ -1,12 +1,10 @@
 """Throughput and MFU, and where metrics go: ``metrics.jsonl``, TensorBoard, a progress display.
 
 MFU (model FLOPs utilisation) = achieved model FLOP/s ÷ (peak FLOP/s per device × devices), with
-model FLOPs per token = ``6 · N + 6 · L · T · n_heads · head_dim``: ``N`` is the parameter count
-without the input embedding table (a lookup, not a matmul), the factor 6 is forward (2) plus
-backward (4) per multiply-add, and the second term is attention's two ``T × T`` matmuls
-(``QKᵀ`` and ``AV``, 4·T·n·h per token forward), halved because causal attention needs only the
-lower triangle ("causal counted once"), times 3 for forward + backward. Without a known peak
-(plain CPU), MFU is omitted, never invented.
+model FLOPs per token from :func:`meshtrain.analysis.model_flops_per_token` (``6·N + 6·L·n·h·T``,
+formula in :mod:`meshtrain.analysis.flops`) and the peak from a hardware profile
+(:mod:`meshtrain.analysis.hardware`). Without a known peak (plain CPU and no ``--hardware cpu``),
+MFU is omitted, never invented.
 """
 
 from __future__ import annotations
@@ -17,37 +15,24 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from meshtrain.models.decoder import DecoderConfig
 
 
-def decoder_flops_per_token(cfg: DecoderConfig, seq_len: int) -> float:
-    """Training FLOPs per token of the reference decoder (formula in the module docstring)."""
-    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
-    attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-    return 6.0 * n_matmul + attention
+#: ``device.device_kind`` substring → hardware profile (:mod:`meshtrain.analysis.hardware`).
+DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"), ("TPU v4", "tpu-v4"),
+                ("TPU v5 lite", "tpu-v5e"), ("TPU v5e", "tpu-v5e"), ("TPU v5", "tpu-v5p"), ("TPU v6", "tpu-v6e"))
 
 
-#: Peak dense bf16 FLOP/s per device by ``device.device_kind`` substring (vendor data sheets).
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "B200": 2250e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-}
+def peak_flops(device, hardware: Optional[str] = None, num_devices: Optional[int] = None) -> Optional[float]:
+    """Peak dense bf16 FLOP/s per device: from the named ``hardware`` profile (``cpu`` is measured
+    on this host), else from the device kind; ``None`` when neither is known (plain CPU)."""
+    from meshtrain.analysis.hardware import get_hardware
 
-
-def peak_flops(device) -> Optional[float]:
-    kind = getattr(device, "device_kind", "")
-    for name, peak in PEAK_BF16_FLOPS.items():
-        if name.lower() in kind.lower():
-            return peak
+    if hardware is not None:
+        return get_hardware(hardware, num_devices=num_devices).peak_flops
+    kind = getattr(device, "device_kind", "").lower()
+    for fragment, name in DEVICE_KINDS:
+        if fragment.lower() in kind:
+            return get_hardware(name).peak_flops
     return None
 
 

@@ -31,7 +31,8 @@ from meshtrain.models import DecoderConfig, get_config, model_factory
 from meshtrain.plan import BatchSpec, ShardingPlan, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import Resume, TrainConfig, default_optimizer, lr_schedule
-from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, decoder_flops_per_token, peak_flops
+from meshtrain.analysis.flops import model_flops_per_token
+from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, peak_flops
 from meshtrain.train.state import init_state
 from meshtrain.train.step import LossFn, NonFinite, make_eval_step, make_train_step
 
@@ -163,9 +164,9 @@ class Trainer:
         state, start, resumed_from = self._initial_state(plan, ckpt, it, writer)
         train_step = make_train_step(plan, loss_fn=self.loss_fn, nonfinite=cfg.nonfinite)
         eval_step = make_eval_step(plan, loss_fn=self.loss_fn) if val_src is not None else None
-        flops_per_token = (decoder_flops_per_token(self.model_cfg, cfg.seq_len) if self.model_cfg
+        flops_per_token = (model_flops_per_token(self.model_cfg, cfg.seq_len) if self.model_cfg
                            else 6.0 * plan.abstract.num_params)
-        peak = cfg.peak_flops_per_device or peak_flops(plan.mesh.devices.flat[0])
+        peak = cfg.peak_flops_per_device or peak_flops(plan.mesh.devices.flat[0], cfg.hardware, plan.num_devices)
         schedule = lr_schedule(cfg)
         progress = ProgressDisplay(cfg.steps, start, cfg.progress.value, cfg.log_every, enabled=self.is_main)
         progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}, mesh "
