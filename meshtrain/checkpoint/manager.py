@@ -401,7 +401,7 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} cannot be restored: "
                                       f"{check.status.value}: {check.reason or 'no such step'}; steps: "
                                       f"{self.all_steps()}; pass step=None for the latest valid one")
-            newer = [s for s in self.all_steps() if s > step and self.check(s).status.usable]
+            newer = [s for s in self.all_steps() if s > step and self.check(s, Verify.QUICK).status.usable]
             if newer:
                 _warn(f"restoring step {step} while newer good steps {newer} exist in {self.directory}; saving "
                       f"one of those steps again will fail while the good one is there")
