@@ -138,6 +138,7 @@ class Checkpointer:
         self._inflight_meta: Optional[Dict[str, Any]] = None
         self._session_steps: set = set()
         self._verified: Dict[int, Tuple[tuple, StepCheck]] = {}
+        self._skip_warned: set = set()   # (step, status, reason) already reported by this Checkpointer
         self._janitor: Optional[Janitor] = None
         self._closed = False
         try:
@@ -366,12 +367,17 @@ class Checkpointer:
 
     def latest_valid_step(self) -> Optional[int]:
         """The newest step that passes the full checksum check; each newer step that fails is skipped
-        with a :class:`CheckpointWarning` naming the reason. ``None`` when there is none."""
+        with a :class:`CheckpointWarning` naming the reason (once per step and reason for this
+        Checkpointer: ``restore()`` after ``latest_valid_step()`` does not repeat it). ``None`` when
+        there is none."""
         for step in reversed(self.all_steps()):
             check = self.check(step)
             if check.status.usable:
                 return step
-            _warn(f"skipping checkpoint step {step} in {self.directory}: {check.status.value}: {check.reason}")
+            key = (step, check.status, check.reason)
+            if key not in self._skip_warned:
+                self._skip_warned.add(key)
+                _warn(f"skipping checkpoint step {step} in {self.directory}: {check.status.value}: {check.reason}")
         return None
 
     def restore(self, plan, step: Optional[int] = None, *, allow_cast: bool = False) -> Restored:
