@@ -14,6 +14,7 @@ from meshtrain import models
 from meshtrain.abstract import AbstractState, ModelFactory, abstract_state
 from meshtrain.annotate import PathRules, StepContext, constrain, remat
 from meshtrain.axes import LOGICAL_AXES, MESH_AXES
+from meshtrain.checkpoint import CheckpointError, Checkpointer, Restored, SaveResult, inspect_checkpoint
 from meshtrain.errors import ConfigError, MeshError, MeshtrainError, PlanError, RecipeError, RulesError
 from meshtrain.mesh import AxisTypes, MeshSpec
 from meshtrain.parallel.attention import attention
@@ -27,7 +28,8 @@ from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_t
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractState", "AttentionKind", "AxisRules", "AxisTypes", "BUILTIN_RECIPES", "BatchSpec", "ConfigError",
+    "AbstractState", "AttentionKind", "AxisRules", "AxisTypes", "BUILTIN_RECIPES", "BatchSpec", "CheckpointError",
+    "Checkpointer", "ConfigError", "Restored", "SaveResult", "inspect_checkpoint",
     "LOGICAL_AXES", "LeafPlan", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
     "NonFinite", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
     "ShardingPlan", "StepContext", "TrainState", "abstract_state", "abstract_train_state", "attention",

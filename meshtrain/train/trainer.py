@@ -226,9 +226,9 @@ class Trainer:
                 if ckpt is not None:
                     res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=self._metadata(plan),
                                           force=step == cfg.steps)
+                    clock.add("checkpoint_s", res.blocking_s)  # collecting a finished save blocks too
                     if res.saved:
                         record["ckpt_block_s"] = res.blocking_s
-                        clock.add("checkpoint_s", res.blocking_s)
                 writer.write(record, {"train/loss": record["loss"], "train/tokens_per_s": record["tokens_per_s"],
                                       "train/lr": record["lr"], "train/grad_norm": record["grad_norm"],
                                       "train/mfu": record.get("mfu"), "eval/loss": record.get("eval_loss")})
