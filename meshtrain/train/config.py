@@ -69,7 +69,7 @@ class TrainConfig:
     b1: float = 0.9
     b2: float = 0.95
     clip_norm: float = 1.0
-    steps: int = 150
+    steps: int = 250
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
