@@ -27,7 +27,7 @@ def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
     """Set the simulated CPU device count before JAX starts its backends.
 
     Only the CPU backend reads ``jax_num_cpu_devices``; on a GPU/TPU machine the accelerators are
-    used and ``--devices N`` picks the first N of them (see :func:`select_devices`).
+    used and ``--devices N`` picks the first N of them (:func:`meshtrain.mesh.select_devices`).
     """
     import jax
 
@@ -41,21 +41,6 @@ def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
         jax.config.update("jax_num_cpu_devices", requested or default_cpu)
     except RuntimeError:  # backends already started (e.g. called twice in one process)
         pass
-
-
-def select_devices(requested: Optional[int]):
-    """The devices a run uses: all of them, or the first ``requested`` (error if there are fewer)."""
-    import jax
-
-    from meshtrain.errors import ConfigError
-
-    devices = jax.devices()
-    if requested is None:
-        return devices
-    if requested > len(devices):
-        raise ConfigError(f"--devices {requested} but only {len(devices)} {devices[0].platform} devices exist; "
-                          f"lower --devices (CPU device simulation applies only without an accelerator)")
-    return devices[:requested]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -215,3 +215,22 @@ def _hybrid_by_process(ici_shape, dcn_shape, devices) -> np.ndarray:
     # Interleave (d0, i0, d1, i1, ...) so each axis is dcn-major, then merge each pair.
     order = [k for pair in zip(range(ndim), range(ndim, 2 * ndim)) for k in pair]
     return blocks.transpose(order).reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
+
+
+def select_devices(requested: Optional[int]) -> list:
+    """All devices, or the first ``requested``: of the machine, or of each process in a multi-process
+    run (``--devices`` counts per process there, like the CPU simulation's device count)."""
+    devices = jax.devices()
+    if requested is None:
+        return devices
+    if jax.process_count() > 1:
+        mine = [d for d in devices if d.process_index == jax.process_index()]
+        if requested > len(mine):
+            raise MeshError(f"--devices {requested} (per process) but process {jax.process_index()} has only "
+                              f"{len(mine)} {mine[0].platform} devices; lower --devices")
+        chosen = {d.id for p in range(jax.process_count())
+                  for d in [d for d in devices if d.process_index == p][:requested]}
+        return [d for d in devices if d.id in chosen]
+    if requested > len(devices):
+        raise MeshError(f"--devices {requested} but only {len(devices)} {devices[0].platform} devices exist; lower --devices (CPU devices are simulated only without an accelerator)")
+    return devices[:requested]

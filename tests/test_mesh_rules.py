@@ -134,3 +134,11 @@ def test_recipe_file_rules_override(tmp_path):
     rules = mt.get_recipe(str(f)).axis_rules()
     assert rules.table("params")["vocab"].mesh_axes == ("fsdp",)
     assert rules.table("params")["embed"].mesh_axes == ()
+
+
+def test_select_devices():
+    from meshtrain.mesh import select_devices
+
+    assert len(select_devices(None)) == 8 and [d.id for d in select_devices(3)] == [0, 1, 2]
+    with pytest.raises(mt.MeshError, match="--devices 9 but only 8 cpu devices exist"):
+        select_devices(9)

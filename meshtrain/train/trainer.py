@@ -26,7 +26,7 @@ import optax
 from meshtrain.abstract import ModelFactory, abstract_state
 from meshtrain.data import BatchIterator, load_source
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.mesh import MeshSpec
+from meshtrain.mesh import MeshSpec, select_devices
 from meshtrain.models import DecoderConfig, get_config, model_factory
 from meshtrain.plan import BatchSpec, ShardingPlan, make_plan
 from meshtrain.recipes import get_recipe
@@ -128,7 +128,7 @@ class Trainer:
         knobs = {k: getattr(cfg, k) for k in ("compute_dtype", "param_dtype", "remat", "micro_batches")
                  if getattr(cfg, k) is not None}
         recipe = recipe.with_options(**knobs) if knobs else recipe
-        devices = devices if devices is not None else _devices(cfg.devices)
+        devices = devices if devices is not None else select_devices(cfg.devices)
         from meshtrain.distributed import auto_dcn, split_dcn
 
         layout = (split_dcn(recipe.mesh, len(devices), MeshSpec.parse(cfg.dcn)) if cfg.dcn
@@ -325,25 +325,6 @@ class Trainer:
             total += float(out["loss"]) * n
             tokens += n
         return total / max(tokens, 1.0)
-
-
-def _devices(requested: Optional[int]):
-    """All devices, or the first ``requested``: of the machine, or of each process in a multi-process
-    run (``--devices`` counts per process there, like the CPU simulation's device count)."""
-    devices = jax.devices()
-    if requested is None:
-        return devices
-    if jax.process_count() > 1:
-        mine = [d for d in devices if d.process_index == jax.process_index()]
-        if requested > len(mine):
-            raise ConfigError(f"--devices {requested} (per process) but process {jax.process_index()} has only "
-                              f"{len(mine)} {mine[0].platform} devices; lower --devices")
-        chosen = {d.id for p in range(jax.process_count())
-                  for d in [d for d in devices if d.process_index == p][:requested]}
-        return [d for d in devices if d.id in chosen]
-    if requested > len(devices):
-        raise ConfigError(f"--devices {requested} but only {len(devices)} {devices[0].platform} devices exist")
-    return devices[:requested]
 
 
 def _format_summary(s: TrainSummary) -> str:
