@@ -82,8 +82,10 @@ def test_collectives_of_the_other_recipes_agree_per_axis(small):
 def test_cpu_ranking_by_estimated_step_time_matches_measured_steps(small):
     cfg, runs = small
     estimates = {n: estimate_step_time(r.plan, cfg, "cpu").step_s for n, r in runs.items()}
-    times = time_round_robin(list(runs.values()), rounds=3, warmup=1)
-    cmp = compare_rankings(estimates, times)
+    # A pair counts as measurably different only when one recipe wins every round by a wide margin:
+    # on a quiet 2-core machine only tp stands apart (~40 % slower), the others are within ~12 %.
+    times = time_round_robin(list(runs.values()), rounds=4, warmup=1)
+    cmp = compare_rankings(estimates, times, margin=0.25)
     print("\nestimated:", " < ".join(cmp.estimated_order), "\nmeasured: ", " < ".join(cmp.measured_order),
           f"\nKendall tau {cmp.kendall_tau:+.2f}; distinguishable {cmp.distinguishable}; ties {cmp.ties}")
     assert cmp.distinguishable, f"no recipe pair was measurably different (too noisy?): {times}"
