@@ -118,6 +118,7 @@ class Trainer:
         self.factory, self.tx, self.loss_fn, self.vocab_size = model, tx, loss_fn, vocab_size
         self.run_dir = config.out or _default_run_dir(config)
         self.is_main = jax.process_index() == 0
+        self._lost_s = 0.0  # wall time of steps recomputed after a restart
 
     # -- set-up ----------------------------------------------------------------------------------
     def build_plan(self, devices=None) -> ShardingPlan:
@@ -168,6 +169,7 @@ class Trainer:
                            else 6.0 * plan.abstract.num_params)
         peak = cfg.peak_flops_per_device or peak_flops(plan.mesh.devices.flat[0], cfg.hardware, plan.num_devices)
         schedule = lr_schedule(cfg)
+        metadata = self._metadata(plan)  # the same for every save of this run
         progress = ProgressDisplay(cfg.steps, start, cfg.progress.value, cfg.log_every, enabled=self.is_main)
         progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}, mesh "
                        + " × ".join(f"{a}={s}" for a, s in plan.mesh_sizes.items())
@@ -224,7 +226,7 @@ class Trainer:
                     clock.add("eval_s", time.perf_counter() - t1)
                     record["eval_loss"] = eval_loss
                 if ckpt is not None:
-                    res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=self._metadata(plan),
+                    res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=metadata,
                                           force=step == cfg.steps)
                     clock.add("checkpoint_s", res.blocking_s)  # collecting a finished save blocks too
                     if res.saved:
@@ -239,8 +241,7 @@ class Trainer:
                 if step < cfg.steps and stop.should_stop(step):
                     preempted = True
                     if ckpt is not None:
-                        res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=self._metadata(plan),
-                                              force=True)
+                        res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=metadata, force=True)
                         clock.add("checkpoint_s", res.blocking_s)
                     progress.print(f"SIGTERM: stopped after step {step}" + (", checkpoint saved" if ckpt else ""))
                     writer.write({"event": "preempted", "step": step})
@@ -269,8 +270,6 @@ class Trainer:
         return summary
 
     # -- pieces ----------------------------------------------------------------------------------
-    _lost_s = 0.0
-
     def _checkpointer(self):
         cfg = self.cfg
         if not cfg.ckpt_every and cfg.resume is Resume.NO:
