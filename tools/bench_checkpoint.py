@@ -111,6 +111,8 @@ def main(argv=None) -> dict:
                     help="exit 1 when the async stall exceeds this fraction of the sync save (e.g. 0.05)")
     args = ap.parse_args(argv)
 
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
         cfg, plan = build(args.mb, args.recipe)
