@@ -2,22 +2,18 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
 import meshtrain as mt
-from meshtrain.data import BatchIterator, load_source, pack_window, text_source, token_file_source
+from meshtrain.data import BatchIterator, load_source, pack_window, token_file_source
 from meshtrain.data.sources import TokenSource
 
 from helpers import mesh_for, tiny_abstract
 
 
 def _source(docs):
-    return text_source_from_bytes(docs)
-
-
-def text_source_from_bytes(docs):
+    """Byte-level documents as a TokenSource, without files."""
     tokens = np.concatenate([np.frombuffer(d, np.uint8) for d in docs]).astype(np.uint16)
     starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
     return TokenSource("docs", tokens, np.array(starts, np.int64), 256, "test")

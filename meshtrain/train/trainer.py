@@ -16,11 +16,9 @@ import signal
 import statistics
 import threading
 import time
-import warnings
 from typing import Any, Dict, List, Optional
 
 import jax
-import numpy as np
 import optax
 
 from meshtrain.abstract import ModelFactory, abstract_state
