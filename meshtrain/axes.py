@@ -32,6 +32,18 @@ LOGICAL_AXES = {
     "stage": "pipeline stages",
 }
 
+
+
+def register_logical_axis(name: str, meaning: str) -> None:
+    """Add a logical name of your model's (e.g. ``"classes"``) so recipe ``rules:`` may map it.
+
+    Example: ``register_logical_axis("patches", "image patches")`` then, in a recipe YAML,
+    ``rules: {activations: {patches: context}}``. Names already known are left as they are."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"logical axis name {name!r}: use an identifier such as 'classes'")
+    LOGICAL_AXES.setdefault(name, meaning)
+
+
 #: A logical axis per tensor dimension; ``None`` means "never shard this dimension".
 LogicalAxes = Tuple[Optional[str], ...]
 #: What a logical axis maps to: nothing, one mesh axis, or several (outer to inner).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import List, Optional
 
 COMMANDS = ("recipes", "plan", "train", "ckpt", "launch")
@@ -23,6 +24,20 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
     add_distributed_args(parser)
 
 
+#: Simulated CPU devices beyond this take minutes to start and most of the host's memory.
+MAX_SIMULATED_DEVICES = 512
+
+
+def _no_accelerator_expected() -> bool:
+    """True when JAX will run on CPU (``JAX_PLATFORMS=cpu``, or no GPU/TPU plugin installed)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    import importlib.util
+
+    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+
+
 def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
     """Set the simulated CPU device count before JAX starts its backends.
 
@@ -35,6 +50,12 @@ def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
         from meshtrain.errors import ConfigError
 
         raise ConfigError(f"--devices {requested}: give a positive number of devices")
+    if requested is not None and requested > MAX_SIMULATED_DEVICES and _no_accelerator_expected():
+        from meshtrain.errors import ConfigError
+
+        raise ConfigError(f"--devices {requested}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices per process "
+                          f"(each costs host threads and memory); to plan a run on {requested} devices use "
+                          f"`meshtrain plan --devices {requested}` (no devices needed)")
     if "JAX_NUM_CPU_DEVICES" in os.environ and requested is None:
         return
     try:
@@ -43,11 +64,34 @@ def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
         pass
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every option whose help does not already say its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS
+                or not action.option_strings or isinstance(action, argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Sub-command parsers: no abbreviated flags (``--step 3`` is an error, not ``--steps 3``) and
+    every default shown in ``--help``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="meshtrain", description="Pick a recipe, train a Flax model anywhere.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = argparse.ArgumentParser(prog="meshtrain", description="Pick a recipe, train a Flax model anywhere.",
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMANDS:
         module = importlib.import_module(f"meshtrain.commands.{name}")
@@ -61,6 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         if getattr(args, "setup_devices", True):
             setup_devices(getattr(args, "devices", None))
@@ -71,8 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         where = distributed.current()
         print(f"error: {f'[process {where.process_id}] ' if where else ''}{exc}", file=sys.stderr)
         return _leave(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
         return _leave(130)
     except Exception:
         if not distributed.is_multiprocess():
@@ -81,6 +126,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         traceback.print_exc()
         return _leave(1)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings on the command line read like errors: ``warning: ...``, without a source line."""
+    return f"warning: {message}\n"
 
 
 def _leave(code: int) -> int:

@@ -12,10 +12,12 @@ Every built-in recipe also lives in ``recipes/<name>.yaml`` (a test keeps them i
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from meshtrain.axes import LOGICAL_AXES
 from meshtrain.errors import RecipeError
 from meshtrain.mesh import AxisTypes, MeshSpec
 from meshtrain.rules import TABLES, AxisRules
@@ -153,15 +155,42 @@ class Recipe:
         for key in ("name", "strategies", "mesh"):
             if key not in data:
                 raise RecipeError(f"{source}: recipe needs a {key!r} entry")
+        strategies = data["strategies"]
+        if isinstance(strategies, str) or not isinstance(strategies, (list, tuple)) or not all(
+                isinstance(x, str) for x in strategies):
+            raise RecipeError(f"{source}: strategies must be a list of names, e.g. strategies: [fsdp] or [fsdp, tp]; "
+                              f"got {strategies!r}")
+        for key, kind in (("max_replicated_fraction", (int, float)), ("micro_batches", int),
+                          ("replicate_indivisible", (list, tuple)), ("description", str), ("name", str)):
+            if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
+                want = {"max_replicated_fraction": "a number in [0, 1], e.g. 0.02", "micro_batches": "an integer >= 1",
+                        "replicate_indivisible": "a list of logical names, e.g. [kv_heads]",
+                        "description": "a string", "name": "a string"}[key]
+                raise RecipeError(f"{source}: {key} must be {want}; got {data[key]!r}")
         mesh = data["mesh"]
         if not isinstance(mesh, Mapping) or "ici" not in mesh:
             raise RecipeError(f"{source}: mesh must be a mapping with 'ici' sizes, e.g. mesh: {{ici: {{fsdp: -1}}}}")
         data["mesh"] = MeshSpec(ici=mesh["ici"] or {}, dcn=mesh.get("dcn") or {},
                                 axis_types=AxisTypes(mesh.get("axis_types", "auto")))
         rules = data.get("rules") or {}
+        if not isinstance(rules, Mapping):
+            raise RecipeError(f"{source}: rules must be a mapping of tables {TABLES} to {{logical name: mesh axes}}, "
+                              f"e.g. rules: {{params: {{embed: fsdp}}}}; got {rules!r}")
         bad = set(rules) - set(TABLES)
         if bad:
             raise RecipeError(f"{source}: unknown rules tables {sorted(bad)}; use {TABLES}")
+        for table, entries in rules.items():
+            if entries is not None and not isinstance(entries, Mapping):
+                raise RecipeError(f"{source}: rules.{table} must map logical names to mesh axes, e.g. "
+                                  f"{{embed: fsdp}}; got {entries!r}")
+            for name in entries or {}:
+                if name not in LOGICAL_AXES:
+                    close = difflib.get_close_matches(str(name), list(LOGICAL_AXES), n=1)
+                    raise RecipeError(
+                        f"{source}: rules.{table} names logical axis {name!r}, which no model axis uses"
+                        + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; known: {', '.join(LOGICAL_AXES)}. A model with its own names registers them "
+                          f"first with meshtrain.axes.register_logical_axis(name, meaning)")
         data["rules"] = AxisRules.of(**{k: rules.get(k) or {} for k in TABLES}, source=f"recipe:{data['name']}")
         data.setdefault("description", "")
         return cls(**data)

@@ -3,7 +3,6 @@ warnings, and the auto planner at pod scale (analytic, no compilation)."""
 
 import dataclasses
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -217,11 +216,8 @@ def test_warns_when_heads_do_not_divide_tensor_times_context():
 
 
 @pytest.mark.parametrize("hardware", ["tpu-v5p", "h100"])
-def test_auto_plan_for_llama3_70b_on_256_chips_fits_and_is_fast(hardware):
-    t = time.perf_counter()
+def test_auto_plan_for_llama3_70b_on_256_chips_fits_and_is_the_fastest_that_fits(hardware):
     result = plan_auto(PlanRequest(mt.models.get_config("llama3-70b"), 256, hardware))
-    elapsed = time.perf_counter() - t
-    assert elapsed < 60, elapsed
     w = result.winner
     hw = get_hardware(hardware)
     assert w.fit is Fit.FITS and w.memory.total <= hw.hbm_bytes

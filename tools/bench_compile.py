@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import re
 import time
 
 
@@ -50,10 +51,13 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             compiled = step.lower(state, batch).compile()
             times[layers] = min(times[layers], time.perf_counter() - t0)
-            hlo_ops[layers] = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
+            text = compiled.as_text()
+            hlo_ops[layers] = (sum(1 for line in text.splitlines() if " = " in line),
+                               len(re.findall(r"= \S+ while\(", text)))
     for layers, (abstract, _, _, _) in setups.items():
         print(f"{args.model} with {layers:>3} layers ({abstract.num_params / 1e6:.1f}M params): "
-              f"lower+compile {times[layers]:.2f} s (best of {args.repeats}), {hlo_ops[layers]} HLO instructions",
+              f"lower+compile {times[layers]:.2f} s (best of {args.repeats}), {hlo_ops[layers][0]} HLO instructions, "
+              f"{hlo_ops[layers][1]} while loops",
               flush=True)
     lo, hi = min(times), max(times)
     ratio = times[hi] / times[lo]

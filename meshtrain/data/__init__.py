@@ -13,7 +13,7 @@ Example::
 
 from meshtrain.data.loader import BatchIterator
 from meshtrain.data.packing import pack_window, num_sequences
-from meshtrain.data.sources import TokenSource, default_corpus, load_source, text_source, token_file_source
+from meshtrain.data.sources import TokenSource, check_token_ids, default_corpus, load_source, text_source, token_file_source
 
-__all__ = ["BatchIterator", "TokenSource", "default_corpus", "load_source", "num_sequences", "pack_window",
+__all__ = ["BatchIterator", "TokenSource", "check_token_ids", "default_corpus", "load_source", "num_sequences", "pack_window",
            "text_source", "token_file_source"]

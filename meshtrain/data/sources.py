@@ -101,8 +101,12 @@ def text_source(paths: "str | Sequence[str]", *, pattern: str = "*", name: Optio
     digest = hashlib.sha256()
     docs = []
     for f in files:
-        with open(f, "rb") as fh:
-            data = fh.read()
+        try:
+            with open(f, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read data file {f!r}: {exc.strerror or exc}; check its permissions or "
+                              f"leave it out") from None
         digest.update(os.path.basename(f).encode() + len(data).to_bytes(8, "little"))
         docs.append(data)
     return _from_docs(name or ",".join(paths), docs, "text:" + digest.hexdigest()[:16])
@@ -130,10 +134,22 @@ def token_file_source(path: str, *, dtype: Optional[str] = None, eos_id: Optiona
     uint16). Documents end at ``eos_id`` when given (the eos token stays with its document)."""
     if not os.path.isfile(path):
         raise ConfigError(f"token file {path!r} does not exist")
-    if path.endswith(".npy"):
-        tokens = np.load(path, mmap_mode="r")
-    else:
-        tokens = np.memmap(path, dtype=np.dtype(dtype or "uint16"), mode="r")
+    try:
+        if path.endswith(".npy"):
+            tokens = np.load(path, mmap_mode="r")
+        else:
+            itemsize = np.dtype(dtype or "uint16").itemsize
+            size = os.path.getsize(path)
+            if size < 2 * itemsize:
+                raise ConfigError(f"token file {path!r} has {size} bytes, fewer than 2 tokens of {itemsize} bytes "
+                                  f"({np.dtype(dtype or 'uint16')}); write at least 2 tokens (or pass the right dtype)")
+            tokens = np.memmap(path, dtype=np.dtype(dtype or "uint16"), mode="r", shape=(size // itemsize,))
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path!r}: {exc.strerror or exc}; check the path and its "
+                          f"permissions") from None
+    except (ValueError, EOFError) as exc:
+        raise ConfigError(f"token file {path!r} is not a valid .npy array ({exc}); write it with numpy.save of a "
+                          f"1-D uint16/uint32 array") from None
     if tokens.ndim != 1 or tokens.dtype not in (np.uint16, np.uint32, np.int32):
         raise ConfigError(f"token file {path!r} holds {tokens.dtype} of shape {tokens.shape}; expected a 1-D "
                           f"uint16/uint32 array")
@@ -146,6 +162,26 @@ def token_file_source(path: str, *, dtype: Optional[str] = None, eos_id: Optiona
     stat = os.stat(path)
     return TokenSource(os.path.basename(path), tokens, starts, vocab_size,
                        f"tokens:{os.path.basename(path)}:{stat.st_size}")
+
+
+def check_token_ids(source: TokenSource, vocab_size: int, chunk: int = 1 << 26) -> None:
+    """Every token id of ``source`` is in ``[0, vocab_size)``, or a ``ConfigError`` names the source,
+    the first offending id, its position and the vocabulary. Vectorised min/max over chunks of the
+    (memory-mapped) stream: about a second per GB, once before step 1, so a bad id never reaches
+    the embedding lookup (where it would be silently clamped)."""
+    tokens = source.tokens
+    signed = np.issubdtype(tokens.dtype, np.signedinteger)
+    for start in range(0, tokens.shape[0], chunk):
+        part = np.asarray(tokens[start:start + chunk])
+        low, high = (int(part.min()) if signed else 0), int(part.max())
+        if low >= 0 and high < vocab_size:
+            continue
+        bad = np.flatnonzero((part < 0) | (part >= vocab_size))[0]
+        tid = int(part[bad])
+        why = "is negative" if tid < 0 else f"is >= the model's vocabulary size {vocab_size}"
+        raise ConfigError(f"data {source.name!r}: token id {tid} at position {start + int(bad):,} {why} (valid ids: "
+                          f"0..{vocab_size - 1}); fix the tokenized file or use a model whose vocab_size covers "
+                          f"the tokenizer")
 
 
 def load_source(path: Optional[str] = None, **kwargs) -> TokenSource:

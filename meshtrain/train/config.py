@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Dict, Optional
 
 import optax
@@ -14,11 +15,21 @@ from meshtrain.train.step import NonFinite
 
 
 class Resume(str, enum.Enum):
-    """``no``: start fresh (the run folder must not hold checkpoints); ``latest``: continue from the
-    newest valid checkpoint in the run folder (start fresh if there is none)."""
+    """``no``: start fresh (the run folder must not hold a run); ``latest``: continue from the newest
+    valid checkpoint in the run folder. ``latest`` starts fresh only when the folder holds no run at
+    all (the first launch of a preemptible job); a folder with checkpoints of which none is valid, or
+    with metrics but no checkpoints, is refused (nothing is deleted)."""
 
     NO = "no"
     LATEST = "latest"
+
+
+class MemoryCheckMode(str, enum.Enum):
+    """``on``: refuse to start when the plan's per-device bytes exceed a device's memory
+    (:mod:`meshtrain.train.preflight`); ``off``: skip the check."""
+
+    ON = "on"
+    OFF = "off"
 
 
 class Progress(str, enum.Enum):
@@ -83,10 +94,11 @@ class TrainConfig:
     progress: Progress = Progress.AUTO
     peak_flops_per_device: Optional[float] = None
     hardware: Optional[str] = None
+    memory_check: MemoryCheckMode = MemoryCheckMode.ON
 
     def __post_init__(self):
-        for name in ("nonfinite", "resume", "progress"):
-            enum_type = {"nonfinite": NonFinite, "resume": Resume, "progress": Progress}[name]
+        enums = {"nonfinite": NonFinite, "resume": Resume, "progress": Progress, "memory_check": MemoryCheckMode}
+        for name, enum_type in enums.items():
             try:
                 object.__setattr__(self, name, enum_type(getattr(self, name)))
             except ValueError:
@@ -99,8 +111,16 @@ class TrainConfig:
         for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "warmup_steps", "max_skips"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-        if self.lr <= 0:
-            raise ConfigError(f"--lr {self.lr}: must be positive")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ConfigError(f"--lr {self.lr}: must be a positive finite number, e.g. --lr 3e-4")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"--seed {self.seed}: must be an integer >= 0")
+        for name in ("min_lr_ratio", "weight_decay", "clip_norm", "val_fraction"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number >= 0")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction {self.val_fraction}: must be between 0 and 1 (exclusive)")
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:

@@ -59,7 +59,14 @@ class MetricsWriter:
     def write(self, record: Dict[str, Any], scalars: Optional[Dict[str, float]] = None) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            from meshtrain.errors import MeshtrainError
+
+            raise MeshtrainError(f"cannot write {self.path} at step {record.get('step')}: {exc.strerror or exc}; "
+                                 f"free disk space, then continue with --resume (committed checkpoints are "
+                                 f"intact)") from None
         step = record.get("step", 0)
         for key, value in (scalars or {}).items():
             if value is not None:
@@ -67,9 +74,12 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            f, self._file = self._file, None
+            try:
+                f.close()
+            except OSError:   # a full disk on the last flush: already reported by write()
+                pass
             self._tb.close()
-            self._file = None
 
 
 class ProgressDisplay:

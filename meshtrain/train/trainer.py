@@ -22,17 +22,31 @@ import jax
 import optax
 
 from meshtrain.abstract import ModelFactory, abstract_state
-from meshtrain.data import BatchIterator, load_source
+from meshtrain.checkpoint.types import Verify
+from meshtrain.data import BatchIterator, check_token_ids, load_source
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec, select_devices
 from meshtrain.models import DecoderConfig, get_config, model_factory
 from meshtrain.plan import BatchSpec, ShardingPlan, make_plan
 from meshtrain.recipes import get_recipe
-from meshtrain.train.config import Resume, TrainConfig, default_optimizer, lr_schedule
+from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default_optimizer, lr_schedule
 from meshtrain.analysis.flops import model_flops_per_token
 from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, peak_flops
+from meshtrain.train.preflight import check_memory
+from meshtrain.train.rundir import RunLock, inspect_run_dir, truncate_metrics
 from meshtrain.train.state import init_state
 from meshtrain.train.step import LossFn, NonFinite, make_eval_step, make_train_step
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C: the loop stopped, a save in flight was finished; ``last_committed`` is the step a
+    ``--resume`` continues from (``None``: no checkpoint)."""
+
+    def __init__(self, last_committed: Optional[int]):
+        self.last_committed = last_committed
+        where = (f"last committed step {last_committed}; continue with --resume" if last_committed is not None
+                 else "no checkpoint was committed (pass --ckpt-every N to make runs resumable)")
+        super().__init__(where)
 
 
 class TrainingError(MeshtrainError):
@@ -52,6 +66,7 @@ class TrainSummary:
     goodput: Dict[str, float]
     preempted: bool = False
     resumed_from: Optional[int] = None
+    already_done: bool = False  # --resume of a run already at --steps: nothing trained
 
 
 def _default_run_dir(cfg: TrainConfig) -> str:
@@ -138,134 +153,138 @@ class Trainer:
         abstract = abstract_state(self.factory, tx)
         return make_plan(abstract, recipe, mesh, batch=BatchSpec(cfg.batch_size, cfg.seq_len))
 
-    def _check_run_dir(self, has_checkpoints: bool) -> None:
-        cfg = self.cfg
-        if cfg.resume is Resume.NO and (has_checkpoints or os.path.exists(os.path.join(self.run_dir,
-                                                                                       "metrics.jsonl"))):
-            raise ConfigError(f"run folder {self.run_dir!r} already holds a run (metrics or checkpoints); "
-                              f"pass --resume to continue it or choose another --out")
-
-    # -- the loop --------------------------------------------------------------------------------
+    # -- the run ---------------------------------------------------------------------------------
     def run(self) -> TrainSummary:
+        """Train to ``config.steps``. Holds the run folder's lock throughout; on Ctrl-C raises
+        :class:`Interrupted` naming the last committed checkpoint step."""
+        lock = self._lock_run_dir()
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _lock_run_dir(self) -> Optional[RunLock]:
+        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise ConfigError(f"--out {self.run_dir!r} is an existing file, not a folder; pass a folder path")
+        return RunLock(self.run_dir) if self.is_main else None
+
+    def _run(self) -> TrainSummary:
         cfg = self.cfg
         clock = Stopwatch()
         plan = self.build_plan()
+        if cfg.memory_check is MemoryCheckMode.ON:
+            check_memory(plan, self.model_cfg, remat=plan.recipe.remat.value)
         ckpt = self._checkpointer()
-        self._check_run_dir(bool(ckpt and ckpt.all_steps()))
-        source = load_source(cfg.data)
-        train_src, val_src = source.split(cfg.val_fraction) if cfg.eval_every and cfg.eval_batches else (source, None)
-        it = BatchIterator(train_src, cfg.batch_size, cfg.seq_len, cfg.seed, shardings=plan.batch_shardings,
-                           vocab_size=self.vocab_size)
-        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
-        if self.is_main:
-            with open(os.path.join(self.run_dir, "plan.json"), "w") as f:
-                f.write(plan.to_json())
-        state, start, resumed_from = self._initial_state(plan, ckpt, it, writer)
-        train_step = make_train_step(plan, loss_fn=self.loss_fn, nonfinite=cfg.nonfinite)
-        eval_step = make_eval_step(plan, loss_fn=self.loss_fn) if val_src is not None else None
-        flops_per_token = (model_flops_per_token(self.model_cfg, cfg.seq_len) if self.model_cfg
-                           else 6.0 * plan.abstract.num_params)
-        peak = cfg.peak_flops_per_device or peak_flops(plan.mesh.devices.flat[0], cfg.hardware, plan.num_devices)
-        schedule = lr_schedule(cfg)
-        metadata = self._metadata(plan)  # the same for every save of this run
-        progress = ProgressDisplay(cfg.steps, start, cfg.progress.value, cfg.log_every, enabled=self.is_main)
-        progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}, mesh "
-                       + " × ".join(f"{a}={s}" for a, s in plan.mesh_sizes.items())
-                       + f", batch {cfg.batch_size}×{cfg.seq_len}, run folder {self.run_dir}")
-        stop = _StopFlag()
-        losses: List[float] = []
-        rates: List[float] = []
-        first_loss = final_loss = eval_loss = None
-        skips = 0
-        preempted = False
-        clock.add("setup_s", clock.elapsed())  # plan, data, init or restore
         try:
-            batch = next(it)
-            t0 = time.perf_counter()
-            compiled = train_step.lower(state, batch).compile()
-            clock.add("compile_s", time.perf_counter() - t0)
-            for step in range(start + 1, cfg.steps + 1):
-                if step > start + 1:
-                    batch = next(it)
-                t0 = time.perf_counter()
-                state, metrics = compiled(state, batch)
-                loss = float(metrics["loss"])
-                step_time = time.perf_counter() - t0
-                clock.add("compute_s", step_time)
-                finite = bool(metrics["finite"])
-                record: Dict[str, Any] = {"step": step, "loss": loss if finite else None,
-                                          "grad_norm": float(metrics["grad_norm"]) if finite else None,
-                                          "lr": float(schedule(step - 1)), "tokens": int(metrics["tokens"]),
-                                          "step_time_s": step_time,
-                                          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time,
-                                          "data_wait_s": it.wait_s}
-                clock.add("data_wait_s", it.wait_s)
-                it.wait_s = 0.0
-                if not finite:
-                    skips += 1
-                    if cfg.nonfinite is NonFinite.RAISE:
-                        raise TrainingError(f"non-finite loss or gradients at step {step}; lower --lr, check the "
-                                            f"data, or pass --nonfinite skip")
-                    record["skipped"] = True
-                    if skips > cfg.max_skips:
-                        raise TrainingError(f"{skips} non-finite steps in a row (last: step {step}); "
-                                            f"parameters are unchanged since step {step - skips}")
-                else:
-                    skips = 0
-                    losses.append(loss)
-                    rates.append(record["tokens_per_s"])
-                    first_loss = loss if first_loss is None else first_loss
-                    final_loss = loss
-                if peak:
-                    record["mfu"] = record["tokens_per_s"] * flops_per_token / (peak * plan.num_devices)
-                if eval_step is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    t1 = time.perf_counter()
-                    eval_loss = self._evaluate(eval_step, state, val_src, plan)
-                    clock.add("eval_s", time.perf_counter() - t1)
-                    record["eval_loss"] = eval_loss
-                if ckpt is not None:
-                    res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=metadata,
-                                          force=step == cfg.steps)
-                    clock.add("checkpoint_s", res.blocking_s)  # collecting a finished save blocks too
-                    if res.saved:
-                        record["ckpt_block_s"] = res.blocking_s
-                writer.write(record, {"train/loss": record["loss"], "train/tokens_per_s": record["tokens_per_s"],
-                                      "train/lr": record["lr"], "train/grad_norm": record["grad_norm"],
-                                      "train/mfu": record.get("mfu"), "eval/loss": record.get("eval_loss")})
-                info = (f"loss {loss:.4f}  {record['tokens_per_s']:,.0f} tok/s  {step_time * 1e3:.0f} ms/step"
-                        + (f"  MFU {record['mfu']:.1%}" if "mfu" in record else "")
-                        + (f"  eval {eval_loss:.4f}" if "eval_loss" in record else ""))
-                progress.update(step, info)
-                if step < cfg.steps and stop.should_stop(step):
-                    preempted = True
-                    if ckpt is not None:
-                        res = ckpt.maybe_save(step, state, data_state=it.state(), metadata=metadata, force=True)
-                        clock.add("checkpoint_s", res.blocking_s)
-                    progress.print(f"SIGTERM: stopped after step {step}" + (", checkpoint saved" if ckpt else ""))
-                    writer.write({"event": "preempted", "step": step})
-                    break
-            if ckpt is not None:
-                t1 = time.perf_counter()
-                ckpt.wait()
-                clock.add("checkpoint_s", time.perf_counter() - t1)
-        finally:
-            progress.close()
-            stop.restore()
-            it.close()
+            resume_step = self._resume_step(ckpt)
+            if resume_step is not None and resume_step >= cfg.steps:
+                return self._already_done(resume_step)
+            val_src, it = self._data(plan)
+            state, start, restart = self._initial_state(plan, ckpt, it)
+            writer = self._open_outputs(plan, restart)
+        except BaseException:
             if ckpt is not None:
                 ckpt.close()
-        wall = clock.elapsed()
-        goodput = dict(clock.totals, wall_s=wall, lost_s=self._lost_s)
-        goodput["goodput"] = goodput.get("compute_s", 0.0) / wall if wall else 0.0
-        median_rate = statistics.median(rates[1:] or rates) if rates else None
-        mfu = median_rate * flops_per_token / (peak * plan.num_devices) if (peak and median_rate) else None
-        summary = TrainSummary(self.run_dir, len(losses), first_loss, final_loss, eval_loss, median_rate, mfu, wall,
-                               goodput, preempted, resumed_from)
-        writer.write({"event": "summary", **{k: v for k, v in dataclasses.asdict(summary).items()}})
-        writer.close()
+            raise
+        clock.add("setup_s", clock.elapsed())  # plan, data, init or restore
+        loop = _Loop(self, plan, state, start, it, val_src, ckpt, writer, clock)
+        try:
+            loop.run()
+        except KeyboardInterrupt:
+            loop.close(failed=True)
+            raise Interrupted(self._last_committed(ckpt)) from None
+        except BaseException:
+            loop.close(failed=True)
+            raise
+        loop.close()
+        return loop.summary(resume_step)
+
+    # -- set-up parts -----------------------------------------------------------------------------
+    def _resume_step(self, ckpt) -> Optional[int]:
+        """The step to resume from, or ``None`` for a new run; refuses (ConfigError) whenever going on
+        would lose or overwrite something. Nothing is deleted here."""
+        cfg = self.cfg
+        contents = inspect_run_dir(self.run_dir)
+        if cfg.resume is Resume.NO:
+            if contents.has_run:
+                raise ConfigError(f"run folder {self.run_dir!r} already holds a run ({contents.describe()}); "
+                                  f"pass --resume to continue it or choose another --out")
+            return None
+        if not contents.checkpoint_steps:
+            if contents.committed_steps:
+                raise ConfigError(
+                    f"cannot resume {self.run_dir!r}: its metrics.jsonl records committed checkpoints (steps "
+                    f"{list(contents.committed_steps)[-5:]}) but checkpoints/ holds no step folder. Nothing was "
+                    f"changed. Put the checkpoints back, or pass another --out to start a new run")
+            if contents.metric_steps:
+                self._notice(f"{self.run_dir}: the earlier run stopped at step {contents.last_metric_step} before "
+                             f"its first checkpoint was committed; starting again from step 0")
+            else:
+                self._notice(f"--resume: no run in {self.run_dir} yet; starting a new run there")
+            return None
+        step = ckpt.latest_valid_step()
+        if step is None:
+            found = "; ".join(f"step {s}: {c.status.value} ({c.reason})" for s, c in
+                              ((s, ckpt.check(s)) for s in ckpt.all_steps()))
+            raise ConfigError(f"cannot resume {self.run_dir!r}: it holds checkpoints but none is valid: {found}. "
+                              f"Nothing was changed. Inspect them with `meshtrain ckpt list "
+                              f"{os.path.join(self.run_dir, 'checkpoints')}`, put a good copy back, or pass "
+                              f"another --out to start a new run")
+        return step
+
+    def _already_done(self, step: int) -> TrainSummary:
+        cfg = self.cfg
+        if step > cfg.steps:
+            raise ConfigError(f"run {self.run_dir!r} is already at step {step}, past --steps {cfg.steps}; pass "
+                              f"--steps > {step} to train further")
+        self._notice(f"run {self.run_dir} is already at step {step} (= --steps): nothing to train; pass a larger "
+                     f"--steps to continue")
+        return TrainSummary(self.run_dir, 0, None, None, None, None, None, 0.0, {}, False, step, True)
+
+    def _data(self, plan: ShardingPlan):
+        cfg = self.cfg
+        source = load_source(cfg.data)
+        if self.vocab_size is not None:
+            check_token_ids(source, self.vocab_size)
+        # Always split: the training data must not depend on whether (or how often) a run evaluates.
+        train_src, val_src = source.split(cfg.val_fraction)
+        if not (cfg.eval_every and cfg.eval_batches):
+            val_src = None
+        it = BatchIterator(train_src, cfg.batch_size, cfg.seq_len, cfg.seed, shardings=plan.batch_shardings,
+                           vocab_size=self.vocab_size)
+        return val_src, it
+
+    def _open_outputs(self, plan: ShardingPlan, restart: Optional[Dict[str, Any]]) -> MetricsWriter:
+        """plan.json and metrics.jsonl (truncated to the restored step on resume) on process 0."""
         if self.is_main:
-            progress.print(_format_summary(summary))
-        return summary
+            restored = restart["restored_step"] if restart is not None else 0
+            dropped = truncate_metrics(self.run_dir, restored)
+            if restart is not None:
+                restart["superseded_records"] = dropped
+        writer = MetricsWriter(self.run_dir, enabled=self.is_main)
+        if self.is_main:
+            path = os.path.join(self.run_dir, "plan.json")
+            try:
+                with open(path, "w") as f:
+                    f.write(plan.to_json())
+            except OSError as exc:
+                writer.close()
+                raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; free disk space or pass another "
+                                  f"--out") from None
+        if restart is not None:
+            writer.write({"event": "restart", **restart})
+        return writer
+
+    def _notice(self, text: str) -> None:
+        if self.is_main:
+            print(f"meshtrain: {text}", flush=True)
+
+    def _last_committed(self, ckpt) -> Optional[int]:
+        if ckpt is None:
+            return None
+        good = [s for s in ckpt.all_steps() if ckpt.check(s, Verify.QUICK).status.usable]
+        return good[-1] if good else None
 
     # -- pieces ----------------------------------------------------------------------------------
     def _checkpointer(self):
@@ -282,16 +301,25 @@ class Trainer:
                 "seed": self.cfg.seed, "batch_size": self.cfg.batch_size, "seq_len": self.cfg.seq_len,
                 "num_params": plan.abstract.num_params}
 
-    def _initial_state(self, plan, ckpt, it: BatchIterator, writer: MetricsWriter):
-        if ckpt is not None and self.cfg.resume is Resume.LATEST and ckpt.latest_valid_step() is not None:
-            restored = ckpt.restore(plan)
-            it.restore(restored.data_state)
-            recomputed, lost = self._work_after(restored.step)
-            self._lost_s = lost
-            writer.write({"event": "restart", "restored_step": restored.step, "recomputed_steps": recomputed,
-                          "lost_s": lost})
-            return restored.state, restored.step, restored.step
-        return init_state(plan, seed=self.cfg.seed), 0, None
+    def _initial_state(self, plan, ckpt, it: BatchIterator):
+        """(state, start step, restart record or None)."""
+        cfg = self.cfg
+        if ckpt is None or cfg.resume is not Resume.LATEST or ckpt.latest_valid_step() is None:
+            return init_state(plan, seed=cfg.seed), 0, None
+        restored = ckpt.restore(plan)
+        it.restore(restored.data_state)
+        recomputed, lost = self._work_after(restored.step)
+        self._lost_s = lost
+        restart = {"restored_step": restored.step, "recomputed_steps": recomputed, "lost_s": lost}
+        saved_batch = (restored.metadata or {}).get("batch_size")
+        if saved_batch is not None and saved_batch != cfg.batch_size:
+            samples = restored.data_state.get("samples_seen")
+            self._notice(f"--batch-size changed from {saved_batch} to {cfg.batch_size} on resume: the data continues "
+                         f"at sample {samples} (no sample is skipped or repeated); steps continue from "
+                         f"{restored.step}, so each later step sees {cfg.batch_size} sequences and the learning-rate "
+                         f"schedule stays indexed by step")
+            restart["batch_size_changed"] = [saved_batch, cfg.batch_size]
+        return restored.state, restored.step, restart
 
     def _work_after(self, step: int):
         """Logged steps after ``step`` since the last restart: work that will be recomputed."""
@@ -322,6 +350,165 @@ class Trainer:
             total += float(out["loss"]) * n
             tokens += n
         return total / max(tokens, 1.0)
+
+
+class _Loop:
+    """The training loop of one :meth:`Trainer.run`: compile, steps, evaluation, checkpoints, logs."""
+
+    def __init__(self, trainer: Trainer, plan: ShardingPlan, state, start: int, it: BatchIterator, val_src,
+                 ckpt, writer: MetricsWriter, clock: Stopwatch):
+        cfg = trainer.cfg
+        self.t, self.cfg, self.plan, self.state, self.start = trainer, cfg, plan, state, start
+        self.it, self.val_src, self.ckpt, self.writer, self.clock = it, val_src, ckpt, writer, clock
+        self.train_step = make_train_step(plan, loss_fn=trainer.loss_fn, nonfinite=cfg.nonfinite)
+        self.eval_step = make_eval_step(plan, loss_fn=trainer.loss_fn) if val_src is not None else None
+        self.flops_per_token = (model_flops_per_token(trainer.model_cfg, cfg.seq_len) if trainer.model_cfg
+                                else 6.0 * plan.abstract.num_params)
+        self.peak = cfg.peak_flops_per_device or peak_flops(plan.mesh.devices.flat[0], cfg.hardware,
+                                                            plan.num_devices)
+        self.schedule = lr_schedule(cfg)
+        self.metadata = trainer._metadata(plan)  # the same for every save of this run
+        self.progress = ProgressDisplay(cfg.steps, start, cfg.progress.value, cfg.log_every, enabled=trainer.is_main)
+        self.losses: List[float] = []
+        self.rates: List[float] = []
+        self.first_loss = self.final_loss = self.eval_loss = None
+        self.skips = 0
+        self.preempted = False
+        self.pending_save: Optional[int] = None
+        self.stop = None
+        self._closed = False
+
+    def run(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        self.progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}, mesh "
+                            + " × ".join(f"{a}={s}" for a, s in plan.mesh_sizes.items())
+                            + f", batch {cfg.batch_size}×{cfg.seq_len}, run folder {self.t.run_dir}")
+        self.stop = _StopFlag()
+        batch = next(self.it)
+        t0 = time.perf_counter()
+        compiled = self.train_step.lower(self.state, batch).compile()
+        self.clock.add("compile_s", time.perf_counter() - t0)
+        for step in range(self.start + 1, cfg.steps + 1):
+            if step > self.start + 1:
+                batch = next(self.it)
+            record = self._step(compiled, step, batch)
+            if self.eval_step is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                t1 = time.perf_counter()
+                self.eval_loss = self.t._evaluate(self.eval_step, self.state, self.val_src, plan)
+                self.clock.add("eval_s", time.perf_counter() - t1)
+                record["eval_loss"] = self.eval_loss
+            self._save(step, record, force=step == cfg.steps)
+            self._log(step, record)
+            if step < cfg.steps and self.stop.should_stop(step):
+                self.preempted = True
+                self._save(step, None, force=True)
+                self.progress.print(f"SIGTERM: stopped after step {step}"
+                                    + (", checkpoint saved" if self.ckpt else ""))
+                self.writer.write({"event": "preempted", "step": step})
+                break
+        if self.ckpt is not None:
+            t1 = time.perf_counter()
+            self.ckpt.wait()
+            self.clock.add("checkpoint_s", time.perf_counter() - t1)
+            self._note_committed()
+
+    def _step(self, compiled, step: int, batch) -> Dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self.state, metrics = compiled(self.state, batch)
+        loss = float(metrics["loss"])
+        step_time = time.perf_counter() - t0
+        self.clock.add("compute_s", step_time)
+        finite = bool(metrics["finite"])
+        record: Dict[str, Any] = {"step": step, "loss": loss if finite else None,
+                                  "grad_norm": float(metrics["grad_norm"]) if finite else None,
+                                  "lr": float(self.schedule(step - 1)), "tokens": int(metrics["tokens"]),
+                                  "step_time_s": step_time,
+                                  "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time,
+                                  "data_wait_s": self.it.wait_s}
+        self.clock.add("data_wait_s", self.it.wait_s)
+        self.it.wait_s = 0.0
+        if not finite:
+            self.skips += 1
+            if cfg.nonfinite is NonFinite.RAISE:
+                raise TrainingError(f"non-finite loss or gradients at step {step}; lower --lr, check the "
+                                    f"data, or pass --nonfinite skip")
+            record["skipped"] = True
+            if self.skips > cfg.max_skips:
+                raise TrainingError(f"{self.skips} non-finite steps in a row (last: step {step}); "
+                                    f"parameters are unchanged since step {step - self.skips}")
+        else:
+            self.skips = 0
+            self.losses.append(loss)
+            self.rates.append(record["tokens_per_s"])
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            self.final_loss = loss
+        if self.peak:
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * self.plan.num_devices)
+        return record
+
+    def _save(self, step: int, record: Optional[Dict[str, Any]], force: bool) -> None:
+        if self.ckpt is None:
+            return
+        res = self.ckpt.maybe_save(step, self.state, data_state=self.it.state(), metadata=self.metadata, force=force)
+        self.clock.add("checkpoint_s", res.blocking_s)  # collecting a finished save blocks too
+        if res.saved and record is not None:
+            record["ckpt_block_s"] = res.blocking_s
+        self._note_committed()
+        if res.saved:
+            self.pending_save = step
+
+    def _note_committed(self) -> None:
+        """One ``checkpoint`` record per committed step: a later ``--resume`` can then tell a run whose
+        checkpoints were removed from one that never committed any."""
+        if self.pending_save is not None and self.ckpt.pending_step != self.pending_save:
+            if (self.ckpt.directory / str(self.pending_save)).is_dir():
+                self.writer.write({"event": "checkpoint", "step": self.pending_save})
+            self.pending_save = None
+
+    def _log(self, step: int, record: Dict[str, Any]) -> None:
+        self.writer.write(record, {"train/loss": record["loss"], "train/tokens_per_s": record["tokens_per_s"],
+                                   "train/lr": record["lr"], "train/grad_norm": record["grad_norm"],
+                                   "train/mfu": record.get("mfu"), "eval/loss": record.get("eval_loss")})
+        loss = record["loss"]
+        info = ((f"loss {loss:.4f}" if loss is not None else "loss non-finite (skipped)")
+                + f"  {record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms/step"
+                + (f"  MFU {record['mfu']:.1%}" if "mfu" in record else "")
+                + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
+        self.progress.update(step, info)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the display, restore signal handlers, close the data and the Checkpointer (which waits
+        for a save in flight). Idempotent; after a success ``summary`` writes the last record."""
+        if self._closed:
+            return
+        self._closed = True
+        self.progress.close()
+        if self.stop is not None:
+            self.stop.restore()
+        self.it.close()
+        try:
+            if self.ckpt is not None:
+                self.ckpt.close()
+        finally:
+            if failed:
+                self.writer.close()
+
+    def summary(self, resumed_from: Optional[int]) -> TrainSummary:
+        wall = self.clock.elapsed()
+        goodput = dict(self.clock.totals, wall_s=wall, lost_s=self.t._lost_s)
+        goodput["goodput"] = goodput.get("compute_s", 0.0) / wall if wall else 0.0
+        rates = self.rates
+        median_rate = statistics.median(rates[1:] or rates) if rates else None
+        mfu = (median_rate * self.flops_per_token / (self.peak * self.plan.num_devices)
+               if (self.peak and median_rate) else None)
+        summary = TrainSummary(self.t.run_dir, len(self.losses), self.first_loss, self.final_loss, self.eval_loss,
+                               median_rate, mfu, wall, goodput, self.preempted, resumed_from)
+        self.writer.write({"event": "summary", **dataclasses.asdict(summary)})
+        self.writer.close()
+        if self.t.is_main:
+            self.progress.print(_format_summary(summary))
+        return summary
 
 
 def _format_summary(s: TrainSummary) -> str:

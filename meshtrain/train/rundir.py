@@ -1,0 +1,191 @@
+"""The run folder: one run at a time (an exclusive lock), what it already holds, and a
+``metrics.jsonl`` that never holds two records for one step of one timeline.
+
+* :class:`RunLock`: ``<run>/.meshtrain-run.lock``, an exclusive ``flock`` held for the whole run by
+  process 0. A second ``train`` on the same folder fails at once naming the holder (host, pid). The
+  kernel drops a ``flock`` when its process dies, so a lock left by a killed run is taken over with
+  a warning that names the dead holder.
+* :func:`inspect_run_dir`: what the folder holds (metrics records, checkpoint step folders), so the
+  Trainer can start fresh only when there is no run at all.
+* :func:`truncate_metrics`: on resume, records of steps after the restored one are superseded:
+  they are removed from ``metrics.jsonl`` (the ``restart`` record says how many were recomputed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+import warnings
+from typing import Optional
+
+from meshtrain.errors import ConfigError
+
+LOCK_FILE = ".meshtrain-run.lock"
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunFolderBusy(ConfigError):
+    """Another live process holds the run folder's lock."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """Exclusive lock on a run folder for the whole run. ``RunLock(run_dir)`` raises
+    :class:`RunFolderBusy` naming the holder; :meth:`release` (or process exit) frees it.
+
+    Example::
+
+        lock = RunLock("runs/demo")      # creates runs/demo if needed
+        try:
+            ...                          # train
+        finally:
+            lock.release()
+    """
+
+    def __init__(self, run_dir: str):
+        import fcntl
+
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError as exc:
+            raise ConfigError(f"cannot use run folder {run_dir!r}: {exc.strerror or exc}; pass an --out folder "
+                              f"you can write to") from None
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(f)
+            f.close()
+            raise RunFolderBusy(f"run folder {run_dir!r} is in use by {_describe(holder)}; wait for it to finish, "
+                                f"stop it, or pass another --out") from None
+        previous = _read_holder(f)
+        if previous:   # the last holder died without releasing (killed): its flock went with it
+            alive = previous.get("host") == socket.gethostname() and _pid_alive(int(previous.get("pid", -1)))
+            state = "still running but not holding the lock" if alive else "no longer running"
+            warnings.warn(f"taking over the lock of run folder {run_dir!r} from {_describe(previous)} ({state}; "
+                          f"it stopped without releasing it)", stacklevel=2)
+        f.seek(0)
+        f.truncate()
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}, f)
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        """Free the lock and empty the file (an empty file means: released cleanly). Idempotent."""
+        if self._file is None:
+            return
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.flush()
+        except OSError:
+            pass
+        self._file.close()   # closing drops the flock
+        self._file = None
+
+
+def _read_holder(f) -> dict:
+    try:
+        f.seek(0)
+        text = f.read().strip()
+        return json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(holder: dict) -> str:
+    if not holder:
+        return "another process"
+    since = holder.get("since_unix")
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if since else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')}{when}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContents:
+    """What a run folder already holds."""
+
+    exists: bool
+    metric_steps: int        # step records in metrics.jsonl
+    last_metric_step: Optional[int]
+    checkpoint_steps: tuple  # committed step folders (valid or not)
+    committed_steps: tuple = ()  # ``checkpoint`` records of metrics.jsonl: steps once committed
+
+    @property
+    def has_run(self) -> bool:
+        return bool(self.metric_steps or self.checkpoint_steps)
+
+    def describe(self) -> str:
+        parts = []
+        if self.metric_steps:
+            parts.append(f"metrics.jsonl up to step {self.last_metric_step}")
+        if self.checkpoint_steps:
+            parts.append(f"checkpoint steps {list(self.checkpoint_steps)[-5:]}")
+        return ", ".join(parts) or "nothing"
+
+
+def inspect_run_dir(run_dir: str, checkpoint_dir: Optional[str] = None) -> RunContents:
+    """Count the step records of ``metrics.jsonl`` and the step folders under ``checkpoints/``."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"--out {run_dir!r} is an existing file, not a folder; pass a folder path")
+    steps, committed = [], []
+    path = os.path.join(run_dir, METRICS_FILE)
+    if os.path.isfile(path):
+        for rec in _records(path):
+            if isinstance(rec.get("step"), int) and "loss" in rec:
+                steps.append(rec["step"])
+            elif rec.get("event") == "checkpoint":
+                committed.append(rec.get("step"))
+    ckpt_dir = checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    ckpts = tuple(sorted(int(n) for n in (os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []) if n.isdigit()))
+    return RunContents(os.path.isdir(run_dir), len(steps), max(steps) if steps else None, ckpts,
+                       tuple(sorted(set(committed))))
+
+
+def _records(path: str):
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:   # a line cut by a kill
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def truncate_metrics(run_dir: str, restored_step: int) -> int:
+    """Drop the records of steps after ``restored_step`` (and partial lines) from ``metrics.jsonl``:
+    those steps will be trained again, and one timeline keeps one record per step. Events (restart,
+    preempted, summary) of earlier segments stay. Atomic (write + rename). Returns records dropped."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    for rec in _records(path):
+        step = rec.get("step")
+        if isinstance(step, int) and step > restored_step and rec.get("event") in (None, "checkpoint"):
+            dropped += 1
+            continue
+        kept.append(rec)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for rec in kept:
+            f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return dropped
+
