@@ -13,7 +13,8 @@ The public API, re-exported from small modules::
 from meshtrain import models
 from meshtrain.abstract import AbstractState, ModelFactory, abstract_state
 from meshtrain.annotate import PathRules, StepContext, constrain, remat
-from meshtrain.axes import LOGICAL_AXES, MESH_AXES
+from meshtrain.axes import LOGICAL_AXES, MESH_AXES, register_logical_axis
+from meshtrain.batch_layout import BatchLayout, BatchLeaf
 from meshtrain.checkpoint import CheckpointError, Checkpointer, Restored, SaveResult, inspect_checkpoint
 from meshtrain.errors import ConfigError, MeshError, MeshtrainError, PlanError, RecipeError, RulesError
 from meshtrain.mesh import AxisTypes, MeshSpec
@@ -22,17 +23,18 @@ from meshtrain.plan import BatchSpec, LeafPlan, ShardingPlan, make_plan
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, get_recipe, register_recipe
 from meshtrain.rules import AxisRules, Rule
 from meshtrain.strategies import register_strategy
-from meshtrain.train.state import TrainState, abstract_train_state, init_state, state_shardings
-from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_train_step, next_token_loss
+from meshtrain.state import TrainState, abstract_train_state, init_state, state_shardings
+from meshtrain.train.step import LossFn, NonFinite, make_eval_step, make_grad_fn, make_train_step, next_token_loss
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractState", "AttentionKind", "AxisRules", "AxisTypes", "BUILTIN_RECIPES", "BatchSpec", "CheckpointError",
+    "AbstractState", "AttentionKind", "AxisRules", "AxisTypes", "BUILTIN_RECIPES", "BatchLayout", "BatchLeaf",
+    "BatchSpec", "CheckpointError",
     "Checkpointer", "ConfigError", "Restored", "SaveResult", "inspect_checkpoint",
-    "LOGICAL_AXES", "LeafPlan", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
+    "LOGICAL_AXES", "LeafPlan", "LossFn", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
     "NonFinite", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
     "ShardingPlan", "StepContext", "TrainState", "abstract_state", "abstract_train_state", "attention",
     "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
-    "next_token_loss", "register_recipe", "register_strategy", "remat", "state_shardings",
+    "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
 ]

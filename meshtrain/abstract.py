@@ -53,9 +53,11 @@ class AbstractState:
       graphdef: the model's structure (``nnx.merge(graphdef, params, model_state)`` rebuilds it).
       params: nested dict of ``jax.ShapeDtypeStruct`` (trainable ``nnx.Param`` leaves).
       param_axes: ``{path: logical axes}`` for every parameter.
-      model_state: nested dict of non-parameter variables (batch statistics, RNG counters).
+      model_state: nested dict of non-parameter variables (batch statistics, RNG keys and counters).
       opt_state: ``jax.eval_shape(tx.init, params)``, or ``None`` without an optimizer.
       factory, tx, seed: what built it (``init_state`` re-runs the factory under ``jit``).
+      model_state_axes: ``{path: logical axes}`` for the non-parameter variables that carry
+        ``out_sharding`` metadata; the others are replicated.
     """
 
     graphdef: Any
@@ -65,6 +67,7 @@ class AbstractState:
     opt_state: Any
     factory: ModelFactory
     tx: Optional[optax.GradientTransformation]
+    model_state_axes: Dict[str, LogicalAxes] = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -111,7 +114,7 @@ def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformat
     else from ``annotations`` (a :class:`PathRules`). A parameter with neither raises, naming it.
     """
     model = nnx.eval_shape(lambda: _build(factory, 0))
-    graphdef, params_state, _ = nnx.split(model, nnx.Param, ...)
+    graphdef, params_state, rest_state = nnx.split(model, nnx.Param, ...)
     axes: Dict[str, LogicalAxes] = {}
     missing = []
     leaves = jax.tree_util.tree_flatten_with_path(params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
@@ -133,6 +136,17 @@ def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformat
             "parameters without logical axes: " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             + "; annotate them (nnx.with_partitioning(init, names)) or pass "
               "annotations=PathRules([(r'.*kernel', ('embed', 'mlp')), ...])")
+    state_axes: Dict[str, LogicalAxes] = {}
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    for keypath, var in jax.tree_util.tree_flatten_with_path(rest_state, is_leaf=is_var)[0]:
+        names = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+        if names is None:
+            continue
+        path, names = path_str(keypath), tuple(names)
+        if len(names) != len(var.shape):
+            raise RulesError(f"variable {path!r} ({type(var).__name__}, shape {tuple(var.shape)}) has logical axes "
+                             f"{names} of rank {len(names)}; give one name (or None) per dimension")
+        state_axes[path] = names
     _, params, rest = split_model(model)
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else None
-    return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx)
+    return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx, state_axes)

@@ -217,6 +217,69 @@ def _hybrid_by_process(ici_shape, dcn_shape, devices) -> np.ndarray:
     return blocks.transpose(order).reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
 
 
+# -- hybrid meshes: which axes cross processes / slices (DCN) --------------------------------------------------------------------------------
+def granules(devices: Sequence) -> int:
+    """The number of DCN groups among ``devices``: slices where devices report more than one
+    ``slice_index`` (TPU multislice, GPU partitions), else processes (CPU, GPU hosts)."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    if None not in slices and len(slices) > 1:
+        return len(slices)
+    if devices and devices[0].platform == "tpu":
+        return 1  # one slice: its hosts share the ICI
+    return len({d.process_index for d in devices})
+
+
+def split_dcn(spec, num_devices: int, dcn: Mapping[str, int]):
+    """``spec`` with the given factors of its axes moved onto DCN, total sizes unchanged.
+
+    ``split_dcn(hsdp_mesh, 8, {"data": 2})``: ``data=2, fsdp=4`` on 8 devices becomes ICI
+    ``{data: 1, fsdp: 4}`` × DCN ``{data: 2}``: the replicas across processes/slices, FSDP within.
+    """
+    if spec.dcn:
+        raise MeshError(f"the mesh already has DCN sizes {dict(spec.dcn)}; give DCN sizes once")
+    sizes = spec.resolve(num_devices)
+    ici: Dict[str, int] = dict(sizes)
+    for axis, factor in dcn.items():
+        if axis not in sizes:
+            raise MeshError(f"DCN axis {axis!r} is not part of this mesh ({', '.join(sizes)}); "
+                            f"pick one of them or a recipe that uses {axis!r}")
+        if factor < 1 or sizes[axis] % factor:
+            raise MeshError(f"DCN size {axis}={factor} does not divide the axis size {sizes[axis]} "
+                            f"(mesh {sizes}); pick a divisor or change --mesh")
+        ici[axis] = sizes[axis] // factor
+    return MeshSpec(ici=ici, dcn={a: f for a, f in dcn.items() if f > 1} or {}, axis_types=spec.axis_types)
+
+
+def auto_dcn(spec, devices: Sequence):
+    """Put the mesh's outermost axes across processes/slices when ``devices`` span several.
+
+    A spec that already has DCN sizes, or devices of one granule, come back unchanged. Otherwise
+    axes are taken outermost first (``stage``, ``data``, ``fsdp``, ...) and as much of each as the
+    granule count needs goes to DCN: ``hsdp`` (``data=2, fsdp=-1``) on 2 processes × 4 devices →
+    DCN ``{data: 2}``, ICI ``{data: 1, fsdp: 4}``; ``fsdp`` → DCN ``{fsdp: 2}``, ICI ``{fsdp: 4}``.
+    """
+    g = granules(devices)
+    if spec.dcn or g <= 1:
+        return spec
+    sizes = spec.resolve(len(devices))
+    left, dcn = g, {}
+    for axis, size in sizes.items():
+        f = math.gcd(size, left)
+        if f > 1:
+            dcn[axis] = f
+            left //= f
+    if left > 1:
+        raise MeshError(f"mesh {sizes} cannot be spread over {g} processes/slices (a factor {left} is left); "
+                        f"make an outer axis a multiple of {g} with --mesh")
+    return split_dcn(spec, len(devices), dcn)
+
+
+def hybrid_layout(spec, devices: Sequence, dcn: Optional[str] = None):
+    """The mesh spec for ``devices``: ``dcn`` (``"data=2"``: that much of each axis across
+    processes/slices) when given, else :func:`auto_dcn`."""
+    return split_dcn(spec, len(devices), MeshSpec.parse(dcn)) if dcn else auto_dcn(spec, devices)
+
+
 def select_devices(requested: Optional[int]) -> list:
     """All devices, or the first ``requested``: of the machine, or of each process in a multi-process
     run (``--devices`` counts per process there, like the CPU simulation's device count)."""

@@ -23,24 +23,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.abstract import AbstractState, path_str, tree_paths
+from meshtrain.batch_layout import BATCH_AXIS, BatchLayout, BatchSpec, as_batch_layout  # noqa: F401 (re-export)
 from meshtrain.errors import ConfigError, PlanError
 from meshtrain.recipes import Recipe, get_recipe
 from meshtrain.rules import AxisRules, shard_shape
 
 GROUPS = ("params", "optimizer", "batch", "model_state")
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchSpec:
-    """Global batch shape: ``batch_size`` sequences of ``seq_len`` tokens, each key ``(batch, seq)``."""
-
-    batch_size: int
-    seq_len: int
-    keys: Tuple[str, ...] = ("inputs", "targets", "positions", "segment_ids")
-    dtype: str = "int32"
-
-    def abstract(self) -> Dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), np.dtype(self.dtype)) for k in self.keys}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +62,15 @@ def _spec_json(spec: PartitionSpec) -> list:
 
 
 def _nbytes(shape, dtype) -> int:
+    """Bytes of an array of ``shape`` and ``dtype``; a PRNG key counts its key data (threefry: 2 × uint32)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return int(math.prod(shape)) * int(math.prod(data.shape)) * np.dtype(data.dtype).itemsize
     return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +80,12 @@ class ShardingPlan:
     Attributes:
       mesh: the ``Mesh`` (or ``AbstractMesh`` when planning for more devices than exist).
       recipe, rules: what produced it.
-      leaves: one :class:`LeafPlan` per leaf, grouped as ``params`` / ``optimizer`` / ``batch``.
+      leaves: one :class:`LeafPlan` per leaf, grouped as ``params`` / ``optimizer`` / ``batch`` /
+        ``model_state`` (non-parameter variables: batch statistics, RNG keys and counters).
       param_shardings, opt_shardings, batch_shardings, model_state_shardings: pytrees of
-        ``NamedSharding`` mirroring the state, ready for ``jit``.
+        ``NamedSharding`` mirroring the state and the batch, ready for ``jit`` (every leaf has a
+        mesh sharding, scalars too).
+      batch: the :class:`BatchLayout` the step takes (``None`` when planned without a batch).
     """
 
     mesh: Any
@@ -98,7 +97,7 @@ class ShardingPlan:
     batch_shardings: Any
     model_state_shardings: Any
     abstract: AbstractState
-    batch: Optional[BatchSpec]
+    batch: Optional[BatchLayout]
 
     # -- numbers ----------------------------------------------------------------------------
     @property
@@ -118,10 +117,20 @@ class ShardingPlan:
         return [leaf for leaf in self.leaves if leaf.group == name]
 
     def per_device_bytes(self) -> Dict[str, int]:
-        """Bytes each device holds: ``params``, ``optimizer``, ``batch`` and their ``total``."""
-        out = {g: sum(l.bytes_per_device for l in self.group(g)) for g in ("params", "optimizer", "batch")}
-        out["total"] = out["params"] + out["optimizer"]
+        """Bytes each device holds: ``params``, ``optimizer``, ``batch``, ``model_state`` (only when
+        the model has non-parameter variables) and ``total`` (the state: all but ``batch``)."""
+        groups = ("params", "optimizer", "batch") + (("model_state",) if self.group("model_state") else ())
+        out = {g: sum(l.bytes_per_device for l in self.group(g)) for g in groups}
+        out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0)
         return out
+
+    def check_batch(self, batch) -> None:
+        """Raise ``ConfigError`` naming the leaf when ``batch`` differs from the planned layout in
+        structure, shape or dtype (the step calls this; cached per distinct shape signature)."""
+        if self.batch is None:
+            raise ConfigError("this plan has no batch layout; pass batch=BatchSpec(B, T), a BatchLayout or an "
+                              "example batch to make_plan")
+        self.batch.check(batch)
 
     def replicated(self, group: str = "params") -> List[LeafPlan]:
         """Leaves of ``group`` that no mesh axis shards, largest first."""
@@ -136,6 +145,8 @@ class ShardingPlan:
             "params": [l.to_dict() for l in self.group("params")],
             "optimizer": [l.to_dict() for l in self.group("optimizer")],
             "batch": [l.to_dict() for l in self.group("batch")],
+            **({"model_state": [l.to_dict() for l in self.group("model_state")]} if self.group("model_state")
+               else {}),
             "per_device_bytes": self.per_device_bytes(),
             "num_params": self.abstract.num_params,
             "replicated_params": [l.path for l in self.replicated("params")],
@@ -144,7 +155,8 @@ class ShardingPlan:
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
-    def describe(self, groups: Sequence[str] = ("params", "batch"), max_rows: Optional[int] = None) -> str:
+    def describe(self, groups: Sequence[str] = ("params", "model_state", "batch"),
+                 max_rows: Optional[int] = None) -> str:
         """A readable table: one row per leaf, then bytes per device by group."""
         lines = [f"recipe {self.recipe.name}  mesh " + " × ".join(f"{a}={s}" for a, s in self.mesh_sizes.items())
                  + f"  ({self.num_devices} devices, {self.abstract.num_params:,} parameters)"]
@@ -179,21 +191,25 @@ def _fmt_bytes(n: int) -> str:
 def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe) -> Tuple[LeafPlan, NamedSharding]:
     sizes = dict(mesh.shape)
     res = rules.resolve(kind, logical, shape, sizes, path=path, replicate_ok=frozenset(recipe.replicate_indivisible))
-    leaf = LeafPlan(group, path, tuple(shape), str(np.dtype(dtype)), tuple(logical), res.spec, _nbytes(shape, dtype),
+    leaf = LeafPlan(group, path, tuple(shape), _dtype_name(dtype), tuple(logical), res.spec, _nbytes(shape, dtype),
                     _nbytes(shard_shape(shape, res.spec, sizes), dtype), res.reason, res.replicated_dims)
     return leaf, NamedSharding(mesh, res.spec)
 
 
-def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *, batch: Optional[BatchSpec] = None,
-              check: bool = True) -> ShardingPlan:
-    """Resolve every leaf of ``abstract`` (params, optimizer state) and ``batch`` on ``mesh``.
+def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
+              batch: "BatchLayout | BatchSpec | Any" = None, check: bool = True) -> ShardingPlan:
+    """Resolve every leaf of ``abstract`` (params, optimizer state, model state) and ``batch`` on ``mesh``.
 
     Args:
       abstract: from :func:`meshtrain.abstract_state`.
       recipe: a :class:`Recipe` or its name / file.
       mesh: a ``Mesh`` (default: ``recipe.mesh.build()`` over all devices) or an ``AbstractMesh``.
-      batch: the global batch shape; checks it divides the data-parallel size.
-      check: apply the replication guard (``recipe.max_replicated_fraction``).
+      batch: the global batch: a :class:`BatchLayout`, a :class:`BatchSpec` (token batches) or an
+        example batch pytree (arrays or ``ShapeDtypeStruct``s; ``batch`` on each leading dimension).
+        Each leaf is resolved with the activation rules; its ``batch`` dimension must divide by
+        data-parallel size × micro-batches, and under data parallelism a leaf that no mesh axis
+        splits is a ``PlanError`` unless the layout allows it (``allow_replicated``).
+      check: apply the parameter replication guard (``recipe.max_replicated_fraction``).
     """
     recipe = get_recipe(recipe)
     mesh = recipe.mesh.build() if mesh is None else mesh
@@ -235,24 +251,33 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *, bat
             opt_sh[path] = sh
         opt_shardings = jax.tree.map(lambda p: opt_sh[p], tree_paths(abstract.opt_state))
 
-    model_state_shardings = jax.tree.map(lambda _: replicated, abstract.model_state)
+    # Non-parameter variables (batch statistics, RNG keys and counters): sharded by their own
+    # ``out_sharding`` names through the params rules when they have them, else replicated; either
+    # way every leaf gets a mesh NamedSharding.
+    state_axes = getattr(abstract, "model_state_axes", None) or {}
+    ms_sh = {}
     for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.model_state)[0]:
-        leaves.append(LeafPlan("model_state", path_str(keypath), tuple(sds.shape), str(sds.dtype),
-                               (None,) * len(sds.shape), PartitionSpec(), _nbytes(sds.shape, sds.dtype),
-                               _nbytes(sds.shape, sds.dtype), "non-parameter variable: replicated"))
+        path = path_str(keypath)
+        logical = state_axes.get(path)
+        if logical is None:
+            leaves.append(LeafPlan("model_state", path, tuple(sds.shape), _dtype_name(sds.dtype),
+                                   (None,) * len(sds.shape), PartitionSpec(), _nbytes(sds.shape, sds.dtype),
+                                   _nbytes(sds.shape, sds.dtype), "non-parameter variable: replicated"))
+            ms_sh[path] = replicated
+            continue
+        leaf, sh = _resolve_leaf(rules, "model_state", "params", path, sds.shape, sds.dtype, logical, mesh, recipe)
+        leaves.append(leaf)
+        ms_sh[path] = sh
+    model_state_shardings = jax.tree.map(lambda p: ms_sh[p], tree_paths(abstract.model_state))
 
+    layout = None if batch is None else as_batch_layout(batch)
     batch_shardings = None
-    if batch is not None:
-        _check_batch(rules, dict(mesh.shape), recipe, batch)
-        batch_shardings = {}
-        for key, sds in batch.abstract().items():
-            leaf, sh = _resolve_leaf(rules, "batch", "activations", key, sds.shape, sds.dtype, ("batch", "seq"),
-                                     mesh, recipe)
-            leaves.append(leaf)
-            batch_shardings[key] = sh
+    if layout is not None:
+        batch_leaves, batch_shardings = _plan_batch(rules, mesh, recipe, layout)
+        leaves.extend(batch_leaves)
 
     plan = ShardingPlan(mesh, recipe, rules, tuple(leaves), param_shardings, opt_shardings, batch_shardings,
-                        model_state_shardings, abstract, batch)
+                        model_state_shardings, abstract, layout)
     if check:
         _replication_guard(plan)
     return plan
@@ -263,15 +288,36 @@ def _data_parallel_size(rules: AxisRules, mesh_sizes) -> int:
     return int(math.prod(mesh_sizes.get(a, 1) for a in (rule.mesh_axes if rule else ())))
 
 
-def _check_batch(rules: AxisRules, mesh_sizes, recipe: Recipe, batch: BatchSpec) -> None:
-    dp = _data_parallel_size(rules, mesh_sizes)
+def _plan_batch(rules: AxisRules, mesh, recipe: Recipe, layout: BatchLayout):
+    """LeafPlans and a pytree of NamedShardings for every batch leaf (activation rules)."""
+    sizes = dict(mesh.shape)
+    dp = _data_parallel_size(rules, sizes)
     micro = recipe.micro_batches
-    if batch.batch_size < 1 or batch.seq_len < 1:
-        raise ConfigError(f"batch size {batch.batch_size} and sequence length {batch.seq_len} must be positive")
-    if batch.batch_size % (dp * micro):
-        raise ConfigError(
-            f"batch size {batch.batch_size} is not divisible by data-parallel size {dp} × micro-batches {micro} "
-            f"(mesh {mesh_sizes}); use a batch size that is a multiple of {dp * micro}")
+    plans: Dict[str, NamedSharding] = {}
+    out: List[LeafPlan] = []
+    for path, bl in layout.leaves_as_given():
+        if bl.batch_dim is not None:
+            size = bl.shape[bl.batch_dim]
+            if size < 1 or size % (dp * micro):
+                raise ConfigError(
+                    f"batch size {size} is not divisible by data-parallel size {dp} × micro-batches {micro} "
+                    f"(mesh {sizes}; batch leaf {path!r}, shape {bl.shape}); use a batch size that is a multiple "
+                    f"of {dp * micro}")
+        leaf, sh = _resolve_leaf(rules, "batch", "activations", path, bl.shape, bl.dtype, bl.axes, mesh, recipe)
+        if dp > 1 and leaf.is_replicated and not layout.allows_replicated(path, bl):
+            dp_axes = " × ".join(f"{a}={sizes[a]}" for a in rules.table("activations")[BATCH_AXIS].mesh_axes
+                                 if sizes.get(a, 1) > 1)
+            suggestion = (BATCH_AXIS,) + (None,) * (len(bl.shape) - 1) if bl.shape else None
+            raise PlanError(
+                f"batch leaf {path!r} (shape {bl.shape}, logical axes {bl.axes}) would be replicated: all "
+                f"{dp} data-parallel devices ({dp_axes}) would hold the whole of it. Give it a {BATCH_AXIS!r} "
+                + (f"axis (e.g. BatchLayout.from_example(batch, axes={{{path!r}: {suggestion}}})) "
+                   if suggestion else "axis ")
+                + f"or, if every device needs all of it, allow it: BatchLayout.from_example(batch, "
+                f"allow_replicated=({path!r},))")
+        out.append(leaf)
+        plans[path] = sh
+    return out, layout.map(lambda path, _: plans[path])
 
 
 def _replication_guard(plan: ShardingPlan) -> None:

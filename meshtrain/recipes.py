@@ -21,7 +21,7 @@ from meshtrain.axes import LOGICAL_AXES
 from meshtrain.errors import RecipeError
 from meshtrain.mesh import AxisTypes, MeshSpec
 from meshtrain.rules import TABLES, AxisRules
-from meshtrain.strategies import compose, get_strategy
+from meshtrain.strategies import compose, get_strategy, step_options
 
 
 class Remat(str, enum.Enum):
@@ -98,6 +98,7 @@ class Recipe:
         if not 0.0 <= self.max_replicated_fraction <= 1.0:
             raise RecipeError(f"recipe {self.name!r}: max_replicated_fraction must be in [0, 1]")
         _, owners = compose(self.strategies)  # validates names, requirements and axis claims
+        step_options(self.strategies)  # validates that the strategies' step options agree
         extra = [a for a, size in self.mesh.ici + self.mesh.dcn if a not in owners and size != 1]
         if extra:
             raise RecipeError(
@@ -112,6 +113,16 @@ class Recipe:
 
     def axis_owners(self) -> Dict[str, str]:
         return compose(self.strategies)[1]
+
+    def step_options(self) -> Dict[str, Any]:
+        """The step options its strategies set (``meshtrain.strategies.STEP_OPTIONS``), e.g.
+        ``{"shard_gradients": True}`` for ``zero2``."""
+        return step_options(self.strategies)
+
+    @property
+    def shard_gradients(self) -> bool:
+        """Whether the step keeps gradients sharded like the optimizer state (ZeRO-2)."""
+        return bool(self.step_options().get("shard_gradients", False))
 
     # -- copies -----------------------------------------------------------------------------
     def with_mesh(self, dcn: Optional[Mapping[str, int]] = None, **sizes: int) -> "Recipe":
@@ -224,6 +235,8 @@ BUILTIN_RECIPES: Dict[str, Recipe] = {r.name: r for r in [
     _builtin("fsdp", "Fully sharded data parallel (ZeRO-3): weights, gradients and Adam state split over all "
              "devices.", ("fsdp",), {"fsdp": -1}),
     _builtin("zero1", "ZeRO-1: data parallel with only the optimizer state sharded.", ("zero1",), {"data": -1}),
+    _builtin("zero2", "ZeRO-2: data parallel with the optimizer state and the gradients sharded.", ("zero2",),
+             {"data": -1}),
     _builtin("hsdp", "Hybrid sharded DP: FSDP inside groups, replicated across groups (put `data` on DCN).",
              ("hsdp",), {"data": 2, "fsdp": -1}),
     _builtin("tp", "Megatron tensor parallelism over all devices (data axis available for DP).",

@@ -6,6 +6,10 @@ missing is an error, and rules for the same logical name from different strategi
 canonical mesh order (``dp``'s ``batch -> data`` plus ``fsdp``'s ``batch -> fsdp`` gives
 ``batch -> (data, fsdp)``).
 
+A strategy may also set *step options* (:data:`STEP_OPTIONS`) that the train step reads, so a
+recipe's layout and its step cannot disagree: ``zero2`` sets ``shard_gradients`` (the step
+constrains each gradient to its parameter's optimizer-state sharding before the update).
+
 Add your own::
 
     @register_strategy("my_sp", "sequence sharding of the residual stream", requires=("tp",))
@@ -16,35 +20,54 @@ Add your own::
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from meshtrain.axes import MESH_AXES
 from meshtrain.errors import RecipeError
 from meshtrain.rules import TABLES, AxisRules, Rule
 
 
+#: Step options a strategy may set, with their meaning (the step reads them through
+#: :func:`step_options`):
+#:
+#: * ``shard_gradients``: keep each gradient sharded like its parameter's optimizer state from the
+#:   backward pass to the update (ZeRO-2: reduce-scatter instead of all-reduce; the updated
+#:   parameters are all-gathered back to their own sharding).
+STEP_OPTIONS: Dict[str, str] = {
+    "shard_gradients": "gradients constrained to the optimizer-state sharding of their parameter (ZeRO-2)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """A registered parallelism dimension: the mesh axes it owns and the rules it adds."""
+    """A registered parallelism dimension: the mesh axes it owns, the rules it adds and the step
+    options (:data:`STEP_OPTIONS`) it sets."""
 
     name: str
     description: str
     claims: Tuple[str, ...]
     rules: Callable[[], AxisRules]
     requires: Tuple[str, ...] = ()
+    options: Tuple[Tuple[str, Any], ...] = ()
 
 
 _STRATEGIES: Dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, description: str, *, claims: Iterable[str] = (), requires: Iterable[str] = ()):
-    """Decorator: register ``fn() -> AxisRules`` as strategy ``name`` owning mesh axes ``claims``."""
+def register_strategy(name: str, description: str, *, claims: Iterable[str] = (), requires: Iterable[str] = (),
+                      options: Optional[Mapping[str, Any]] = None):
+    """Decorator: register ``fn() -> AxisRules`` as strategy ``name`` owning mesh axes ``claims`` and
+    setting step ``options`` (names from :data:`STEP_OPTIONS`)."""
 
     def wrap(fn: Callable[[], AxisRules]):
         bad = [a for a in claims if a not in MESH_AXES]
         if bad:
             raise RecipeError(f"strategy {name!r} claims unknown mesh axes {bad}; use {MESH_AXES}")
-        _STRATEGIES[name] = Strategy(name, description, tuple(claims), fn, tuple(requires))
+        unknown = sorted(set(options or {}) - set(STEP_OPTIONS))
+        if unknown:
+            raise RecipeError(f"strategy {name!r} sets unknown step options {unknown}; known: {sorted(STEP_OPTIONS)}")
+        _STRATEGIES[name] = Strategy(name, description, tuple(claims), fn, tuple(requires),
+                                     tuple(sorted((options or {}).items())))
         return fn
 
     return wrap
@@ -91,6 +114,20 @@ def compose(names: Iterable[str]) -> Tuple[AxisRules, Dict[str, str]]:
     return AxisRules.defaults().merged(composed), owners
 
 
+def step_options(names: Iterable[str]) -> Dict[str, Any]:
+    """The step options the strategies ``names`` set together; two strategies setting one option to
+    different values is an error naming both."""
+    out: Dict[str, Any] = {}
+    setter: Dict[str, str] = {}
+    for name in names:
+        for key, value in get_strategy(name).options:
+            if key in out and out[key] != value:
+                raise RecipeError(f"step option {key!r} is set to {out[key]!r} by {setter[key]!r} and to {value!r} by "
+                                  f"{name!r}; drop one of the strategies")
+            out[key], setter[key] = value, name
+    return out
+
+
 # ---- built-in strategies -------------------------------------------------------------------
 
 @register_strategy("dp", "data parallelism: batch split over `data`, weights replicated, gradients all-reduced",
@@ -108,6 +145,13 @@ def _fsdp() -> AxisRules:
 @register_strategy("zero1", "ZeRO-1: data parallelism with only the optimizer state sharded over `data`",
                    claims=("data",))
 def _zero1() -> AxisRules:
+    return AxisRules.of(activations={"batch": "data"}, optimizer={"embed": "data"})
+
+
+@register_strategy("zero2", "ZeRO-2: data parallelism with the optimizer state and the gradients sharded over `data` "
+                   "(gradients reduce-scattered, updated weights all-gathered)", claims=("data",),
+                   options={"shard_gradients": True})
+def _zero2() -> AxisRules:
     return AxisRules.of(activations={"batch": "data"}, optimizer={"embed": "data"})
 
 

@@ -20,4 +20,6 @@ def test_bench_checkpoint_runs_small(tmp_path):
     assert len(r["async_stall_all_s"]) == 2 and r["raw_fsync_MBps"] > 0 and r["sync_save_MBps"] > 0
     assert r["async_stall_idle_cpu_s"] < r["sync_stall_in_loop_s"]   # an async save blocks less than a sync one
     assert r["stall_ratio"] == r["async_stall_s"] / r["sync_stall_in_loop_s"]
+    # the step right after each async save (one per save but the last) donates every state buffer
+    assert r["donated_after_async_save"] == [r["state_buffers"]] * (len(r["async_stall_all_s"]) - 1)
     assert os.listdir(tmp_path) == []                              # the benchmark cleans up after itself

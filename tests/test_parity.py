@@ -10,7 +10,7 @@ from meshtrain.rules import shard_shape
 
 from helpers import mesh_for, put, rel_diff, run_steps, single_device, tiny_abstract, token_batch
 
-RECIPES = ["dp", "fsdp", "zero1", "hsdp", "tp", "fsdp_tp", "fsdp_tp_sp"]
+RECIPES = ["dp", "fsdp", "zero1", "zero2", "hsdp", "tp", "fsdp_tp", "fsdp_tp_sp"]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ def example(name):
 
 
 @pytest.mark.parametrize("name, expect", [("own-model", r"loss ([0-9.]+) -> ([0-9.]+)"),
+                                          ("own-data", r"loss ([0-9.]+) -> ([0-9.]+), eval accuracy ([0-9.]+)"),
                                           ("own-loop", r"loss ([0-9.]+)")])
 def test_readme_example_runs(name, expect, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
@@ -30,6 +31,8 @@ def test_readme_example_runs(name, expect, tmp_path):
     if name == "own-model":
         assert float(m.group(2)) < float(m.group(1))  # it trained
         assert (tmp_path / "runs" / "my-model" / "metrics.jsonl").exists()
+    if name == "own-data":
+        assert float(m.group(2)) < 0.5 * float(m.group(1)) and float(m.group(3)) > 0.8
 
 
 def test_ci_runs_the_readme_test_command():

@@ -12,11 +12,14 @@ What is measured (same state, same folder, same process):
   with its manifest (write + SHA-256 of every file + rename); throughput = state bytes / time.
 * async save inside a training loop: ``SaveResult.blocking_s`` of each save (the stall: the loop
   cannot run while Orbax takes the arrays' host copies and starts its writer; the loop waits for
-  every device to finish the step first, so step compute is not counted as stall), the same counting
+  every device to finish the step first, so step compute is not counted as stall; on CPU it includes
+  copying the saved shards, so that the next step can donate them), the same counting
   every ``maybe_save`` call (calls between saves collect the finished save and apply retention), and
   the loop's extra wall time per save compared with the same steps without saving (the writer
   thread competes with the step for CPU cores; noisy on a shared machine).
 * sync save inside the same training loop: its ``blocking_s`` (the whole save).
+* donation: how many of the state's buffers the step right after each async save donated (all of
+  them, unless something still references the saved device buffers: XLA then silently copies).
 * async saves with the host CPU idle first (a 50 ms pause, not counted): XLA:CPU's worker threads
   spin for a while after each step and slow the save call on a 2-core machine; on GPU/TPU hosts
   the step does not occupy the host CPU, so this figure is the one that transfers.
@@ -139,18 +142,25 @@ def main(argv=None) -> dict:
         steps = args.saves * args.every
 
         def loop(mode):
-            blocked, other = [], 0.0
+            blocked, other, donated = [], 0.0, []
             ckpt = None if mode == "plain" else Checkpointer(
                 root / f"{mode}-loop", save_every=args.every, keep_last=1, async_save=mode == "async",
                 compression=args.compression)
             st = state_box[0]
             t0 = time.perf_counter()
+            just_saved = False
             for i in range(1, steps + 1):
+                old = jax.tree.leaves(st)
                 st, m = step_fn(st, batch_for(plan, i))
+                if just_saved:   # the step right after a save: were all its input buffers donated?
+                    donated.append(sum(x.is_deleted() for x in old))
+                del old
                 float(m["loss"])                                 # a real loop reads its metrics
                 jax.block_until_ready(st)                        # blocking_s counts checkpoint work only
+                just_saved = False
                 if ckpt is not None:
                     res = ckpt.maybe_save(i, st, data_state={"step": i}, metadata=meta)
+                    just_saved = res.saved
                     if res.saved:
                         blocked.append(res.blocking_s)
                     else:   # calls between saves collect the finished save and apply retention
@@ -160,12 +170,12 @@ def main(argv=None) -> dict:
                 ckpt.close()                                     # waits for the last async save
             final_wait = time.perf_counter() - t_wait
             state_box[0] = st
-            return blocked, other, t_wait - t0, final_wait
+            return blocked, other, t_wait - t0, final_wait, donated
 
         state_box = [state]
-        _, _, loop_plain, _ = loop("plain")
-        stalls, other_calls, loop_async, final_wait = loop("async")
-        sync_stalls, _, loop_sync, _ = loop("sync")
+        _, _, loop_plain, _, _ = loop("plain")
+        stalls, other_calls, loop_async, final_wait, donated_after_async = loop("async")
+        sync_stalls, _, loop_sync, _, _ = loop("sync")
         # async saves once the host CPU is idle (XLA:CPU's worker threads keep spinning for a few ms
         # after a step; on GPU/TPU the step does not run on the host, so this is the stall there)
         idle_stalls = []
@@ -193,7 +203,8 @@ def main(argv=None) -> dict:
             "stall_ratio_idle_cpu": statistics.median(idle_stalls) / sync_stall_s,
             "async_stall_incl_other_calls_s": total_stall_per_save,
             "stall_incl_other_calls_ratio": total_stall_per_save / sync_stall_s, "final_wait_s": final_wait,
-            "step_s": loop_plain / steps,
+            "step_s": loop_plain / steps, "state_buffers": len(jax.tree.leaves(state_box[0])),
+            "donated_after_async_save": donated_after_async,
             "loop_overhead_per_async_save_s": (loop_async - loop_plain) / args.saves,
             "loop_overhead_per_sync_save_s": (loop_sync - loop_plain) / args.saves,
         }
@@ -217,6 +228,9 @@ def main(argv=None) -> dict:
               f"= {out['stall_incl_other_calls_ratio']:.1%}")
         print(f"               with the host CPU idle before the save (as on GPU/TPU hosts): "
               f"{out['async_stall_idle_cpu_s'] * 1e3:.1f} ms -> {out['stall_ratio_idle_cpu']:.1%}")
+        print(f"donation       the step right after each async save donated "
+              f"{', '.join(map(str, out['donated_after_async_save'])) or '-'} of {out['state_buffers']} state "
+              f"buffers (fewer: XLA silently keeps a second copy of the state for that step)")
         print(f"training loop  {out['step_s']:.3f} s/step; extra loop time per save: async "
               f"{out['loop_overhead_per_async_save_s']:.3f} s, sync {out['loop_overhead_per_sync_save_s']:.3f} s "
               f"(noisy on a shared machine; async: the writer competes with the step for CPU)")

@@ -32,7 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtrain.abstract import abstract_state
+from meshtrain.annotate import StepContext, step_context
+from meshtrain.mesh import MeshSpec
+from meshtrain.models.decoder import Decoder, DecoderConfig
 from meshtrain.recipes import Remat
+from meshtrain.rules import AxisRules
+from meshtrain.train.step import cast_floats, next_token_loss
 
 #: Probe sizes: distinct primes, so every dimension of a saved tensor factors into them.
 #: ``n_heads = kv·g`` and ``head_dim = 2·hh`` (rotary embeddings split the head in halves).
@@ -150,12 +156,6 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     """Trace the probe decoder's loss VJP abstractly and turn its residuals into formulas."""
     from flax import nnx
 
-    from meshtrain.abstract import abstract_state
-    from meshtrain.annotate import StepContext, step_context
-    from meshtrain.mesh import MeshSpec
-    from meshtrain.models.decoder import Decoder, DecoderConfig
-    from meshtrain.rules import AxisRules
-    from meshtrain.train.step import _cast_floats, next_token_loss
 
     remat = Remat(remat)
     p = PROBE
@@ -172,7 +172,7 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     def residuals(params, batch):
         def loss(params):
             with step_context(ctx):
-                m = nnx.merge(graphdef, _cast_floats(params, dtype), rest)
+                m = nnx.merge(graphdef, cast_floats(params, dtype), rest)
                 return next_token_loss(m, batch)[0]
         return jax.tree.leaves(jax.vjp(loss, params)[1])
 

@@ -103,7 +103,12 @@ def _axes_in(spec) -> Tuple[str, ...]:
 
 
 def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> List[CollectiveEstimate]:
-    """The collectives of one train step of ``plan`` (a decoder ``cfg``), modelled for ``backend``."""
+    """The collectives of one train step of ``plan`` (a decoder ``cfg``), modelled for ``backend``.
+
+    ``cfg=None`` (any other model): the parameter collectives only (FSDP gathers, gradient
+    reductions, ZeRO-1; a leaf whose first logical axis is ``layers`` runs once per layer, its
+    leading size), without the tensor-parallel activation collectives (they need the model's shapes).
+    """
     backend = Backend(backend)
     lay = layout_of(plan)
     sizes = lay.sizes
@@ -128,8 +133,9 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         f, r = s & batch, batch - s
         t = lay.size(s - batch)
         layer = bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers"
-        per = cfg.n_layers if layer else 1
-        lookup = tuple(leaf.logical_axes) == ("vocab", "embed") and not cfg.tie_embeddings and "embedding" in leaf.path
+        per = (cfg.n_layers if cfg is not None else max(int(leaf.shape[0]), 1)) if layer else 1
+        lookup = (cfg is not None and tuple(leaf.logical_axes) == ("vocab", "embed") and not cfg.tie_embeddings
+                  and "embedding" in leaf.path)
         if f:
             add("all-gather", f, elems * c / t / per, per * m, f"FSDP forward gather {leaf.path}", phase=Phase.FORWARD)
             if not lookup:
@@ -153,7 +159,8 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         elif r:
             add("all-reduce", r, g_shard, per * m, f"grad all-reduce {leaf.path}")
 
-    _tensor_parallel(plan, cfg, lay, backend, c, add)
+    if cfg is not None:
+        _tensor_parallel(plan, cfg, lay, backend, c, add)
     return out
 
 

@@ -32,17 +32,14 @@ _TOPOLOGIES = {
 
 
 def _abstract_inputs(plan):
-    import jax
+    from meshtrain.analysis.compiled import step_inputs
 
-    import meshtrain as mt
-
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.batch_shardings[k])
-             for k, v in plan.batch.abstract().items()}
-    return mt.abstract_train_state(plan), batch
+    return step_inputs(plan)
 
 
-def compile_local(plan):
-    """Compile ``make_train_step(plan)`` for the plan's (real) mesh; nothing is allocated or run."""
+def compile_local(plan, loss_fn=None):
+    """Compile ``make_train_step(plan, loss_fn=loss_fn)`` for the plan's (real) mesh; nothing is
+    allocated or run."""
     import jax
 
     import meshtrain as mt
@@ -52,17 +49,17 @@ def compile_local(plan):
                           f"that exist here can be compiled (use lower_abstract, or --devices ≤ "
                           f"{len(jax.devices())})")
     state, batch = _abstract_inputs(plan)
-    return mt.make_train_step(plan).lower(state, batch).compile()
+    return mt.make_train_step(plan, loss_fn=loss_fn).lower(state, batch).compile()
 
 
-def lower_abstract(plan, platform: str = "tpu"):
+def lower_abstract(plan, platform: str = "tpu", loss_fn=None):
     """Trace and lower the train step on the plan's ``AbstractMesh`` for ``platform`` (tpu, cuda, cpu)."""
     import jax
 
     import meshtrain as mt
 
     state, batch = _abstract_inputs(plan)
-    step = mt.make_train_step(plan)
+    step = mt.make_train_step(plan, loss_fn=loss_fn)
     mesh = plan.mesh if isinstance(plan.mesh, jax.sharding.AbstractMesh) else plan.mesh.abstract_mesh
     with jax.sharding.use_abstract_mesh(mesh):
         return step.trace(state, batch).lower(lowering_platforms=(platform,))
@@ -90,7 +87,7 @@ def default_topology(hardware: str, num_devices: int) -> Optional[str]:
     return f"{hardware.replace('tpu-', '')}:{shape}" if shape else None
 
 
-def compile_tpu_topology(abstract, recipe, batch, topology: str):
+def compile_tpu_topology(abstract, recipe, batch, topology: str, loss_fn=None):
     """Compile the train step for a fake TPU ``topology`` (e.g. ``"v5p:4x4x4"``) on this host.
 
     Returns ``(plan, compiled)``; ``MeasuredMemory.of(compiled)`` is then the exact per-chip memory
@@ -112,6 +109,6 @@ def compile_tpu_topology(abstract, recipe, batch, topology: str):
     mesh = recipe.mesh.build(list(topo.devices))
     plan = mt.make_plan(abstract, recipe, mesh, batch=batch)
     state, batch_abs = _abstract_inputs(plan)
-    compiled = mt.make_train_step(plan).lower(state, batch_abs).compile()
+    compiled = mt.make_train_step(plan, loss_fn=loss_fn).lower(state, batch_abs).compile()
     del jax
     return plan, compiled

@@ -118,7 +118,8 @@ def mesh_options(recipe: Recipe, num_devices: int) -> List[Dict[str, int]]:
 
 
 def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = None) -> List[str]:
-    """The well-known rules, checked for one plan (empty when all hold)."""
+    """The well-known rules, checked for one plan (empty when all hold). For any model: head counts
+    are checked when ``cfg`` has them, the FSDP rule when the batch has a ``seq`` axis."""
     lay = layout_of(plan)
     out = []
     links = axis_links(lay, hw)
@@ -128,9 +129,9 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
                        f"fast-link domain of {hw.name}: its per-layer all-reduces cross the slow links; keep "
                        f"tensor × inner axes ≤ {hw.fast_domain}")
     ctx = lay.sizes.get("context", 1)
-    for what, heads in (("query heads", cfg.n_heads), ("kv heads", cfg.n_kv_heads)):
+    for what, heads in (("query heads", getattr(cfg, "n_heads", None)), ("kv heads", getattr(cfg, "n_kv_heads", None))):
         ways = lay.tensor * ctx
-        if ways > 1 and heads % ways:
+        if heads and ways > 1 and heads % ways:
             out.append(f"{what} ({heads}) not divisible by tensor × context = {lay.tensor} × {ctx}: heads are "
                        f"split unevenly or replicated; pick tensor × context dividing {heads}")
     batch = set(lay.batch_axes)
@@ -138,19 +139,27 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
     for leaf in plan.group("params"):
         for e in leaf.spec:
             fsdp_axes |= ({e} if isinstance(e, str) else set(e or ())) & batch
-    if fsdp_axes:
+    if fsdp_axes and _tokens(plan) is not None:
         g = lay.size(fsdp_axes)
         link = Link.SLOW if any(links.get(a) is Link.SLOW for a in fsdp_axes) else Link.FAST
         bw = hw.fast_link_bytes_per_s if link is Link.FAST else hw.slow_link_bytes_per_s
         c = 2 if lay.compute_dtype == "bfloat16" else 4
         need = hw.peak_flops * c / (2 * bw) * (g - 1) / g  # tokens/device with 2·W·tok/P ≥ W·c·(g-1)/g/bw
-        have = plan.batch.batch_size * plan.batch.seq_len // (lay.batch_split * lay.micro_batches)
+        have = _tokens(plan) // (lay.batch_split * lay.micro_batches)
         if have < need:
             out.append(f"FSDP over {'×'.join(sorted(fsdp_axes))}={g}: {have:,} tokens per device per micro-batch, "
                        f"but about {need:,.0f} are needed for a layer's forward compute to hide its weight "
                        f"all-gather on {hw.name} ({link.value} links); raise the batch, use fewer micro-batches, or "
                        f"shard less with FSDP (more data or tensor parallelism)")
     return out
+
+
+def _tokens(plan):
+    """Tokens per step of a token batch (a ``seq`` axis), else ``None`` (the FSDP rule counts tokens)."""
+    try:
+        return plan.batch.batch_size * plan.batch.seq_len
+    except MeshtrainError:
+        return None
 
 
 def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=None) -> Candidate:

@@ -4,6 +4,11 @@ Example::
 
     text = single_text(plan, cfg, args)     # plan table, memory verdict, collectives, step time, warnings
     data = single_dict(plan, cfg, args)     # the same as one JSON-able dict (plan.to_dict() keys kept)
+    text = single_text(plan, None, args, loss_fn=my_loss, model_name="mymod:make")   # any model
+
+A decoder config gets the analytic estimates; any other model (a ViT / BERT config, or ``cfg=None``
+for a user factory) the estimates from its compiled (real mesh) or traced (``AbstractMesh``) train
+step (:mod:`meshtrain.analysis.compiled`); without a loss function only the state's memory.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from typing import Dict, List
 
 from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_estimate
+from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, default_loss, has_analytic_model,
+                                         program_cost)
 from meshtrain.analysis.hardware import get_hardware
 from meshtrain.analysis.layout import layout_of
-from meshtrain.analysis.memory import MeasuredMemory, estimate_memory
+from meshtrain.analysis.memory import estimate_memory, state_memory
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
-from meshtrain.analysis.steptime import axis_links, backend_of, estimate_step_time
-from meshtrain.errors import ConfigError
+from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collectives, estimate_step_time
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.recipes import Remat
 
 GiB = 2 ** 30
@@ -55,16 +62,41 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def analyse(plan, cfg, hardware: str):
-    """Everything the report shows for one plan: hardware, memory, verdict, collectives, step time, warnings."""
+def analyse(plan, cfg, hardware: str, *, loss_fn=None):
+    """Everything the report shows for one plan: hardware, memory, verdict, collectives, step time, warnings.
+
+    ``cfg``: a decoder config (analytic), another built-in config or ``None`` (from the program, with
+    ``loss_fn``, default the config's built-in loss). ``step`` is ``None`` when no loss is known.
+    """
     lay = layout_of(plan)
     hw = get_hardware(hardware, num_devices=lay.num_devices)
-    memory = estimate_memory(plan, cfg)
     backend = backend_of(hw)
-    ops = analytic_collectives(plan, cfg, backend)
-    step = estimate_step_time(plan, cfg, hw, collectives=ops)
+    cost, ops_source = None, f"analytic, XLA:{backend.value} choices"
+    if has_analytic_model(cfg):
+        memory = estimate_memory(plan, cfg)
+        ops = analytic_collectives(plan, cfg, backend)
+        step = estimate_step_time(plan, cfg, hw, collectives=ops)
+    else:
+        loss_fn = loss_fn or default_loss(cfg, plan)
+        if loss_fn is None:
+            memory, ops, step = state_memory(plan), analytic_collectives(plan, None, backend), None
+            ops_source = f"analytic parameter collectives only, XLA:{backend.value} choices"
+        else:
+            cost = program_cost(plan, loss_fn)
+            memory = estimate_memory(plan, cfg, loss_fn=loss_fn, cost=cost)
+            if cost.source == COMPILED:
+                import jax
+
+                ops = compiled_collectives(cost)
+                ops_source = f"from the compiled HLO for XLA:{jax.devices()[0].platform} on this machine"
+            else:
+                ops = analytic_collectives(plan, None, backend)
+                ops_source = (f"analytic parameter collectives only (no tensor-parallel activations), "
+                              f"XLA:{backend.value} choices")
+            step = estimate_step_time(plan, cfg, hw, collectives=ops, loss_fn=loss_fn, cost=cost)
     return {"hw": hw, "memory": memory, "fit": memory.verdict(hw.hbm_bytes), "backend": backend, "ops": ops,
-            "step": step, "warnings": rule_warnings(cfg, plan, hw, step), "links": axis_links(lay, hw)}
+            "ops_source": ops_source, "step": step, "warnings": rule_warnings(cfg, plan, hw, step),
+            "links": axis_links(lay, hw), "cost": cost, "loss_fn": loss_fn}
 
 
 def _check(plan, cfg, args, a) -> Dict[str, object]:
@@ -73,45 +105,86 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
         return {}
     from meshtrain.analysis import lowering
 
+    analytic = has_analytic_model(cfg)
+    loss_fn = None if analytic else a["loss_fn"]
+    if not analytic and loss_fn is None:
+        raise ConfigError(f"--check {check} compiles the train step, which needs the model's loss: pass --loss "
+                          f"module:fn (a function (model, batch) -> (loss_sum, weight[, metrics]))")
     if check == "compile":
-        compiled = lowering.compile_local(plan)
-        measured = MeasuredMemory.of(compiled)
-        hlo = per_axis(hlo_collectives(compiled.as_text(), plan.mesh))
+        cost = a.get("cost")
+        if cost is not None and cost.source == COMPILED:
+            measured, ops = cost.memory, cost.collectives
+        else:
+            compiled = lowering.compile_local(plan, loss_fn)
+            measured, ops = MeasuredMemory.of(compiled), hlo_collectives(compiled.as_text(), plan.mesh)
         return {"check": "compile", "measured_memory": measured.to_dict(), "estimated_memory": a["memory"].total,
-                "memory_error": a["memory"].total / measured.peak - 1, "hlo_bytes_per_axis": hlo,
-                "analytic_bytes_per_axis_cpu": per_axis_estimate(analytic_collectives(plan, cfg, Backend.CPU))}
+                "memory_error": a["memory"].total / measured.peak - 1, "hlo_bytes_per_axis": per_axis(ops),
+                "analytic_bytes_per_axis_cpu": per_axis_estimate(
+                    analytic_collectives(plan, cfg if analytic else None, Backend.CPU))}
     if check == "lower":
         platform = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}[a["backend"].value]
-        return {"check": "lower", "platform": platform, **lowering.lowered_summary(lowering.lower_abstract(plan, platform))}
+        return {"check": "lower", "platform": platform,
+                **lowering.lowered_summary(lowering.lower_abstract(plan, platform, loss_fn))}
     topology = getattr(args, "topology", None) or lowering.default_topology(a["hw"].name, plan.num_devices)
     if topology is None:
         raise ConfigError(f"--check tpu needs a TPU --hardware and a common slice size (got {a['hw'].name}, "
                           f"{plan.num_devices} devices)")
-    tplan, compiled = lowering.compile_tpu_topology(plan.abstract, plan.recipe, plan.batch, topology)
+    tplan, compiled = lowering.compile_tpu_topology(plan.abstract, plan.recipe, plan.batch, topology, loss_fn)
     measured = MeasuredMemory.of(compiled)
     return {"check": "tpu", "topology": topology, "measured_memory": measured.to_dict(),
             "estimated_memory": a["memory"].total, "memory_error": a["memory"].total / measured.peak - 1,
             "hlo_bytes_per_axis": per_axis(hlo_collectives(compiled.as_text(), tplan.mesh))}
 
 
-def single_dict(plan, cfg, args) -> Dict[str, object]:
-    a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu")
+def _batch_leaves(plan) -> Dict[str, Dict[str, object]]:
+    return {path: {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "axes": list(leaf.axes)}
+            for path, leaf in plan.batch.leaves_as_given()}
+
+
+def _batch_shape(plan) -> Dict[str, object]:
+    out: Dict[str, object] = {"batch_size": plan.batch.batch_size}
+    try:
+        out["seq_len"] = plan.batch.seq_len
+    except MeshtrainError:
+        pass
+    out["leaves"] = _batch_leaves(plan)
+    return out
+
+
+def _batch_line(plan) -> str:
+    b = _batch_shape(plan)
+    if "seq_len" in b and plan.batch.leaves() and all(leaf.axes == ("batch", "seq") for _, leaf in plan.batch.leaves()):
+        return f"batch {b['batch_size']}×{b['seq_len']} tokens"
+    parts = [f"{p} {'×'.join(map(str, v['shape'])) or 'scalar'} {v['dtype']}" for p, v in b["leaves"].items()]
+    return f"batch of {b['batch_size']}: " + ", ".join(parts)
+
+
+def _model_name(cfg, model_name) -> str:
+    return model_name or getattr(cfg, "name", None) or "user model"
+
+
+def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, object]:
+    a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu", loss_fn=loss_fn)
     import jax
 
     out = plan.to_dict()
+    step = a["step"]
     out.update(
-        model=cfg.name, hardware=a["hw"].to_dict(),
+        model=_model_name(cfg, model_name), hardware=a["hw"].to_dict(),
         mesh_kind="abstract" if isinstance(plan.mesh, jax.sharding.AbstractMesh) else "devices",
         local_devices=len(jax.devices()),
-        batch_shape={"batch_size": plan.batch.batch_size, "seq_len": plan.batch.seq_len},
+        batch_shape=_batch_shape(plan),
         options={"remat": plan.recipe.remat.value, "micro_batches": plan.recipe.micro_batches,
                  "param_dtype": plan.recipe.param_dtype, "compute_dtype": plan.recipe.compute_dtype},
+        estimates=a["memory"].source,
         memory=a["memory"].to_dict(), fit=a["fit"].value, capacity_bytes=a["hw"].hbm_bytes,
         largest=[{"component": c.value, "bytes": b} for c, b in a["memory"].largest(3)],
-        collectives={"backend": a["backend"].value, "per_axis": per_axis_estimate(a["ops"]),
+        collectives={"backend": a["backend"].value, "source": a["ops_source"], "per_axis": per_axis_estimate(a["ops"]),
                      "links": {k: v.value for k, v in a["links"].items()},
                      "ops": [o.to_dict() for o in a["ops"]]},
-        step_time=a["step"].to_dict(), warnings=a["warnings"])
+        step_time=step.to_dict() if step is not None else None, warnings=a["warnings"])
+    if a["cost"] is not None:
+        out["program"] = a["cost"].to_dict()
     out.update(_check(plan, cfg, args, a))
     return _finite(out)
 
@@ -119,7 +192,7 @@ def single_dict(plan, cfg, args) -> Dict[str, object]:
 def _collective_rows(a) -> List[str]:
     per = per_axis_estimate(a["ops"])
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-    times = {t.axes: t for t in a["step"].axes}
+    times = {t.axes: t for t in a["step"].axes} if a["step"] is not None else {}
     rows = [f"  {'axes':14s} {'link':5s} " + " ".join(f"{k:>15s}" for k in kinds[:3])
             + f" {'wire/device':>12s} {'time':>10s} {'exposed':>10s}"]
     for key, kv in sorted(per.items()):
@@ -130,8 +203,8 @@ def _collective_rows(a) -> List[str]:
     return rows if per else ["  none (one device, or nothing sharded)"]
 
 
-def single_text(plan, cfg, args, *, table: bool = True) -> str:
-    a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu")
+def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name=None) -> str:
+    a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu", loss_fn=loss_fn)
     hw, mem, step = a["hw"], a["memory"], a["step"]
     r = plan.recipe
     lines = [plan.describe(max_rows=None)] if table else []
@@ -139,20 +212,26 @@ def single_text(plan, cfg, args, *, table: bool = True) -> str:
                   f"{_gib(hw.hbm_bytes)} at {_rate(hw.hbm_bytes_per_s, 'B/s')}, fast links "
                   f"{_rate(hw.fast_link_bytes_per_s, 'B/s')} within {hw.fast_domain}, slow links "
                   f"{_rate(hw.slow_link_bytes_per_s, 'B/s')} (sources: meshtrain.analysis.hardware)",
-              f"batch {plan.batch.batch_size}×{plan.batch.seq_len} tokens; params {r.param_dtype}, compute "
+              f"model {_model_name(cfg, model_name)}; {_batch_line(plan)}; params {r.param_dtype}, compute "
               f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {r.micro_batches}", ""]
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
-    lines.append(f"memory per device: {_gib(mem.total)} of {_gib(hw.hbm_bytes)} — {a['fit'].value}{frac}")
+    source = "" if mem.source == ANALYTIC else f" ({mem.source})"
+    lines.append(f"memory per device{source}: {_gib(mem.total)} of {_gib(hw.hbm_bytes)} — {a['fit'].value}{frac}")
     lines.append("  largest: " + ", ".join(f"{c.value} {_gib(b)}" for c, b in mem.largest(3)))
     formulas = dict(mem.formulas)
     for c, b in mem.components:
         lines.append(f"  {c.value:16s} {_gib(b):>12s}  {formulas[c]}")
-    lines += ["", f"collectives per step (analytic, XLA:{a['backend'].value} choices; bytes = result per device):"]
+    lines += ["", f"collectives per step ({a['ops_source']}; bytes = result per device):"]
     lines += _collective_rows(a)
-    lines += ["", f"step time ≈ {_secs(step.step_s)}: compute {_secs(step.compute_s)}, HBM traffic "
-                  f"{_secs(step.memory_s)}, exposed communication {_secs(step.exposed_comm_s)} "
-                  f"({step.bound.value}-bound) → MFU {step.mfu:.1%} (roofline upper bound), "
-                  f"{step.tokens_per_s:,.0f} tokens/s"]
+    if step is None:
+        lines += ["", "step time: unknown without the model's loss; pass --loss module:fn (a function (model, "
+                      "batch) -> (loss_sum, weight[, metrics])) to estimate it from the compiled program"]
+    else:
+        how = "" if step.source == ANALYTIC else f" ({step.source}: executed FLOPs {step.executed_flops:.3g})"
+        lines += ["", f"step time ≈ {_secs(step.step_s)}{how}: compute {_secs(step.compute_s)}, HBM traffic "
+                      f"{_secs(step.memory_s)}, exposed communication {_secs(step.exposed_comm_s)} "
+                      f"({step.bound.value}-bound) → MFU {step.mfu:.1%} (roofline upper bound), "
+                      f"{step.tokens_per_s:,.0f} {step.unit}/s"]
     lines += ["", "warnings:" if a["warnings"] else "warnings: none"] + [f"  - {w}" for w in a["warnings"]]
     chk = _check(plan, cfg, args, a)
     if chk.get("check") in ("compile", "tpu"):
@@ -172,6 +251,10 @@ def single_text(plan, cfg, args, *, table: bool = True) -> str:
 
 
 def auto(args, cfg):
+    if not has_analytic_model(cfg):
+        raise ConfigError(f"--recipe auto searches with the analytic decoder formulas; {_model_name(cfg, args.model)} "
+                          f"has none (estimates come from compiling each layout): name a recipe, e.g. --recipe fsdp, "
+                          f"and compare a few")
     if getattr(args, "mesh", None):
         raise ConfigError("--mesh cannot be combined with --recipe auto (the search picks the mesh); drop --mesh "
                           "or name a recipe")

@@ -27,6 +27,15 @@ scheduler runs FSDP gathers and gradient reductions behind compute) and 0 on CPU
 forward's FSDP gathers hide behind the forward compute (``forward FLOPs / executed FLOPs`` of the
 compute time), the backward re-gathers and gradient reductions behind the rest.
 
+Any other model (no analytic formulas; ``cfg`` not a ``DecoderConfig``) is estimated from its
+program (:mod:`meshtrain.analysis.compiled`, ``source`` says which): executed FLOPs = the step's
+matmul/convolution FLOPs counted on its jaxpr (loops by trip count, remat included), HBM traffic
+``m·(p·W + 3·A) + 3·params + 2·optimizer`` (``W`` weights as multiplied, ``A`` the traced saved
+activations, ``p = 4`` with ``remat=full`` else 3), collectives from the compiled HLO (a real mesh;
+all overlappable with the whole compute) or the parameter collectives of :mod:`comms` (an
+``AbstractMesh``). ``MFU = executed FLOPs / (step · n · P)`` (recompute included), and
+``tokens_per_s`` counts tokens when the batch has a ``seq`` axis, else examples (``unit``).
+
 The result is a roofline: it assumes matmuls run at the chip's peak, so it is an upper bound on MFU
 (well-tuned large runs reach roughly 40–60 %); use it to compare layouts, not to promise a number.
 """
@@ -44,6 +53,8 @@ import numpy as np
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.collectives import axes_key
 from meshtrain.analysis.comms import Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives
+from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, default_loss, has_analytic_model,
+                                         program_cost, saved_activation_bytes, working_weight_bytes)
 from meshtrain.analysis.flops import step_flops
 from meshtrain.analysis.hardware import Hardware, get_hardware
 from meshtrain.analysis.layout import Layout, layout_of
@@ -87,6 +98,8 @@ class StepTimeEstimate:
     executed_flops: float
     axes: Tuple[AxisTime, ...]
     hardware: str
+    source: str = ANALYTIC  # or "from the compiled program" / "from the traced program"
+    unit: str = "tokens"  # what tokens_per_s counts: "tokens", or "examples" for batches without a seq axis
 
     @property
     def bound(self) -> Bound:
@@ -146,8 +159,14 @@ def hbm_traffic(plan, cfg, lay: Layout) -> float:
 
 
 def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Optional[Backend] = None,
-                       collectives: Optional[List[CollectiveEstimate]] = None) -> StepTimeEstimate:
-    """Estimated seconds per optimizer step of ``plan`` (decoder ``cfg``) on ``hardware``."""
+                       collectives: Optional[List[CollectiveEstimate]] = None, loss_fn=None,
+                       cost: Optional[ProgramCost] = None) -> StepTimeEstimate:
+    """Estimated seconds per optimizer step of ``plan`` on ``hardware``: analytic for a decoder
+    ``cfg``; from the step's program for any other model (``loss_fn`` default: the built-in loss of a
+    built-in config; ``cost`` reuses a :func:`~meshtrain.analysis.compiled.program_cost`)."""
+    if not has_analytic_model(cfg):
+        return program_step_time(plan, hardware, loss_fn or default_loss(cfg, plan), backend=backend, cost=cost,
+                                 collectives=collectives)
     lay = layout_of(plan)
     hw = get_hardware(hardware, num_devices=lay.num_devices)
     backend = Backend(backend) if backend is not None else backend_of(hw)
@@ -157,12 +176,21 @@ def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Option
     compute = flops.executed / n / hw.peak_flops
     memory = hbm_traffic(plan, cfg, lay) / hw.hbm_bytes_per_s
     ops = collectives if collectives is not None else analytic_collectives(plan, cfg, backend)
+    fwd_share = flops.executed_forward / flops.executed if flops.executed else 0.0
+    comm, exposed, axes = _communication(ops, lay, hw, backend, compute, fwd_share)
+    step = max(compute, memory) + exposed
+    mfu = flops.model / (step * n * hw.peak_flops) if step > 0 else 0.0
+    return StepTimeEstimate(compute, memory, comm, exposed, step, mfu, B * T / step,
+                            flops.model, flops.executed, axes, hw.name)
+
+
+def _communication(ops, lay: Layout, hw: Hardware, backend: Backend, compute: float, fwd_share: float):
+    """``(communication seconds, exposed seconds, per-axis rows)`` (see the module docstring)."""
     links = axis_links(lay, hw)
     overlap = 0.0 if backend is Backend.CPU else 1.0
     per_axes: Dict[str, List] = defaultdict(lambda: [None, 0.0, 0.0, 0.0, 0])
     critical = 0.0
     hidden = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0, Phase.UPDATE: 0.0}
-    fwd_share = flops.executed_forward / flops.executed if flops.executed else 0.0
     capacity = {Phase.FORWARD: overlap * compute * fwd_share, Phase.BACKWARD: overlap * compute * (1 - fwd_share),
                 Phase.UPDATE: 0.0}
     for op in ops:
@@ -186,13 +214,58 @@ def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Option
             per_axes[key][3] += collective_seconds(op, per_axes[key][0], hw) * share[op.phase]
     axes = tuple(AxisTime(key, link, wire, sec, exp, count)
                  for key, (link, wire, sec, exp, count) in sorted(per_axes.items()))
-    exposed = critical + sum(exposed_phase.values())
+    return sum(hidden.values()) + critical, critical + sum(exposed_phase.values()), axes
+
+
+def compiled_collectives(cost: ProgramCost) -> List[CollectiveEstimate]:
+    """The compiled HLO's collectives as estimates (overlappable, backward phase), over mesh axes only."""
+    return [CollectiveEstimate(c.kind, tuple(c.axes), float(c.bytes), int(c.executions), int(c.group_size),
+                               f"HLO {c.computation}")
+            for c in cost.collectives if c.axes and c.group_size > 1]
+
+
+def _items(plan) -> Tuple[float, str]:
+    """Tokens per step when the batch has a ``seq`` axis, else examples."""
+    try:
+        return float(plan.batch.batch_size * plan.batch.seq_len), "tokens"
+    except Exception:  # noqa: BLE001 - a layout without a seq axis (images, tables)
+        return float(plan.batch.batch_size), "examples"
+
+
+def program_step_time(plan, hardware: "Hardware | str", loss_fn, *, backend: Optional[Backend] = None,
+                      cost: Optional[ProgramCost] = None,
+                      collectives: Optional[List[CollectiveEstimate]] = None) -> StepTimeEstimate:
+    """Step time of any model from its compiled or traced program (see the module docstring)."""
+    lay = layout_of(plan)
+    hw = get_hardware(hardware, num_devices=lay.num_devices)
+    backend = Backend(backend) if backend is not None else backend_of(hw)
+    cost = cost if cost is not None else program_cost(plan, loss_fn)
+    n = lay.num_devices
+    compute = cost.flops / n / hw.peak_flops
+    weights, _ = working_weight_bytes(plan)
+    acts = cost.activations if cost.activations is not None else saved_activation_bytes(plan, loss_fn)
+    passes = 4 if plan.recipe.remat is Remat.FULL else 3
+    per = plan.per_device_bytes()
+    traffic = lay.micro_batches * (passes * weights + 3 * acts) + 3 * per["params"] + 2 * per["optimizer"]
+    memory = traffic / hw.hbm_bytes_per_s
+    if collectives is not None:
+        ops = collectives
+    elif cost.source == COMPILED:
+        ops = compiled_collectives(cost)
+    else:
+        ops = analytic_collectives(plan, None, backend)
+    comm, exposed, axes = _communication(ops, lay, hw, backend, compute, 0.0 if cost.source == COMPILED else 1 / 3)
     step = max(compute, memory) + exposed
-    mfu = flops.model / (step * n * hw.peak_flops) if step > 0 else 0.0
-    return StepTimeEstimate(compute, memory, sum(hidden.values()) + critical, exposed, step, mfu, B * T / step,
-                            flops.model, flops.executed, axes, hw.name)
+    mfu = cost.flops / (step * n * hw.peak_flops) if step > 0 else 0.0
+    items, unit = _items(plan)
+    return StepTimeEstimate(compute, memory, comm, exposed, step, mfu, items / step if step > 0 else 0.0,
+                            cost.flops, cost.flops, axes, hw.name, cost.source, unit)
 
 
-def fits_and_time(plan, cfg, hardware):
+def fits_and_time(plan, cfg, hardware, *, loss_fn=None):
     """``(MemoryEstimate, StepTimeEstimate)`` in one call (what the planner ranks on)."""
-    return estimate_memory(plan, cfg), estimate_step_time(plan, cfg, hardware)
+    if has_analytic_model(cfg):
+        return estimate_memory(plan, cfg), estimate_step_time(plan, cfg, hardware)
+    cost = program_cost(plan, loss_fn or default_loss(cfg, plan))
+    return (estimate_memory(plan, cfg, loss_fn=loss_fn, cost=cost),
+            estimate_step_time(plan, cfg, hardware, loss_fn=loss_fn, cost=cost))

@@ -5,14 +5,19 @@ any plan (another recipe, mesh or device count reshards on load)::
     ckpt = Checkpointer(run_dir / "checkpoints", save_every=100, keep_last=3, keep_every=1000)
     ckpt.maybe_save(step, state, data_state={"index": 4096}, metadata={"recipe": plan.recipe.to_dict()})
     r = ckpt.restore(plan)          # Restored(step, state, data_state, metadata)
+    ckpt.require_resumable()        # latest valid step, None for an empty folder, or NoValidCheckpoint
+
+Nothing here deletes a step that has not been verified: a damaged step is moved aside
+(``<step>.corrupt``) when its step is saved again, and retention removes only verified old steps.
 
 See :mod:`meshtrain.checkpoint.integrity` for the on-disk layout and how steps are verified.
 """
 
 from meshtrain.checkpoint.inspection import inspect_checkpoint, list_checkpoints, resolve_directory
 from meshtrain.checkpoint.manager import Checkpointer
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, Restored, SaveResult,
-                                        StepCheck, StepStatus, Verify)
+from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
+                                        SaveResult, StepCheck, StepStatus, Verify)
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Compression", "Restored", "SaveResult",
-           "StepCheck", "StepStatus", "Verify", "inspect_checkpoint", "list_checkpoints", "resolve_directory"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Compression", "NoValidCheckpoint", "Restored",
+           "SaveResult", "StepCheck", "StepStatus", "Verify", "inspect_checkpoint", "list_checkpoints",
+           "resolve_directory"]

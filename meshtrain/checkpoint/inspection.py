@@ -64,7 +64,8 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
 
     ``step=None`` takes the newest step that passes the full check (the one ``restore`` would use),
     or the newest step when none passes. Keys: ``directory``, ``step``, ``integrity`` (status, reason,
-    bytes), ``steps`` (every step, quick check), ``temporary`` (uncommitted folders), ``recipe``, ``mesh``
+    bytes), ``steps`` (every step, quick check), ``temporary`` (uncommitted folders), ``set_aside``
+    (damaged steps moved aside as ``<step>.corrupt``), ``recipe``, ``mesh``
     (axis sizes the state was saved from),
     ``model``, ``metadata``, ``data_state``, ``tree`` (path, shape, dtype, saved sharding, bytes),
     ``state_bytes``, ``items`` (bytes on disk per item), ``saved_unix``, ``versions``; ``error`` when
@@ -93,6 +94,7 @@ def inspect_checkpoint(directory, step: Optional[int] = None) -> Dict[str, Any]:
         "directory": str(d), "step": step, "integrity": check.to_dict(),
         "steps": [full.get(s, integrity.check_step(p, s, Verify.QUICK)).to_dict() for s, p in steps.items()],
         "temporary": [p.name for p in integrity.tmp_dirs(d)],
+        "set_aside": [p.name for p in integrity.aside_dirs(d)],
         "items": {p.name: (integrity.folder_bytes(p) if p.is_dir() else p.stat().st_size)
                   for p in sorted(steps[step].iterdir())},
     }

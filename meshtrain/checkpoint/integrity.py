@@ -10,6 +10,8 @@ Layout of a run's ``checkpoints/`` folder (Orbax's, plus one file per step)::
         state/ ...                 the sharded arrays (Orbax OCDBT), written by every process
         _CHECKPOINT_METADATA       Orbax's step metadata (rewritten by Orbax after the commit)
       200.orbax-checkpoint-tmp/    a save in flight, or a stale one from a crash / full disk
+      300.corrupt/                 a damaged step 300 moved aside (never deleted) when step 300 was
+                                   saved again; ignored by listing and restore
 
 ``meshtrain-meta.json`` and then the manifest are written by process 0 into the temporary folder
 after every process has finished writing and Orbax has finalized the item, and *before* the rename
@@ -22,6 +24,7 @@ and is never restored automatically. Checking needs no JAX::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -41,6 +44,10 @@ _STEP_RE = re.compile(r"^(\d+)$")
 _TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 TRASH_MARKER = ".meshtrain-deleting"
 _TRASH_RE = re.compile(r"^(\d+)\.meshtrain-deleting")
+#: A damaged step folder that had to make room for a new save of its step is renamed
+#: ``<step>.corrupt`` (then ``<step>.corrupt.1``, ...), never deleted: nothing lists or restores it.
+ASIDE_MARKER = ".corrupt"
+_ASIDE_RE = re.compile(r"^(\d+)\.corrupt(\.\d+)?$")
 #: JSON files Orbax rewrites after the commit (step metadata gets a commit timestamp): the manifest
 #: records them, and verification checks that they exist and parse as JSON instead of their checksum.
 MUTABLE_FILES: frozenset = frozenset({"_CHECKPOINT_METADATA"})
@@ -77,6 +84,36 @@ def trash_dirs(directory: Path) -> List[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if _TRASH_RE.match(p.name))
+
+
+def aside_dirs(directory: Path) -> List[Path]:
+    """Damaged step folders moved aside by :func:`move_aside` (``<step>.corrupt``, ``<step>.corrupt.N``)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _ASIDE_RE.match(p.name) and p.is_dir())
+
+
+def move_aside(step_dir: Path) -> Path:
+    """Rename a damaged step folder to the first free ``<step>.corrupt[.N]`` beside it and return the
+    new path. Nothing is deleted; the step's name is free for a new save::
+
+        move_aside(Path("ck/20"))     # Path("ck/20.corrupt"), or ck/20.corrupt.1 when that exists
+    """
+    for i in range(10_000):
+        target = step_dir.with_name(f"{step_dir.name}{ASIDE_MARKER}" + (f".{i}" if i else ""))
+        if os.path.lexists(target):
+            continue
+        try:
+            os.rename(step_dir, target)    # never os.replace: an existing target is never overwritten
+        except FileExistsError:
+            continue
+        except OSError as exc:             # a target created since the check (ENOTEMPTY) -> next name
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and os.path.lexists(target):
+                continue
+            raise
+        fsync_dir(step_dir.parent)
+        return target
+    raise OSError(errno.EEXIST, f"no free name to move {step_dir} aside")
 
 
 def move_to_trash(step_dir: Path) -> Path:

@@ -3,7 +3,7 @@
 Typical use in a training loop (the :class:`~meshtrain.train.Trainer` does exactly this)::
 
     ckpt = Checkpointer(run_dir / "checkpoints", save_every=100, keep_last=3, keep_every=1000)
-    if ckpt.latest_valid_step() is not None:
+    if ckpt.require_resumable() is not None:       # raises NoValidCheckpoint if no step folder is valid
         r = ckpt.restore(plan)                     # reshards onto this plan's mesh
         state, data_state = r.state, r.data_state
     for step in range(start, steps + 1):
@@ -13,6 +13,10 @@ Typical use in a training loop (the :class:`~meshtrain.train.Trainer` does exact
     ckpt.close()                                   # waits for the last async save; raises its error
 
 Errors are :class:`CheckpointError` (a ``MeshtrainError``): the CLI prints them without a traceback.
+
+Nothing is lost: a step folder is deleted only by retention, and only once it passed the quick check
+and a newer valid step exists; a damaged step whose number is saved again is renamed
+``<step>.corrupt`` (never deleted); damaged steps are otherwise left in place and reported.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT, read_meta
 from meshtrain.checkpoint.layout import describe_tree, from_nested, mismatch_error, mismatches, state_bytes, to_nested
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, Restored, SaveResult,
-                                        StepCheck, StepStatus, Verify)
+from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
+                                        SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.state import abstract_train_state
 
 log = logging.getLogger("meshtrain.checkpoint")
 
@@ -79,6 +84,55 @@ def _json_problem(obj, where: str) -> Optional[str]:
             f"convert it (int(), float(), str())")
 
 
+def _detach_from_donation(tree):
+    """On the CPU backend: the same tree, with each leaf's replica-0 shards replaced by fresh copies.
+
+    Orbax's blocking "device-to-host transfer" is ``np.asarray(shard)``, which on CPU is a zero-copy
+    view of the device buffer, kept until the background write finishes. A buffer with such an
+    external reference cannot be donated: the train step right after every async save silently
+    allocated a second copy of the whole state instead of updating it in place (measured: 0 of 38
+    buffers donated on that step, 38 of 38 on every other step). Orbax writes the replica-0 shards
+    of each array (its replica-parallel mode slices shards with a jax op, a copy already), so those
+    are copied here (whole arrays where nothing is replicated), in one batched ``device_put``, before
+    ``save()`` returns (the copy is counted in ``SaveResult.blocking_s``); Orbax's views then pin
+    the copies, never the caller's buffers. Other replicas are referenced as they are (a reference
+    does not prevent donation). Orbax's own ``enable_pinned_host_transfer`` does the same per slice
+    but costs ~3x more dispatch time. On GPU and TPU the transfer is a real copy: the tree is
+    returned unchanged. ``tests/test_checkpoint_safety.py`` checks that the step after each async
+    save donates every buffer."""
+    if jax.default_backend() != "cpu":
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    sources, targets, slots = [], [], []   # slot: (leaf, None) for a whole array, (leaf, shard list, i)
+    for j, x in enumerate(leaves):
+        if not isinstance(x, jax.Array):
+            continue
+        shards = x.addressable_shards
+        if x.is_fully_addressable and all(sh.replica_id == 0 for sh in shards):   # no replicas: one copy
+            sources.append(x)
+            targets.append(x.sharding)
+            slots.append((j, None, 0))
+            continue
+        arrays = [sh.data for sh in shards]
+        for i, sh in enumerate(shards):
+            if sh.replica_id == 0:
+                sources.append(arrays[i])
+                targets.append(sh.device)
+                slots.append((j, arrays, i))
+    if not sources:
+        return tree
+    rebuilt = {}
+    for (j, arrays, i), copy in zip(slots, jax.device_put(sources, targets, may_alias=False)):
+        if arrays is None:
+            leaves[j] = copy
+        else:
+            arrays[i] = copy
+            rebuilt[j] = arrays
+    for j, arrays in rebuilt.items():
+        leaves[j] = jax.make_array_from_single_device_arrays(leaves[j].shape, leaves[j].sharding, arrays)
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _is_disk_full(exc: BaseException) -> bool:
     text = str(exc)
     return (getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "ENOSPC" in text
@@ -113,7 +167,8 @@ class Checkpointer:
         ``False`` blocks until the step is committed and verified.
       compression: :class:`Compression` of the array chunks (default ``zstd``, Orbax's default).
 
-    Next: :meth:`maybe_save` each step, :meth:`restore` on start, :meth:`close` at the end.
+    Next: :meth:`require_resumable` (or :meth:`inventory`) and :meth:`restore` on start,
+    :meth:`maybe_save` each step, :meth:`close` at the end.
     """
 
     def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
@@ -139,6 +194,7 @@ class Checkpointer:
         self._session_steps: set = set()
         self._verified: Dict[int, Tuple[tuple, StepCheck]] = {}
         self._skip_warned: set = set()   # (step, status, reason) already reported by this Checkpointer
+        self._kept_warned: set = set()   # (step, status, reason) that retention reported and left in place
         self._janitor: Optional[Janitor] = None
         self._closed = False
         try:
@@ -239,9 +295,11 @@ class Checkpointer:
             "tree": describe_tree(state), "saved_unix": time.time(), "process_count": jax.process_count(),
             "device_count": jax.device_count(), "compression": self.compression.value,
             "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")}}
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(state)))
         self._inflight = step
         try:
+            # Orbax's blocking part copies the arrays to host; it must not pin the caller's buffers,
+            # or the next (donating) train step silently keeps a second copy of the state
+            args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(_detach_from_donation(state))))
             self._manager.save(step, args=args, force=True)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a CheckpointError naming the step
             self._inflight = None
@@ -264,10 +322,19 @@ class Checkpointer:
                 f"step {step} already exists in {self.directory} (a good checkpoint from an earlier run); "
                 f"meshtrain does not overwrite it. If you rewound training on purpose, move or delete "
                 f"{existing} and the steps after it; otherwise resume from the latest step")
-        _warn(f"checkpoint step {step} in {self.directory} is {check.status.value} ({check.reason}); "
-              f"removing it to save step {step} again")
+        # never delete: the damaged folder may be all that is left of the step (and the reason why)
         if self._primary:
-            integrity.remove_tree(existing)
+            try:
+                moved = integrity.move_aside(existing)
+            except OSError as exc:
+                raise CheckpointError(f"cannot save step {step}: {existing} is {check.status.value} "
+                                      f"({check.reason}) and could not be moved aside: {exc}; move it away by "
+                                      f"hand") from exc
+            _warn(f"checkpoint step {step} in {self.directory} is {check.status.value} ({check.reason}); "
+                  f"moved {existing} aside to {moved} (kept, not deleted) to save step {step} again")
+        else:
+            _warn(f"checkpoint step {step} in {self.directory} is {check.status.value} ({check.reason}); "
+                  f"process 0 moves it aside (to {existing.name}{integrity.ASIDE_MARKER}) to save it again")
         self._verified.pop(step, None)
         self._manager.reload()
 
@@ -324,19 +391,53 @@ class Checkpointer:
     def _good_steps(self) -> List[int]:
         return [s for s in integrity.step_dirs(self.directory) if self.check(s, Verify.QUICK).status.usable]
 
+    def _known_check(self, step: int, step_dir: Path) -> StepCheck:
+        """The best verdict available without re-reading the files: a full check cached for the
+        current files (e.g. the step just restored), else the quick check."""
+        cached = self._verified.get(step)
+        if cached is not None and step_dir.is_dir() and cached[0] == integrity.stat_key(step_dir):
+            return cached[1]
+        return self.check(step, Verify.QUICK)
+
     def _apply_retention(self) -> None:
-        """Keep the newest ``keep_last`` good steps and every multiple of ``keep_every``; delete older
-        steps (good or not). Steps newer than the newest good one are left for :meth:`maybe_save`."""
-        if self._janitor is None:   # not process 0, or not the folder's writer
+        """Keep the newest ``keep_last`` good steps and every multiple of ``keep_every``; delete the
+        older good steps. What is never deleted:
+
+        * a step that does not pass its check (quick, or the full verdict when one is cached): it is
+          reported once with a :class:`CheckpointWarning` and left in place (a damaged manifest or
+          Orbax metadata included), for a person to inspect;
+        * the newest step known to be valid: a step this Checkpointer saved (its checksums were
+          computed from the committed files) or one whose full check passed; when none is known,
+          retention deletes nothing;
+        * every step newer than the newest step saved by this Checkpointer (left by an earlier run
+          that went further; :meth:`maybe_save` moves a damaged one aside when it saves that step).
+        """
+        if self._janitor is None or not self._session_steps:   # not the folder's writer, or nothing saved
             return
+        horizon = max(self._session_steps)
         dirs = integrity.step_dirs(self.directory)
-        good = [s for s in dirs if self.check(s, Verify.QUICK).status.usable]
-        if not good:
+        good: List[int] = []
+        for s, path in dirs.items():
+            if s > horizon:
+                continue
+            check = self._known_check(s, path)
+            if check.status.usable:
+                good.append(s)
+                continue
+            key = (s, check.status, check.reason)
+            if key not in self._kept_warned:
+                self._kept_warned.add(key)
+                _warn(f"retention leaves checkpoint step {s} in {self.directory} in place: it is "
+                      f"{check.status.value} ({check.reason}); damaged steps are never deleted automatically: "
+                      f"inspect it (meshtrain ckpt list), then move or delete {path} by hand")
+        anchor = next((s for s in reversed(good) if s in self._session_steps
+                       or (s in self._verified and self._verified[s][1].status.usable)), None)
+        if anchor is None:
             return
-        keep = set(good[-self.keep_last:])
+        keep = set(good[-self.keep_last:]) | {anchor}
         if self.keep_every:
             keep |= {s for s in good if s % self.keep_every == 0}
-        doomed = [s for s in dirs if s not in keep and s < good[-1]]
+        doomed = [s for s in good if s not in keep]
         if not doomed:
             return
         trash = []
@@ -362,8 +463,46 @@ class Checkpointer:
         return result
 
     def all_steps(self) -> List[int]:
-        """Every committed step folder, oldest first, whatever its integrity (see :meth:`check`)."""
+        """Every committed step folder, oldest first, whatever its integrity (see :meth:`check`).
+        Folders moved aside (``<step>.corrupt``) and temporary folders are not steps."""
         return list(integrity.step_dirs(self.directory))
+
+    def inventory(self) -> List[StepCheck]:
+        """The full check of every step folder, oldest first: one :class:`StepCheck` (``step``,
+        ``status``, ``reason``) each. Reads every file once (results are cached while the files are
+        unchanged, so a following :meth:`restore` does not read them again). Example::
+
+            for c in ckpt.inventory():
+                print(c.step, c.status.value, c.reason)     # 20 corrupt checksum mismatch: state/...
+        """
+        return [self.check(s) for s in self.all_steps()]
+
+    def require_resumable(self) -> Optional[int]:
+        """The step a resume should start from, refusing to silently start over.
+
+        Returns ``None`` when the folder has no step folders at all (a new run), else the newest step
+        that passes the full check (:meth:`latest_valid_step`, which warns about each newer damaged
+        step it skips). Raises :class:`NoValidCheckpoint` (a :class:`CheckpointError`: the CLI exits
+        2) when step folders exist but none is valid; the message lists every step and why it
+        failed, and ``exc.checks`` holds the :class:`StepCheck` of each. Example::
+
+            step = ckpt.require_resumable()      # None: fresh start; 40: restore step 40
+            if step is not None:
+                r = ckpt.restore(plan, step)
+        """
+        checks = self.inventory()
+        if not checks:
+            return None
+        if not any(c.status.usable for c in checks):
+            lines = "\n".join(f"  step {c.step}: {c.status.value}: {c.reason}" for c in checks)
+            aside = integrity.aside_dirs(self.directory)
+            extra = (f"\n({len(aside)} damaged folder(s) moved aside earlier: "
+                     f"{', '.join(p.name for p in aside[:5])}{' ...' if len(aside) > 5 else ''})" if aside else "")
+            raise NoValidCheckpoint(
+                f"cannot resume: {self.directory} holds {len(checks)} checkpoint step(s) and none is valid:\n"
+                f"{lines}{extra}\nNothing was deleted. Repair or move these folders away to start over, "
+                f"restore an explicit copy, or point to another run folder", checks)
+        return self.latest_valid_step()
 
     def latest_valid_step(self) -> Optional[int]:
         """The newest step that passes the full checksum check; each newer step that fails is skipped
@@ -390,8 +529,6 @@ class Checkpointer:
 
             r = ckpt.restore(plan)                 # Restored(step, state, data_state, metadata)
         """
-        from meshtrain.train.state import abstract_train_state
-
         self._ensure_open()
         self.wait()
         if step is None:

@@ -14,6 +14,23 @@ class CheckpointError(MeshtrainError):
     change (free disk space, the mismatching paths/shapes/dtypes, a different step)."""
 
 
+class NoValidCheckpoint(CheckpointError):
+    """The checkpoint folder holds step folders but none passes the full check, so a resume would
+    silently start from scratch. Raised by :meth:`Checkpointer.require_resumable`; ``checks`` holds
+    one :class:`StepCheck` per step folder (oldest first) and the message lists each step and why it
+    failed. Like every ``CheckpointError`` the CLI prints it and exits 2::
+
+        try:
+            step = ckpt.require_resumable()
+        except NoValidCheckpoint as exc:
+            bad = [(c.step, c.status.value, c.reason) for c in exc.checks]
+    """
+
+    def __init__(self, message: str, checks=()):
+        super().__init__(message)
+        self.checks = list(checks)
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint step was skipped (corrupt, incomplete, empty, unverified) or a folder was cleaned.
 

@@ -68,9 +68,10 @@ def run_list(args) -> int:
                      "recipe": recipe.get("name") if isinstance(recipe, dict) else recipe})
     latest = next((r["step"] for r in reversed(rows) if r["status"] == "ok"), None)
     temporary = [p.name for p in integrity.tmp_dirs(d)]
+    set_aside = [p.name for p in integrity.aside_dirs(d)]
     if args.json:
         print(json.dumps({"directory": str(d), "steps": rows, "latest_valid_step": latest,
-                          "temporary": temporary, "verify": verify.value}))
+                          "temporary": temporary, "set_aside": set_aside, "verify": verify.value}))
         return 0
     print(f"checkpoints in {d} ({'sizes only' if args.quick else 'full checksum check'})")
     if rows:
@@ -81,6 +82,8 @@ def run_list(args) -> int:
         print("no committed steps")
     if temporary:
         print("temporary (uncommitted) folders: " + ", ".join(temporary))
+    if set_aside:
+        print("damaged steps set aside (kept, never restored): " + ", ".join(set_aside))
     print(f"latest valid step: {latest if latest is not None else 'none'}")
     return 0
 

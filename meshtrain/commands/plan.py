@@ -5,6 +5,22 @@ and the usual warnings. ``--recipe auto`` searches recipes × meshes × remat ×
     meshtrain plan --model small --recipe fsdp --devices 8
     meshtrain plan --model llama3-70b --recipe auto --devices 256 --hardware tpu-v5p
     meshtrain plan --model llama3-8b --recipe fsdp_tp --mesh fsdp=32,tensor=8 --devices 256 --hardware h100 --json
+    meshtrain plan --model vit-tiny --recipe fsdp --batch-size 64
+    meshtrain plan --model mymodels:make_mlp --batch x=64x32:float32,y=64:int32 --loss mymodels:mlp_loss
+
+``--model`` is a built-in config name or ``module:function``: an importable function that takes one
+argument, ``rngs`` (an ``nnx.Rngs``), and returns an ``nnx.Module`` whose parameters carry logical
+axis names (``module`` may also be a ``path/to/file.py``; the current directory is importable).
+``--batch`` describes the global batch for any model: comma-separated ``name=DIMS[:dtype][@axes]``,
+``DIMS`` like ``16x8x8x1`` (the leading dimension is the batch), ``dtype`` default ``float32``,
+``axes`` one logical name per dimension separated by ``/`` (``-`` for none; default ``batch`` on
+the leading dimension), a ``/`` in ``name`` nests (``a/b=...``). Built-in models have default batches
+(decoder: ``inputs, targets, positions, segment_ids`` ``(B, T)`` int32; ViT: ``images`` ``(B, H, W, C)``
+float32 + ``labels`` ``(B,)`` int32; BERT: ``input_ids, targets, positions, segment_ids`` ``(B, T)``
+int32). ``--loss module:function`` names ``(model, batch) -> (loss_sum, weight[, metrics])``; a
+decoder gets the analytic estimates, any other model estimates from its compiled train step (a
+mesh of this machine's devices) or its traced one (more devices: an AbstractMesh), which need its
+loss (built-ins have one); without a loss a user model gets the plan and its state's memory only.
 
 More devices than this machine has are planned on an ``AbstractMesh`` (no devices simulated);
 ``--check compile`` compiles locally (≤ 8 devices) and prints the estimates next to XLA's numbers.
@@ -12,8 +28,15 @@ More devices than this machine has are planned on an ``AbstractMesh`` (no device
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
+import inspect
 import json
 import os
+import re
+import sys
+from typing import Any, Callable, Dict, Optional
 
 from meshtrain.cli import add_device_args
 
@@ -25,7 +48,16 @@ CHECKS = ("none", "compile", "lower", "tpu")
 def add_parser(sub):
     p = sub.add_parser("plan", help="show how a model is laid out on the mesh, its memory, collectives and "
                                     "step time (no training)")
-    p.add_argument("--model", default="tiny", help="model config name (tiny, small, llama3-8b, ...)")
+    p.add_argument("--model", default="tiny",
+                   help="model config name (tiny, small, llama3-8b, vit-tiny, bert-tiny, ...) or module:function, a "
+                        "function rngs -> nnx.Module (module may be a path/to/file.py)")
+    p.add_argument("--batch", default=None,
+                   help="the global batch for any model: name=DIMSxDIMS[:dtype][@axis/axis],... e.g. "
+                        "images=16x8x8x1:float32,labels=16:int32 (leading dimension = batch; default axes: batch on "
+                        "it). Default: the built-in model's batch from --batch-size/--seq-len")
+    p.add_argument("--loss", default=None,
+                   help="module:function, the loss (model, batch) -> (loss_sum, weight[, metrics]) for estimates "
+                        "from the compiled step (default: the built-in model's loss)")
     p.add_argument("--recipe", default="fsdp", help="recipe name, .yaml file, or 'auto' to search all built-ins")
     p.add_argument("--mesh", default=None, help="override mesh sizes, e.g. fsdp=4,tensor=2")
     p.add_argument("--batch-size", type=int, default=None,
@@ -65,8 +97,217 @@ def _apply_options(recipe, args):
     return recipe.with_options(**changes) if changes else recipe
 
 
-def build_plan(args):
-    """Recipe + mesh + abstract model → ``ShardingPlan`` (shared with the planner).
+@dataclasses.dataclass(frozen=True)
+class ModelChoice:
+    """What ``--model`` / ``--loss`` name: ``cfg`` is a built-in config or ``None`` (a user factory)."""
+
+    name: str
+    cfg: Any
+    factory: Callable
+    loss_fn: Optional[Callable]
+
+    @property
+    def analytic(self) -> bool:
+        from meshtrain.analysis.compiled import has_analytic_model
+
+        return has_analytic_model(self.cfg)
+
+
+def load_ref(ref: str, flag: str):
+    """The object ``module:attr`` (or ``path/to/file.py:attr``) names; ``ConfigError`` saying what failed."""
+    from meshtrain.errors import ConfigError
+
+    module_name, sep, attr = ref.rpartition(":")
+    if not sep or not module_name or not attr or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
+        raise ConfigError(f"{flag} {ref!r}: expected module:function, e.g. mypkg.models:make_model or "
+                          f"path/to/models.py:make_model")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise ConfigError(f"{flag} {ref!r}: no file {module_name!r}")
+        key = "meshtrain_user_" + re.sub(r"\W", "_", os.path.abspath(module_name))
+        spec = importlib.util.spec_from_file_location(key, module_name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's module: report whatever it raised
+            sys.modules.pop(key, None)
+            raise ConfigError(f"{flag} {ref!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the current directory import
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                raise ConfigError(f"{flag} {ref!r}: cannot import module {module_name!r} (no module named "
+                                  f"{exc.name!r}); run from the directory that holds it or add that directory to "
+                                  f"PYTHONPATH, or give a file path: path/to/{module_name.split('.')[-1]}.py:{attr}") \
+                    from None
+            raise ConfigError(f"{flag} {ref!r}: importing {module_name} failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's module: report whatever it raised
+            raise ConfigError(f"{flag} {ref!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise ConfigError(f"{flag} {ref!r}: module {module_name!r} has no {attr!r} (it has: "
+                              f"{', '.join(names[:12]) or 'nothing callable'})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_arity(fn, ref: str, flag: str, n: int, contract: str) -> None:
+    from meshtrain.errors import ConfigError
+
+    if not callable(fn):
+        raise ConfigError(f"{flag} {ref!r} is a {type(fn).__name__}, not a function; {contract}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check
+    try:
+        sig.bind(*([object()] * n))
+    except TypeError:
+        raise ConfigError(f"{flag} {ref!r} has signature {fn.__name__ if hasattr(fn, '__name__') else ''}{sig}, "
+                          f"which cannot be called with {n} positional argument{'s' if n > 1 else ''}; "
+                          f"{contract}") from None
+
+
+FACTORY_CONTRACT = ("a model factory takes one argument, rngs (an nnx.Rngs), and returns an nnx.Module, e.g. "
+                    "def make_model(rngs): return MyModel(..., rngs=rngs)")
+LOSS_CONTRACT = "a loss takes (model, batch) and returns (loss_sum, weight) or (loss_sum, weight, metrics)"
+
+
+def resolve_model(args) -> ModelChoice:
+    """``--model`` and ``--loss`` → :class:`ModelChoice` (see the module docstring)."""
+    from meshtrain.models import get_config, model_factory
+
+    name = args.model
+    if ":" in name:
+        factory = load_ref(name, "--model")
+        _check_arity(factory, name, "--model", 1, FACTORY_CONTRACT)
+        cfg = None
+    else:
+        cfg = get_config(name)
+        factory = model_factory(cfg)
+    loss = getattr(args, "loss", None)
+    if loss:
+        loss_fn = load_ref(loss, "--loss")
+        _check_arity(loss_fn, loss, "--loss", 2, LOSS_CONTRACT)
+    else:
+        loss_fn = None  # a built-in model's own loss, once the batch is known (analysis.compiled.default_loss)
+    return ModelChoice(name, cfg, factory, loss_fn)
+
+
+_ENTRY = re.compile(r"^(?P<name>[A-Za-z_][\w/.-]*)=(?P<dims>[0-9]+(?:x[0-9]+)*)(?::(?P<dtype>[A-Za-z0-9_]+))?"
+                    r"(?:@(?P<axes>[A-Za-z_\-][\w\-]*(?:/[A-Za-z_\-][\w\-]*)*))?$")
+
+
+def parse_batch(text: str):
+    """``--batch`` text → ``(example pytree of ShapeDtypeStructs, axes per leaf)`` (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshtrain.errors import ConfigError
+
+    example: Dict[str, Any] = {}
+    axes: Dict[str, Any] = {}
+    fmt = ("--batch takes comma-separated name=DIMS[:dtype][@axes] entries, e.g. "
+           "images=16x8x8x1:float32,labels=16:int32 or input_ids=8x128:int32@batch/seq")
+    entries = [e.strip() for e in (text or "").split(",")]
+    if not any(entries):
+        raise ConfigError(f"--batch is empty; {fmt}")
+    for entry in entries:
+        m = _ENTRY.match(entry)
+        if not m:
+            raise ConfigError(f"--batch entry {entry!r} is malformed; {fmt}")
+        dims = tuple(int(d) for d in m.group("dims").split("x"))
+        if any(d < 1 for d in dims):
+            raise ConfigError(f"--batch entry {entry!r}: every dimension must be positive")
+        try:
+            dtype = jnp.dtype(m.group("dtype") or "float32")
+        except TypeError:
+            raise ConfigError(f"--batch entry {entry!r}: unknown dtype {m.group('dtype')!r} (use e.g. float32, "
+                              f"bfloat16, int32, bool)") from None
+        names = None
+        if m.group("axes"):
+            names = tuple(None if a in ("-", "none", "None") else a for a in m.group("axes").split("/"))
+            if len(names) != len(dims):
+                raise ConfigError(f"--batch entry {entry!r}: {len(names)} axis names for {len(dims)} dimensions; "
+                                  f"give one per dimension ('-' for none)")
+        path = m.group("name").split("/")
+        node, anode = example, axes
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            anode = anode.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--batch entry {entry!r}: {key!r} is both a leaf and a group")
+        if path[-1] in node:
+            raise ConfigError(f"--batch names {m.group('name')!r} twice")
+        node[path[-1]] = jax.ShapeDtypeStruct(dims, dtype)
+        if names is not None:
+            anode[path[-1]] = names
+    return example, _prune(axes)
+
+
+def _prune(tree):
+    if isinstance(tree, dict):
+        out = {k: _prune(v) for k, v in tree.items()}
+        return {k: v for k, v in out.items() if v != {}}
+    return tree
+
+
+def default_batch(choice: ModelChoice, args, dp: int):
+    """The built-in model's batch (``BatchSpec`` or ``BatchLayout``) with ``--batch-size``/``--seq-len``."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshtrain.batch_layout import BatchLayout, BatchSpec
+    from meshtrain.errors import ConfigError
+    from meshtrain.models import BertConfig, ViTConfig
+
+    cfg = choice.cfg
+    B = args.batch_size or dp
+    if isinstance(cfg, ViTConfig):
+        if args.seq_len is not None:
+            raise ConfigError(f"--seq-len does not apply to {cfg.name} (an image model); use --batch-size, or "
+                              f"--batch for other image shapes")
+        return BatchLayout.from_example({
+            "images": jax.ShapeDtypeStruct((B, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32),
+            "labels": jax.ShapeDtypeStruct((B,), jnp.int32)})
+    if isinstance(cfg, BertConfig):
+        from meshtrain.data.mlm import KEYS
+
+        T = args.seq_len or cfg.max_positions
+        if T > cfg.max_positions:
+            raise ConfigError(f"--seq-len {T} is longer than {cfg.name}'s {cfg.max_positions} positions")
+        return BatchSpec(B, T, keys=tuple(KEYS)).layout()
+    if cfg is None:
+        raise ConfigError(f"--model {choice.name} is a user model: describe its batch with --batch, e.g. "
+                          f"--batch images=16x8x8x1:float32,labels=16:int32 (leading dimension = batch)")
+    return BatchSpec(B, args.seq_len or cfg.max_seq_len)
+
+
+def _batch_layout(choice: ModelChoice, args, dp: int):
+    from meshtrain.batch_layout import BatchLayout
+    from meshtrain.errors import ConfigError
+
+    if not getattr(args, "batch", None):
+        return default_batch(choice, args, dp)
+    if args.seq_len is not None:
+        raise ConfigError("--seq-len does not apply with --batch; give the sequence length in the shapes")
+    example, axes = parse_batch(args.batch)
+    layout = BatchLayout.from_example(example, axes or None)
+    sizes = {p: leaf.shape[leaf.batch_dim] for p, leaf in layout.leaves() if leaf.batch_dim is not None}
+    if args.batch_size is not None and any(v != args.batch_size for v in sizes.values()):
+        raise ConfigError(f"--batch-size {args.batch_size} disagrees with --batch (batch dimensions {sizes}); "
+                          f"drop --batch-size or change the shapes")
+    return layout
+
+
+def build(args, choice: Optional[ModelChoice] = None):
+    """``(plan, choice)``: recipe + mesh + abstract model + batch → ``ShardingPlan``.
 
     More devices than exist (``--devices`` beyond this machine) → the plan lives on an AbstractMesh.
     """
@@ -74,11 +315,11 @@ def build_plan(args):
     import optax
 
     from meshtrain.abstract import abstract_state
-    from meshtrain.models import get_config, model_factory
-    from meshtrain.plan import BatchSpec, make_plan
+    from meshtrain.errors import ConfigError, MeshtrainError
+    from meshtrain.plan import make_plan
     from meshtrain.recipes import get_recipe
 
-    cfg = get_config(args.model)
+    choice = choice or resolve_model(args)
     recipe = _apply_options(get_recipe(args.recipe), args)
     hardware = getattr(args, "hardware", "cpu") or "cpu"
     if hardware != "cpu" and getattr(args, "compute_dtype", None) is None:
@@ -88,11 +329,21 @@ def build_plan(args):
         mesh = recipe.mesh.build(jax.devices()[:n])
     else:  # more devices than this machine has (an accelerator host asked for a pod): plan abstractly
         mesh = recipe.mesh.abstract(n)
-    abstract = abstract_state(model_factory(cfg), optax.adamw(1e-3))
+    try:
+        abstract = abstract_state(choice.factory, optax.adamw(1e-3))
+    except MeshtrainError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory: say what calling it did
+        raise ConfigError(f"--model {choice.name}: calling it with rngs failed: {type(exc).__name__}: {exc}; "
+                          f"{FACTORY_CONTRACT}") from None
     probe = make_plan(abstract, recipe, mesh, check=False)
     dp = probe.data_parallel_size * recipe.micro_batches
-    batch = BatchSpec(args.batch_size or dp, args.seq_len or cfg.max_seq_len)
-    return make_plan(abstract, recipe, mesh, batch=batch)
+    return make_plan(abstract, recipe, mesh, batch=_batch_layout(choice, args, dp)), choice
+
+
+def build_plan(args):
+    """Recipe + mesh + abstract model → ``ShardingPlan`` (shared with the planner); see :func:`build`."""
+    return build(args)[0]
 
 
 def _setup(args) -> None:
@@ -109,15 +360,27 @@ def _setup(args) -> None:
 
 def run(args) -> int:
     from meshtrain.analysis import report
-    from meshtrain.models import get_config
+    from meshtrain.errors import ConfigError, MeshtrainError
 
     _setup(args)
-    cfg = get_config(args.model)
+    choice = resolve_model(args)
     if args.recipe == "auto":
-        result = report.auto(args, cfg)
+        result = report.auto(args, choice.cfg)
         out = report.auto_dict(result, args) if args.json else report.auto_text(result, args)
     else:
-        plan = build_plan(args)
-        out = report.single_dict(plan, cfg, args) if args.json else report.single_text(plan, cfg, args)
+        plan, _ = build(args, choice)
+        extra = {} if choice.analytic else {"loss_fn": choice.loss_fn, "model_name": choice.name}
+        try:
+            out = (report.single_dict(plan, choice.cfg, args, **extra) if args.json
+                   else report.single_text(plan, choice.cfg, args, **extra))
+        except MeshtrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - user code (model or loss) failed while the step was traced
+            if choice.cfg is not None and not args.loss:
+                raise
+            raise ConfigError(f"tracing the train step of --model {choice.name}"
+                              + (f" with --loss {args.loss}" if args.loss else "")
+                              + f" on the --batch layout failed: {type(exc).__name__}: {exc}; check that the loss "
+                                f"reads the batch's keys and returns (loss_sum, weight[, metrics])") from None
     print(json.dumps(out, default=str) if args.json else out)
     return 0

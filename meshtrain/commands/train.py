@@ -74,8 +74,31 @@ def config_from_args(args):
     return TrainConfig(**values)
 
 
+def decoder_memory_estimate(model_name: str):
+    """The planner's full per-device estimate (activations included) for a built-in decoder, as the
+    Trainer's pre-flight ``memory_estimate``; ``None`` for other models."""
+    from meshtrain.models import DecoderConfig, get_config
+
+    try:
+        cfg = get_config(model_name)
+    except Exception:  # noqa: BLE001 - an unknown model is reported by the Trainer
+        return None
+    if not isinstance(cfg, DecoderConfig):
+        return None
+
+    def estimate(plan):
+        from meshtrain.analysis.memory import estimate_memory
+
+        est = estimate_memory(plan, cfg)
+        parts = " + ".join(f"{c.value} {b / 2 ** 30:.2f} GiB" for c, b in est.components if b)
+        return int(est.total), parts
+
+    return estimate
+
+
 def run(args) -> int:
     from meshtrain.train.trainer import Trainer
 
-    summary = Trainer(config_from_args(args)).run()
+    config = config_from_args(args)
+    summary = Trainer(config, memory_estimate=decoder_memory_estimate(config.model)).run()
     return 0 if summary.steps or summary.preempted or summary.already_done else 1

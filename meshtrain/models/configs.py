@@ -1,17 +1,36 @@
-"""Named decoder configs: ``tiny`` (tests), ``small`` (the laptop main job), and shape-only Llama 3
-configs for planning at scale (their parameter counts match the published 8B / 70B / 405B)."""
+"""Named model configs.
+
+Decoders: ``tiny`` (tests), ``small`` (the laptop main job), and shape-only Llama 3 configs for
+planning at scale (their parameter counts match the published 8B / 70B / 405B).
+
+Encoders: ``vit-tiny`` / ``vit-small`` (8x8 greyscale digits, 10 classes; see
+:mod:`meshtrain.data.images`), shape-only ``vit-b16`` (ViT-B/16, 224px, ImageNet-1k head);
+``bert-tiny`` / ``bert-small`` (byte vocabulary + 4 special tokens, padded to 264, see
+:mod:`meshtrain.data.mlm`), shape-only ``distilbert-base``. The tiny and small encoders have 8 heads
+and widths divisible by 8, and the tiny/small ViTs mean-pool (16 tokens, no CLS), so every built-in
+recipe (sequence parallelism included) fits them on 8 devices.
+
+:func:`model_factory` builds the model class that matches the config's type.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Union
 
 from meshtrain.errors import ConfigError
+from meshtrain.models.bert import Bert, BertConfig
 from meshtrain.models.decoder import Decoder, DecoderConfig
+from meshtrain.models.vit import ViT, ViTConfig
 
 _BYTES = 256  # byte-level vocabulary of the embedded corpus
+# Bytes + [PAD] [CLS] [SEP] [MASK] (meshtrain.data.mlm) = 260 ids, padded to 264 (a multiple of 8)
+# so the tied embedding splits over tensor-parallel meshes of 2, 4 or 8; ids 260..263 are unused.
+_BYTES_MLM = 264
 
-CONFIGS: Dict[str, DecoderConfig] = {c.name: c for c in [
+ModelConfig = Union[DecoderConfig, ViTConfig, BertConfig]
+
+CONFIGS: Dict[str, ModelConfig] = {c.name: c for c in [
     DecoderConfig("tiny", _BYTES, d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8, d_ff=128,
                   max_seq_len=256),
     DecoderConfig("small", _BYTES, d_model=256, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=16, d_ff=768,
@@ -22,10 +41,22 @@ CONFIGS: Dict[str, DecoderConfig] = {c.name: c for c in [
                   d_ff=28_672, max_seq_len=8192, rope_theta=500_000.0),
     DecoderConfig("llama3-405b", 128_256, d_model=16_384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
                   d_ff=53_248, max_seq_len=8192, rope_theta=500_000.0),
+    ViTConfig("vit-tiny", image_size=8, patch_size=2, channels=1, num_classes=10, d_model=64, n_layers=2,
+              n_heads=8, head_dim=8, d_ff=128, dropout=0.1, pool="mean"),
+    ViTConfig("vit-small", image_size=8, patch_size=2, channels=1, num_classes=10, d_model=256, n_layers=6,
+              n_heads=8, head_dim=32, d_ff=1024, dropout=0.1, pool="mean"),
+    ViTConfig("vit-b16", image_size=224, patch_size=16, channels=3, num_classes=1000, d_model=768, n_layers=12,
+              n_heads=12, head_dim=64, d_ff=3072, dropout=0.0),
+    BertConfig("bert-tiny", _BYTES_MLM, max_positions=256, d_model=64, n_layers=2, n_heads=8, head_dim=8,
+               d_ff=256, dropout=0.1),
+    BertConfig("bert-small", _BYTES_MLM, max_positions=512, d_model=256, n_layers=4, n_heads=8, head_dim=32,
+               d_ff=1024, dropout=0.1),
+    BertConfig("distilbert-base", 30_522, max_positions=512, d_model=768, n_layers=6, n_heads=12, head_dim=64,
+               d_ff=3072, dropout=0.1),
 ]}
 
 
-def get_config(name: str, **overrides) -> DecoderConfig:
+def get_config(name: str, **overrides) -> ModelConfig:
     """A named config, optionally with fields replaced (``get_config("small", n_layers=32)``)."""
     try:
         cfg = CONFIGS[name]
@@ -34,7 +65,15 @@ def get_config(name: str, **overrides) -> DecoderConfig:
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-def model_factory(cfg: "DecoderConfig | str"):
-    """``rngs -> Decoder``: what :func:`meshtrain.abstract_state` and the Trainer take."""
+_MODELS = {DecoderConfig: Decoder, ViTConfig: ViT, BertConfig: Bert}
+
+
+def model_factory(cfg: "ModelConfig | str"):
+    """``rngs -> model`` (``Decoder``, ``ViT`` or ``Bert`` by the config's type): what
+    :func:`meshtrain.abstract_state` and the Trainer take."""
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
-    return lambda rngs: Decoder(cfg, rngs=rngs)
+    try:
+        cls = _MODELS[type(cfg)]
+    except KeyError:
+        raise ConfigError(f"no model class for config {cfg!r}; use one of {', '.join(CONFIGS)}") from None
+    return lambda rngs: cls(cfg, rngs=rngs)

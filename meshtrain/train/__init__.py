@@ -1,6 +1,8 @@
-"""Training: state (sharded init), step, the Trainer loop, metrics."""
+"""Training: step, the Trainer loop and its tasks (model + loss + data), metrics."""
 
-from meshtrain.train.config import Progress, Resume, TrainConfig, default_optimizer
-from meshtrain.train.trainer import Trainer, TrainingError, TrainSummary
+from meshtrain.train.config import MemoryCheckMode, Progress, Resume, TrainConfig, default_optimizer
+from meshtrain.train.tasks import DataRequest, Task, custom_task
+from meshtrain.train.trainer import Interrupted, Trainer, TrainingError, TrainSummary
 
-__all__ = ["Progress", "Resume", "TrainConfig", "TrainSummary", "Trainer", "TrainingError", "default_optimizer"]
+__all__ = ["DataRequest", "Interrupted", "MemoryCheckMode", "Progress", "Resume", "Task", "TrainConfig",
+           "TrainSummary", "Trainer", "TrainingError", "custom_task", "default_optimizer"]

@@ -25,7 +25,7 @@ DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "
 def peak_flops(device, hardware: Optional[str] = None, num_devices: Optional[int] = None) -> Optional[float]:
     """Peak dense bf16 FLOP/s per device: from the named ``hardware`` profile (``cpu`` is measured
     on this host), else from the device kind; ``None`` when neither is known (plain CPU)."""
-    from meshtrain.analysis.hardware import get_hardware
+    from meshtrain.hardware import get_hardware
 
     if hardware is not None:
         return get_hardware(hardware, num_devices=num_devices).peak_flops

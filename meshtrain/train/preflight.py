@@ -1,9 +1,9 @@
 """Pre-flight memory check: before anything is allocated, compare the plan's per-device bytes with
 what a device has, and refuse (with what to change) instead of being killed half-way through init.
 
-Estimate: parameters + gradients + optimizer state + batch from the plan; for the built-in decoder,
-:func:`meshtrain.analysis.estimate_memory` adds saved activations and the backward working set
-(its formulas are in that module). Limit: an accelerator's ``memory_stats()["bytes_limit"]``; on CPU
+Estimate: parameters + gradients + optimizer state + batch from the plan, or what an ``estimate``
+function says (``meshtrain train`` passes the planner's :func:`meshtrain.analysis.estimate_memory`
+for the built-in decoders: saved activations and the backward working set too). Limit: an accelerator's ``memory_stats()["bytes_limit"]``; on CPU
 the host's physical memory divided among this process's simulated devices (they share it).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Any, Callable, Optional, Tuple
 
 from meshtrain.errors import ConfigError
 
@@ -49,23 +49,24 @@ def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f} GiB"
 
 
-def estimate_bytes(plan, model_cfg=None, *, full_above: int = 0) -> MemoryCheck:
-    """The plan's per-device bytes. Parameters, gradients, optimizer and batch always; for a decoder
-    config, when that cheap bound exceeds ``full_above``, the planner's full estimate (activations too)."""
+#: ``plan -> (bytes per device, what they are)``: a fuller estimate than the plan's own bytes.
+Estimate = Callable[[Any], Tuple[int, str]]
+
+
+def estimate_bytes(plan, estimate: Optional[Estimate] = None, *, full_above: int = 0) -> MemoryCheck:
+    """The plan's per-device bytes: parameters, gradients, optimizer and batch; when that cheap
+    bound exceeds ``full_above`` and ``estimate`` is given, its figure instead."""
     per = plan.per_device_bytes()
     cheap = 2 * per["params"] + per["optimizer"] + per["batch"]
     detail = (f"parameters {_gib(per['params'])} + gradients {_gib(per['params'])} + optimizer "
               f"{_gib(per['optimizer'])} + batch {_gib(per['batch'])}")
-    if model_cfg is not None and cheap > full_above:
-        from meshtrain.analysis.memory import estimate_memory
-
-        est = estimate_memory(plan, model_cfg)
-        parts = " + ".join(f"{c.value} {_gib(b)}" for c, b in est.components if b)
-        return MemoryCheck(int(est.total), None, parts)
+    if estimate is not None and cheap > full_above:
+        total, parts = estimate(plan)
+        return MemoryCheck(int(total), None, parts)
     return MemoryCheck(int(cheap), None, detail)
 
 
-def check_memory(plan, model_cfg=None, *, remat: str = "none") -> MemoryCheck:
+def check_memory(plan, estimate: Optional[Estimate] = None, *, remat: str = "none") -> MemoryCheck:
     """Raise :class:`ConfigError` when the plan does not fit one device, naming the estimate, the
     limit and what to change. Returns the check (``limit_bytes`` ``None``: unknown, not checked)."""
     import jax
@@ -74,8 +75,8 @@ def check_memory(plan, model_cfg=None, *, remat: str = "none") -> MemoryCheck:
     local = sum(1 for d in plan.mesh.devices.flat if d.process_index == jax.process_index())
     limit = device_memory_limit(device, local)
     if limit is None:
-        return estimate_bytes(plan, None)
-    check = estimate_bytes(plan, model_cfg, full_above=int(0.3 * limit))
+        return estimate_bytes(plan)
+    check = estimate_bytes(plan, estimate, full_above=int(0.3 * limit))
     check = dataclasses.replace(check, limit_bytes=int(limit))
     if check.fits:
         return check

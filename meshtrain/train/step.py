@@ -4,17 +4,22 @@ accumulation over micro-batches, and a non-finite policy.
 
 Example (your own loop)::
 
-    step = make_train_step(plan)
-    state, metrics = step(state, batch)       # metrics: loss, grad_norm, tokens, finite
+    step = make_train_step(plan, loss_fn=my_loss)
+    state, metrics = step(state, batch)   # loss, grad_norm, weight, tokens, finite + my_loss's metrics
 
-The loss is a sum over tokens divided by the token count of the whole global batch, so any
-split into devices or micro-batches gives the same value as one device.
+The loss contract: ``loss_fn(model, batch)`` returns ``(loss_sum, weight)`` or
+``(loss_sum, weight, metrics)``. ``loss_sum`` is the *sum* of per-example (or per-token) losses in
+this batch, ``weight`` how many examples (tokens, or a sum of sample weights) it counted, and
+``metrics`` a dict of scalar *sums* (e.g. ``{"correct": jnp.sum(pred == label)}``). The step adds
+these up over micro-batches and divides each by the global weight of the whole batch, so any
+split into devices or micro-batches gives the one-device value: ``metrics["correct"]`` arrives as
+accuracy. A weight of 0 divides by 1 (the loss reads 0).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +27,18 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshtrain.abstract import path_str
 from meshtrain.annotate import StepContext, step_context
+from meshtrain.errors import ConfigError
 from meshtrain.plan import ShardingPlan
-from meshtrain.train.state import TrainState, state_shardings
+from meshtrain.state import TrainState, state_shardings
 
-#: ``loss_fn(model, batch) -> (sum of per-token losses, number of tokens)``.
-LossFn = Callable[[nnx.Module, Dict[str, jax.Array]], Tuple[jax.Array, jax.Array]]
+#: ``loss_fn(model, batch) -> (loss_sum, weight)`` or ``(loss_sum, weight, {name: scalar sum})``.
+LossFn = Callable[[nnx.Module, Any], Union[Tuple[jax.Array, jax.Array],
+                                          Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]]]
+
+#: Keys the step reports itself; a user metric may not reuse them.
+RESERVED_METRICS = ("loss", "grad_norm", "weight", "tokens", "finite")
 
 
 class NonFinite(str, enum.Enum):
@@ -48,6 +59,11 @@ def next_token_loss(model: nnx.Module, batch: Dict[str, jax.Array]) -> Tuple[jax
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
+def cast_floats(tree, dtype):
+    """Every floating leaf of ``tree`` as ``dtype`` (integer and key leaves unchanged)."""
+    return _cast_floats(tree, dtype)
+
+
 def _cast_floats(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
@@ -57,6 +73,74 @@ def step_context_for(plan: ShardingPlan) -> StepContext:
     return StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat, r.attention)
 
 
+def gradient_shardings(plan: ShardingPlan):
+    """Where the step keeps the gradients between the backward pass and the optimizer update.
+
+    By default the parameters' shardings (DP all-reduces gradients; FSDP reduce-scatters them
+    because the parameters are sharded). When the recipe's strategies set the step option
+    ``shard_gradients`` (``zero2``), each gradient takes its parameter's *optimizer-state* sharding
+    (the ``optimizer`` rules applied to the parameter's logical axes): the data-parallel reduction
+    becomes a reduce-scatter (XLA:CPU emits all-reduce + dynamic-slice instead), each device keeps
+    and updates 1/N of every gradient, and the updated parameters are all-gathered back to their
+    own (replicated) sharding by the step's output shardings.
+    """
+    if not plan.recipe.shard_gradients:
+        return plan.param_shardings
+    sizes = plan.mesh_sizes
+    replicate_ok = frozenset(plan.recipe.replicate_indivisible)
+
+    def one(keypath, sds):
+        path = path_str(keypath)
+        res = plan.rules.resolve("optimizer", plan.abstract.param_axes[path], sds.shape, sizes, path=path,
+                                 replicate_ok=replicate_ok)
+        return NamedSharding(plan.mesh, res.spec)
+
+    return jax.tree_util.tree_map_with_path(one, plan.abstract.params)
+
+
+def _describe(x) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} (" + ", ".join(_describe(e) for e in x) + ")"
+    if isinstance(x, Mapping):
+        return f"a dict with keys {list(x)}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array {x.dtype}{list(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def _is_scalar(x) -> bool:
+    if isinstance(x, (bool, int, float)):
+        return True
+    return hasattr(x, "shape") and hasattr(x, "dtype") and tuple(x.shape) == () \
+        and (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))
+
+
+def unpack_loss(out, loss_fn=None) -> Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]:
+    """``(loss_sum, weight, metrics)`` in f32 from what a loss function returned; ``ConfigError``
+    naming what came back when it is not ``(loss_sum, weight[, metrics])`` of scalars."""
+    name = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
+    expected = ("expected (loss_sum, weight) or (loss_sum, weight, metrics): loss_sum and weight scalar sums "
+                "over the batch (e.g. jnp.sum(per_example_loss * mask), jnp.sum(mask)) and metrics a dict of "
+                "scalar sums that the step divides by the global weight")
+    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+        raise ConfigError(f"loss_fn {name} returned {_describe(out)}; {expected}")
+    for what, value in (("loss_sum", out[0]), ("weight", out[1])):
+        if not _is_scalar(value):
+            raise ConfigError(f"loss_fn {name} returned {what} = {_describe(value)} (in {_describe(out)}); {expected}")
+    metrics = out[2] if len(out) == 3 else {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"loss_fn {name} returned metrics = {_describe(metrics)}; {expected}")
+    for key, value in metrics.items():
+        if not isinstance(key, str) or key in RESERVED_METRICS:
+            raise ConfigError(f"loss_fn {name} returned a metric named {key!r}; metric names are strings other than "
+                              f"{RESERVED_METRICS} (the step reports those itself)")
+        if not _is_scalar(value):
+            raise ConfigError(f"loss_fn {name} returned metric {key!r} = {_describe(value)}; each metric must be a "
+                              f"scalar sum over the batch (the step divides it by the global weight)")
+    f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
+    return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in metrics.items()}
+
+
 def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn):
     graphdef = plan.abstract.graphdef
     compute_dtype = jnp.dtype(plan.recipe.compute_dtype)
@@ -64,65 +148,131 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn):
     def summed(params, model_state, batch):
         # Cast before use: under FSDP the all-gathers then move compute-dtype bytes.
         model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
-        total, count = loss_fn(model, batch)
+        total, weight, metrics = unpack_loss(loss_fn(model, batch), loss_fn)
         _, _, new_model_state = nnx.split(model, nnx.Param, ...)
-        return total.astype(jnp.float32), (count.astype(jnp.float32), nnx.to_pure_dict(new_model_state))
+        return total, (weight, metrics, nnx.to_pure_dict(new_model_state))
 
     return jax.value_and_grad(summed, has_aux=True)
 
 
-def _accumulate(grad_fn, params, model_state, batch, micro: int, plan: ShardingPlan):
-    """Sum of losses, token counts and gradients over ``micro`` micro-batches (lax.scan)."""
+def _batch_layout(plan: ShardingPlan, what: str):
+    if plan.batch is None:
+        raise ConfigError(f"{what} needs a plan with a batch layout (otherwise the batch would silently be "
+                          f"replicated): make_plan(..., batch=BatchSpec(B, T)) for tokens, or "
+                          f"batch=BatchLayout.from_example(example_batch) for any pytree")
+    return plan.batch
+
+
+def _accumulate(grad_fn, params, model_state, batch, micro: int, plan: ShardingPlan, grad_sh=None):
+    """Sums of losses, weights, metrics and gradients over ``micro`` micro-batches (lax.scan).
+
+    Each leaf is cut along its ``batch`` dimension; leaves without one go whole to every micro-batch.
+    The gradient accumulator is laid out as ``grad_sh`` (default: the parameters' shardings).
+    """
+    grad_sh = plan.param_shardings if grad_sh is None else grad_sh
     if micro == 1:
-        (total, (count, model_state)), grads = grad_fn(params, model_state, batch)
-        return total, count, grads, model_state
+        (total, (weight, metrics, model_state)), grads = grad_fn(params, model_state, batch)
+        return total, weight, metrics, grads, model_state
 
-    def split(x):  # (B, ...) -> (micro, B/micro, ...) keeping each device's rows local
-        b = x.shape[0]
-        y = x.reshape((b // micro, micro) + x.shape[1:])
-        return jnp.moveaxis(y, 1, 0)
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    dims = [leaf.batch_dim for _, leaf in plan.batch.leaves()]
+    shardings = jax.tree.leaves(plan.batch_shardings)
 
-    micro_batches = jax.tree.map(split, batch)
+    def split(x, d):  # (.., B, ..) -> (micro, .., B/micro, ..) keeping each device's rows local
+        y = x.reshape(x.shape[:d] + (x.shape[d] // micro, micro) + x.shape[d + 1:])
+        return jnp.moveaxis(y, d + 1, 0)
+
+    xs = [split(x, d) for x, d in zip(leaves, dims) if d is not None]
+
+    def micro_batch(parts):
+        it = iter(parts)
+        out = [jax.lax.with_sharding_constraint(next(it), sh) if d is not None else x
+               for x, d, sh in zip(leaves, dims, shardings)]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    zeros = jax.lax.with_sharding_constraint(zeros, plan.param_shardings)
+    zeros = jax.lax.with_sharding_constraint(zeros, grad_sh)
+    first = micro_batch([x[0] for x in xs])
+    _, (_, metric_shapes, _) = jax.eval_shape(grad_fn, params, model_state, first)[0]
+    metrics0 = {k: jnp.zeros((), jnp.float32) for k in metric_shapes}
 
-    def body(carry, mb):
-        total, count, grads, ms = carry
-        mb = {k: jax.lax.with_sharding_constraint(v, plan.batch_shardings[k]) for k, v in mb.items()} \
-            if plan.batch_shardings else mb
-        (t, (c, ms)), g = grad_fn(params, ms, mb)
+    def body(carry, parts):
+        total, weight, metrics, grads, ms = carry
+        (t, (w, m, ms)), g = grad_fn(params, ms, micro_batch(parts))
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-        return (total + t, count + c, grads, ms), None
+        if plan.recipe.shard_gradients:  # ZeRO-2: reduce-scatter each micro-batch into the sharded sum
+            grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+        metrics = {k: metrics[k] + m[k] for k in metrics}
+        return (total + t, weight + w, metrics, grads, ms), None
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros, model_state)
-    (total, count, grads, model_state), _ = jax.lax.scan(body, init, micro_batches)
-    return total, count, grads, model_state
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), metrics0, zeros, model_state)
+    (total, weight, metrics, grads, model_state), _ = jax.lax.scan(body, init, xs)
+    return total, weight, metrics, grads, model_state
+
+
+def _denominator(weight):
+    return jnp.where(weight > 0, weight, 1.0)
+
+
+class CheckedStep:
+    """A jitted step that first checks the batch against the plan's layout (structure, shapes,
+    dtypes; cached per distinct signature), then runs. ``lower`` / ``trace`` / ``eval_shape``
+    check too; other attributes are the jitted function's."""
+
+    def __init__(self, jitted, plan: ShardingPlan):
+        self._jitted, self._plan = jitted, plan
+
+    def __call__(self, state, batch):
+        self._plan.check_batch(batch)
+        return self._jitted(state, batch)
+
+    def lower(self, state, batch, *args, **kwargs):
+        self._plan.check_batch(batch)
+        return self._jitted.lower(state, batch, *args, **kwargs)
+
+    def trace(self, state, batch, *args, **kwargs):
+        self._plan.check_batch(batch)
+        return self._jitted.trace(state, batch, *args, **kwargs)
+
+    def eval_shape(self, state, batch):
+        self._plan.check_batch(batch)
+        return self._jitted.eval_shape(state, batch)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
 
 
 def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
-                    nonfinite: NonFinite = NonFinite.RAISE, donate: bool = True):
+                    nonfinite: NonFinite = NonFinite.RAISE, donate: bool = True) -> CheckedStep:
     """A jitted ``step(state, batch) -> (state, metrics)`` for ``plan``.
 
+    ``metrics`` holds ``loss`` (global loss sum / global weight), ``grad_norm``, ``weight`` (the
+    global weight; ``tokens`` is the same number, kept for token-count readers), ``finite``, and
+    each metric the loss function returned, summed over micro-batches and divided by the weight.
+
     Args:
-      plan: from :func:`meshtrain.make_plan` (with an optimizer and a ``BatchSpec``).
-      loss_fn: ``(model, batch) -> (loss sum, token count)``; default :func:`next_token_loss`.
+      plan: from :func:`meshtrain.make_plan` with an optimizer and a batch layout.
+      loss_fn: ``(model, batch) -> (loss_sum, weight[, metrics])`` (see the module docstring);
+        default :func:`next_token_loss`.
       nonfinite: :class:`NonFinite` policy; ``metrics["finite"]`` is reported either way.
       donate: donate the input state's buffers (the old state is invalid after the call).
     """
+    _batch_layout(plan, "make_train_step")
     loss_fn = loss_fn or next_token_loss
     tx = plan.abstract.tx
     grad_fn = _loss_and_grads(plan, loss_fn)
     micro = plan.recipe.micro_batches
     nonfinite = NonFinite(nonfinite)
+    grad_sh = gradient_shardings(plan)  # ZeRO-2: the optimizer state's sharding; else the params'
 
     def step(state: TrainState, batch):
         with step_context(step_context_for(plan)):
-            total, count, grads, model_state = _accumulate(grad_fn, state.params, state.model_state, batch, micro,
-                                                           plan)
-            count = jnp.maximum(count, 1.0)
-            grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
-            grads = jax.lax.with_sharding_constraint(grads, plan.param_shardings)
-            loss = total / count
+            total, weight, metrics, grads, model_state = _accumulate(grad_fn, state.params, state.model_state,
+                                                                     batch, micro, plan, grad_sh)
+            denom = _denominator(weight)
+            grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
+            grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+            loss = total / denom
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -132,16 +282,23 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
                 params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
                 model_state = keep(model_state, state.model_state)
         new_state = TrainState(state.step + 1, params, opt_state, model_state)
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "tokens": count, "finite": finite}
+        out = {"loss": loss, "grad_norm": grad_norm, "weight": weight, "tokens": weight, "finite": finite}
+        out.update({k: v / denom for k, v in metrics.items()})
+        return new_state, out
 
     shardings = state_shardings(plan)
     scalar = NamedSharding(plan.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(shardings, plan.batch_shardings), out_shardings=(shardings, scalar),
-                   donate_argnums=(0,) if donate else ())
+    return CheckedStep(jax.jit(step, in_shardings=(shardings, plan.batch_shardings), out_shardings=(shardings, scalar),
+                               donate_argnums=(0,) if donate else ()), plan)
 
 
-def make_eval_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None):
-    """A jitted ``eval_step(state, batch) -> {"loss", "tokens"}`` (no update, no donation)."""
+def make_eval_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None, eval_mode: bool = True) -> CheckedStep:
+    """A jitted ``eval_step(state, batch) -> {"loss", "weight", "tokens", **metrics}`` (no update,
+    no donation; the same loss contract and division by the weight as :func:`make_train_step`).
+
+    ``eval_mode`` calls ``model.eval()`` first (dropout off, batch norm on its running averages).
+    """
+    _batch_layout(plan, "make_eval_step")
     loss_fn = loss_fn or next_token_loss
     graphdef = plan.abstract.graphdef
     compute_dtype = jnp.dtype(plan.recipe.compute_dtype)
@@ -149,28 +306,33 @@ def make_eval_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None):
     def evaluate(state: TrainState, batch):
         with step_context(step_context_for(plan)):
             model = nnx.merge(graphdef, _cast_floats(state.params, compute_dtype), state.model_state)
-            total, count = loss_fn(model, batch)
-        return {"loss": total / jnp.maximum(count, 1.0), "tokens": count}
+            if eval_mode:
+                model.eval()
+            total, weight, metrics = unpack_loss(loss_fn(model, batch), loss_fn)
+        denom = _denominator(weight)
+        return {"loss": total / denom, "weight": weight, "tokens": weight, **{k: v / denom for k, v in metrics.items()}}
 
     scalar = NamedSharding(plan.mesh, PartitionSpec())
-    return jax.jit(evaluate, in_shardings=(state_shardings(plan), plan.batch_shardings), out_shardings=scalar)
+    return CheckedStep(jax.jit(evaluate, in_shardings=(state_shardings(plan), plan.batch_shardings),
+                               out_shardings=scalar), plan)
 
 
-def make_grad_fn(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None):
+def make_grad_fn(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None) -> CheckedStep:
     """A jitted ``grad_fn(state, batch) -> (loss, grads)`` with grads laid out like the params.
 
-    The same loss scaling as :func:`make_train_step` (sum / global token count, micro-batched by
-    the recipe); use it to inspect or compare gradients across recipes.
+    The same loss scaling as :func:`make_train_step` (sum / global weight, micro-batched by the
+    recipe); use it to inspect or compare gradients across recipes.
     """
+    _batch_layout(plan, "make_grad_fn")
     grad_fn = _loss_and_grads(plan, loss_fn or next_token_loss)
 
     def grads(state: TrainState, batch):
         with step_context(step_context_for(plan)):
-            total, count, g, _ = _accumulate(grad_fn, state.params, state.model_state, batch,
-                                             plan.recipe.micro_batches, plan)
-            count = jnp.maximum(count, 1.0)
-            return total / count, jax.tree.map(lambda x: x / count, g)
+            total, weight, _, g, _ = _accumulate(grad_fn, state.params, state.model_state, batch,
+                                                 plan.recipe.micro_batches, plan)
+            denom = _denominator(weight)
+            return total / denom, jax.tree.map(lambda x: x / denom, g)
 
     scalar = NamedSharding(plan.mesh, PartitionSpec())
-    return jax.jit(grads, in_shardings=(state_shardings(plan), plan.batch_shardings),
-                   out_shardings=(scalar, plan.param_shardings))
+    return CheckedStep(jax.jit(grads, in_shardings=(state_shardings(plan), plan.batch_shardings),
+                               out_shardings=(scalar, plan.param_shardings)), plan)

@@ -22,20 +22,25 @@ import jax
 import optax
 
 from meshtrain.abstract import ModelFactory, abstract_state
+from meshtrain.annotate import PathRules
 from meshtrain.checkpoint.types import Verify
-from meshtrain.data import BatchIterator, check_token_ids, load_source
+import numpy as np
+
+from meshtrain.batch_layout import BatchLayout
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.mesh import MeshSpec, select_devices
-from meshtrain.models import DecoderConfig, get_config, model_factory
-from meshtrain.plan import BatchSpec, ShardingPlan, make_plan
+from meshtrain.mesh import MeshSpec, hybrid_layout, select_devices
+from meshtrain.models import DecoderConfig
+from meshtrain.plan import ShardingPlan, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default_optimizer, lr_schedule
-from meshtrain.analysis.flops import model_flops_per_token
+from meshtrain.models.flops import jaxpr_flops, model_flops_per_token
 from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, peak_flops
-from meshtrain.train.preflight import check_memory
+from meshtrain.train.preflight import Estimate, check_memory
 from meshtrain.train.rundir import RunLock, inspect_run_dir, truncate_metrics
-from meshtrain.train.state import init_state
-from meshtrain.train.step import LossFn, NonFinite, make_eval_step, make_train_step
+from meshtrain.state import init_state
+from meshtrain.train.step import RESERVED_METRICS, LossFn, NonFinite, make_eval_step, make_train_step, next_token_loss
+from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
+                                   local_rows)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,6 +72,8 @@ class TrainSummary:
     preempted: bool = False
     resumed_from: Optional[int] = None
     already_done: bool = False  # --resume of a run already at --steps: nothing trained
+    examples_per_s: Optional[float] = None
+    eval_metrics: Optional[Dict[str, float]] = None  # the last evaluation's metrics besides the loss
 
 
 def _default_run_dir(cfg: TrainConfig) -> str:
@@ -109,32 +116,66 @@ class Trainer:
 
     Args:
       config: the run's settings.
-      model: a factory ``rngs -> nnx.Module`` (default: the decoder named by ``config.model``).
+      model: a factory ``rngs -> nnx.Module`` (default: the built-in model named by ``config.model``,
+        with its data and loss: see :mod:`meshtrain.train.tasks`).
       tx: an optax optimizer (default: AdamW + warmup/cosine + clipping from ``config``).
-      loss_fn: ``(model, batch) -> (loss sum, token count)``; default next-token cross-entropy.
-      vocab_size: the model's vocabulary, to check data token ids (known for the built-in decoders).
+      loss_fn: ``(model, batch) -> (loss sum, weight)`` or ``(loss sum, weight, {name: sum})``; the
+        step divides each by the global weight, so any split gives the one-device value. Default:
+        the built-in model's loss, or next-token cross-entropy for your model on token data.
+      data: your data: an iterable of numpy batches (this process's rows of each global batch), or
+        a function of a :class:`~meshtrain.train.tasks.DataRequest` returning one. ``None``: token
+        windows of ``config.data`` (or the built-in model's data). The batch layout comes from the
+        first batch (``batch`` on each leading dimension, or ``batch_axes``).
+      eval_data: evaluation batches, the same kinds (``None`` with ``data=``: no evaluation).
+      batch_axes: logical axes per batch leaf, e.g. ``{"images": ("batch", None, None, None)}``.
+      vocab_size: your model's vocabulary, to check token ids when it trains on token data.
+      path_rules: logical axes for parameters without them, by path pattern
+        (``PathRules([(r".*kernel", ("embed", "mlp")), ...])``), for models you did not write.
+      memory_estimate: ``plan -> (bytes per device, description)`` for the pre-flight memory check
+        (default: parameters + gradients + optimizer + batch; ``meshtrain train`` adds activations).
+
+    Example (your own model, loss and data)::
+
+        def loss_fn(model, batch):
+            logits = model(batch["x"])
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return ce.sum(), ce.size, {"accuracy": (logits.argmax(-1) == batch["y"]).sum()}
+
+        Trainer(TrainConfig(recipe="fsdp", steps=100, out="runs/mine"),
+                model=lambda rngs: MyModel(rngs=rngs), loss_fn=loss_fn, data=my_batches()).run()
     """
 
     def __init__(self, config: TrainConfig = TrainConfig(), *, model: Optional[ModelFactory] = None,
                  tx: Optional[optax.GradientTransformation] = None, loss_fn: Optional[LossFn] = None,
-                 vocab_size: Optional[int] = None):
+                 data: Any = None, eval_data: Any = None, batch_axes: Any = None,
+                 vocab_size: Optional[int] = None, memory_estimate: Optional[Estimate] = None,
+                 path_rules: Optional[PathRules] = None):
         self.cfg = config
-        self.model_cfg: Optional[DecoderConfig] = None
-        if model is None:
-            self.model_cfg = get_config(config.model)
-            if config.seq_len > self.model_cfg.max_seq_len:
-                raise ConfigError(f"--seq-len {config.seq_len} is longer than model {config.model!r} supports "
-                                  f"(max_seq_len {self.model_cfg.max_seq_len}); use --seq-len <= "
-                                  f"{self.model_cfg.max_seq_len}")
-            model = model_factory(self.model_cfg)
-            vocab_size = self.model_cfg.vocab_size
-        self.factory, self.tx, self.loss_fn, self.vocab_size = model, tx, loss_fn, vocab_size
+        if model is None and data is None:
+            task = builtin_task(config)
+            if loss_fn is not None:
+                task = dataclasses.replace(task, loss_fn=loss_fn, eval_loss_fn=loss_fn)
+        elif data is None:
+            task = language_model_task(config, model, loss_fn or next_token_loss, vocab_size)
+        else:
+            if model is None:
+                raise ConfigError("data= needs model= (a factory rngs -> nnx.Module) and loss_fn=")
+            if loss_fn is None:
+                raise ConfigError("data= needs loss_fn=: (model, batch) -> (loss sum, weight[, metrics])")
+            task = custom_task(model, loss_fn, data, eval_data, batch_axes=batch_axes)
+        self.task = task
+        self.memory_estimate = memory_estimate
+        self.path_rules = path_rules
+        self.factory, self.tx, self.loss_fn = task.factory, tx, task.loss_fn
+        self.model_cfg = task.model_cfg if isinstance(task.model_cfg, DecoderConfig) else None
         self.run_dir = config.out or _default_run_dir(config)
         self.is_main = jax.process_index() == 0
         self._lost_s = 0.0  # wall time of steps recomputed after a restart
+        self._first_batch = None
 
     # -- set-up ----------------------------------------------------------------------------------
     def build_plan(self, devices=None) -> ShardingPlan:
+        """The run's :class:`ShardingPlan` (recipe + overrides, mesh over the devices, batch layout)."""
         cfg = self.cfg
         recipe = get_recipe(cfg.recipe)
         if cfg.mesh:
@@ -143,15 +184,35 @@ class Trainer:
                  if getattr(cfg, k) is not None}
         recipe = recipe.with_options(**knobs) if knobs else recipe
         devices = devices if devices is not None else select_devices(cfg.devices)
-        from meshtrain.distributed import auto_dcn, split_dcn
-
-        layout = (split_dcn(recipe.mesh, len(devices), MeshSpec.parse(cfg.dcn)) if cfg.dcn
-                  else auto_dcn(recipe.mesh, devices))
-        recipe = dataclasses.replace(recipe, mesh=layout)
+        recipe = dataclasses.replace(recipe, mesh=hybrid_layout(recipe.mesh, devices, cfg.dcn))
         mesh = recipe.mesh.build(devices)
-        tx = self.tx or default_optimizer(cfg, abstract_state(self.factory).param_axes)
-        abstract = abstract_state(self.factory, tx)
-        return make_plan(abstract, recipe, mesh, batch=BatchSpec(cfg.batch_size, cfg.seq_len))
+        tx = self.tx or default_optimizer(cfg, abstract_state(self.factory, annotations=self.path_rules).param_axes)
+        abstract = abstract_state(self.factory, tx, annotations=self.path_rules)
+        return make_plan(abstract, recipe, mesh, batch=self._layout())
+
+    def _layout(self) -> BatchLayout:
+        cfg = self.cfg
+        if self.task.layout is not None:
+            return self.task.layout(cfg.batch_size, cfg.seq_len)
+        if self._first_batch is None:   # the layout comes from the user's first batch
+            request = self._request("train", None)
+            self._source = self.task.data(request)
+            try:
+                self._first_batch = next(iter(self._source))
+            except StopIteration:
+                raise ConfigError("data yielded no batch at all; pass an iterable of numpy batches") from None
+            self._source_iter = self._source
+        return example_layout(self._first_batch, jax.process_count(), self.task.batch_axes)
+
+    def _request(self, split: str, plan: Optional[ShardingPlan]) -> DataRequest:
+        cfg = self.cfg
+        batch = plan.batch.batch_size if plan is not None and plan.batch is not None else cfg.batch_size
+        rows = local_rows(plan) if plan is not None else None
+        if rows is None:
+            per = batch // max(jax.process_count(), 1)
+            rows = np.arange(jax.process_index() * per, (jax.process_index() + 1) * per)
+        return DataRequest(batch, cfg.seq_len, cfg.seed, jax.process_index(), jax.process_count(), rows, split,
+                           plan.batch_shardings if plan is not None else None)
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> TrainSummary:
@@ -174,13 +235,13 @@ class Trainer:
         clock = Stopwatch()
         plan = self.build_plan()
         if cfg.memory_check is MemoryCheckMode.ON:
-            check_memory(plan, self.model_cfg, remat=plan.recipe.remat.value)
+            check_memory(plan, self.memory_estimate, remat=plan.recipe.remat.value)
         ckpt = self._checkpointer()
         try:
             resume_step = self._resume_step(ckpt)
             if resume_step is not None and resume_step >= cfg.steps:
                 return self._already_done(resume_step)
-            val_src, it = self._data(plan)
+            evaluate, it = self._data(plan)
             state, start, restart = self._initial_state(plan, ckpt, it)
             writer = self._open_outputs(plan, restart)
         except BaseException:
@@ -188,7 +249,7 @@ class Trainer:
                 ckpt.close()
             raise
         clock.add("setup_s", clock.elapsed())  # plan, data, init or restore
-        loop = _Loop(self, plan, state, start, it, val_src, ckpt, writer, clock)
+        loop = _Loop(self, plan, state, start, it, evaluate, ckpt, writer, clock)
         try:
             loop.run()
         except KeyboardInterrupt:
@@ -243,17 +304,12 @@ class Trainer:
         return TrainSummary(self.run_dir, 0, None, None, None, None, None, 0.0, {}, False, step, True)
 
     def _data(self, plan: ShardingPlan):
+        """(evaluation enabled, the training feed)."""
         cfg = self.cfg
-        source = load_source(cfg.data)
-        if self.vocab_size is not None:
-            check_token_ids(source, self.vocab_size)
-        # Always split: the training data must not depend on whether (or how often) a run evaluates.
-        train_src, val_src = source.split(cfg.val_fraction)
-        if not (cfg.eval_every and cfg.eval_batches):
-            val_src = None
-        it = BatchIterator(train_src, cfg.batch_size, cfg.seq_len, cfg.seed, shardings=plan.batch_shardings,
-                           vocab_size=self.vocab_size)
-        return val_src, it
+        first, self._first_batch = self._first_batch, None
+        it = self.task.feed(self._request("train", plan), plan, first=first)
+        evaluate = bool(cfg.eval_every and cfg.eval_batches and self.task.eval_data is not None)
+        return evaluate, it
 
     def _open_outputs(self, plan: ShardingPlan, restart: Optional[Dict[str, Any]]) -> MetricsWriter:
         """plan.json and metrics.jsonl (truncated to the restored step on resume) on process 0."""
@@ -307,7 +363,9 @@ class Trainer:
         if ckpt is None or cfg.resume is not Resume.LATEST or ckpt.latest_valid_step() is None:
             return init_state(plan, seed=cfg.seed), 0, None
         restored = ckpt.restore(plan)
-        it.restore(restored.data_state)
+        if it.restore(restored.data_state) is False:
+            self._notice("the data source cannot save its position (no state()/restore() or grain "
+                         "get_state()/set_state()): it starts again from its beginning")
         recomputed, lost = self._work_after(restored.step)
         self._lost_s = lost
         restart = {"restored_step": restored.step, "recomputed_steps": recomputed, "lost_s": lost}
@@ -339,31 +397,45 @@ class Trainer:
                     done = {}
         return len(done), float(sum(done.values()))
 
-    def _evaluate(self, eval_step, state, val_src, plan: ShardingPlan) -> float:
-        cfg = self.cfg
-        val = BatchIterator(val_src, cfg.batch_size, cfg.seq_len, cfg.seed, shardings=plan.batch_shardings,
-                            vocab_size=self.vocab_size, prefetch=0)
-        total = tokens = 0.0
-        for _ in range(cfg.eval_batches):
-            out = eval_step(state, next(val))
-            n = float(out["tokens"])
-            total += float(out["loss"]) * n
-            tokens += n
-        return total / max(tokens, 1.0)
+    def _evaluate(self, eval_step, state, plan: ShardingPlan) -> Dict[str, float]:
+        """Mean loss and metrics over ``eval_batches`` batches of the evaluation data (the same
+        batches every time), each weighted by its weight."""
+        val = self.task.feed(self._request("val", plan), plan)
+        totals: Dict[str, float] = {}
+        weight = 0.0
+        try:
+            for _ in range(self.cfg.eval_batches):
+                out = eval_step(state, next(val))
+                w = float(out["weight"])
+                weight += w
+                for k, v in out.items():
+                    if k not in ("weight", "tokens", "finite", "grad_norm"):
+                        totals[k] = totals.get(k, 0.0) + float(v) * w
+        finally:
+            val.close()
+        return {k: v / max(weight, 1.0) for k, v in totals.items()}
+
+
+_STANDARD = ("loss", "grad_norm", "lr", "examples_per_s", "tokens_per_s", "mfu", "eval_loss")
 
 
 class _Loop:
     """The training loop of one :meth:`Trainer.run`: compile, steps, evaluation, checkpoints, logs."""
 
-    def __init__(self, trainer: Trainer, plan: ShardingPlan, state, start: int, it: BatchIterator, val_src,
+    def __init__(self, trainer: Trainer, plan: ShardingPlan, state, start: int, it, evaluate: bool,
                  ckpt, writer: MetricsWriter, clock: Stopwatch):
         cfg = trainer.cfg
         self.t, self.cfg, self.plan, self.state, self.start = trainer, cfg, plan, state, start
-        self.it, self.val_src, self.ckpt, self.writer, self.clock = it, val_src, ckpt, writer, clock
-        self.train_step = make_train_step(plan, loss_fn=trainer.loss_fn, nonfinite=cfg.nonfinite)
-        self.eval_step = make_eval_step(plan, loss_fn=trainer.loss_fn) if val_src is not None else None
-        self.flops_per_token = (model_flops_per_token(trainer.model_cfg, cfg.seq_len) if trainer.model_cfg
-                                else 6.0 * plan.abstract.num_params)
+        self.it, self.ckpt, self.writer, self.clock = it, ckpt, writer, clock
+        self.train_step = make_train_step(plan, loss_fn=trainer.task.loss_fn, nonfinite=cfg.nonfinite)
+        self.eval_step = make_eval_step(plan, loss_fn=trainer.task.eval_loss_fn) if evaluate else None
+        self.examples = plan.batch.batch_size
+        per = trainer.task.tokens_per_example
+        self.tokens_per_example = per(plan.batch.seq_len if trainer.task.layout is not None else cfg.seq_len) \
+            if per else None
+        # FLOPs per example: the decoder's formula (README), else the compiled step's count (after compile)
+        self.flops_per_example = (model_flops_per_token(trainer.model_cfg, cfg.seq_len) * self.tokens_per_example
+                                  if trainer.model_cfg is not None else None)
         self.peak = cfg.peak_flops_per_device or peak_flops(plan.mesh.devices.flat[0], cfg.hardware,
                                                             plan.num_devices)
         self.schedule = lr_schedule(cfg)
@@ -372,6 +444,7 @@ class _Loop:
         self.losses: List[float] = []
         self.rates: List[float] = []
         self.first_loss = self.final_loss = self.eval_loss = None
+        self.eval_metrics: Optional[Dict[str, float]] = None
         self.skips = 0
         self.preempted = False
         self.pending_save: Optional[int] = None
@@ -382,21 +455,29 @@ class _Loop:
         cfg, plan = self.cfg, self.plan
         self.progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}, mesh "
                             + " × ".join(f"{a}={s}" for a, s in plan.mesh_sizes.items())
-                            + f", batch {cfg.batch_size}×{cfg.seq_len}, run folder {self.t.run_dir}")
+                            + f", batch {self.examples}" + (f"×{self.tokens_per_example}" if self.tokens_per_example
+                                                             else "")
+                            + f", run folder {self.t.run_dir}")
         self.stop = _StopFlag()
         batch = next(self.it)
         t0 = time.perf_counter()
         compiled = self.train_step.lower(self.state, batch).compile()
         self.clock.add("compile_s", time.perf_counter() - t0)
+        if self.flops_per_example is None and self.peak:   # counted once, only when MFU is reported
+            flops = jaxpr_flops(self.train_step.trace(self.state, batch).jaxpr)
+            self.flops_per_example = flops / self.examples if flops else None
         for step in range(self.start + 1, cfg.steps + 1):
             if step > self.start + 1:
                 batch = next(self.it)
             record = self._step(compiled, step, batch)
             if self.eval_step is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 t1 = time.perf_counter()
-                self.eval_loss = self.t._evaluate(self.eval_step, self.state, self.val_src, plan)
+                evals = self.t._evaluate(self.eval_step, self.state, plan)
                 self.clock.add("eval_s", time.perf_counter() - t1)
+                self.eval_loss = evals.pop("loss", None)
                 record["eval_loss"] = self.eval_loss
+                record.update({f"eval_{k}": v for k, v in evals.items()})
+                self.eval_metrics = evals
             self._save(step, record, force=step == cfg.steps)
             self._log(step, record)
             if step < cfg.steps and self.stop.should_stop(step):
@@ -422,10 +503,15 @@ class _Loop:
         finite = bool(metrics["finite"])
         record: Dict[str, Any] = {"step": step, "loss": loss if finite else None,
                                   "grad_norm": float(metrics["grad_norm"]) if finite else None,
-                                  "lr": float(self.schedule(step - 1)), "tokens": int(metrics["tokens"]),
-                                  "step_time_s": step_time,
-                                  "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time,
-                                  "data_wait_s": self.it.wait_s}
+                                  "lr": float(self.schedule(step - 1)), "weight": float(metrics["weight"]),
+                                  "step_time_s": step_time, "examples_per_s": self.examples / step_time}
+        if self.tokens_per_example:
+            record["tokens"] = int(metrics["tokens"])
+            record["tokens_per_s"] = self.examples * self.tokens_per_example / step_time
+        for k, v in metrics.items():   # the loss function's own metrics, already ÷ global weight
+            if k not in RESERVED_METRICS:
+                record[k] = float(v) if finite else None
+        record["data_wait_s"] = self.it.wait_s
         self.clock.add("data_wait_s", self.it.wait_s)
         self.it.wait_s = 0.0
         if not finite:
@@ -440,11 +526,11 @@ class _Loop:
         else:
             self.skips = 0
             self.losses.append(loss)
-            self.rates.append(record["tokens_per_s"])
+            self.rates.append(record["examples_per_s"])
             self.first_loss = loss if self.first_loss is None else self.first_loss
             self.final_loss = loss
-        if self.peak:
-            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak * self.plan.num_devices)
+        if self.peak and self.flops_per_example:
+            record["mfu"] = record["examples_per_s"] * self.flops_per_example / (self.peak * self.plan.num_devices)
         return record
 
     def _save(self, step: int, record: Optional[Dict[str, Any]], force: bool) -> None:
@@ -467,14 +553,22 @@ class _Loop:
             self.pending_save = None
 
     def _log(self, step: int, record: Dict[str, Any]) -> None:
-        self.writer.write(record, {"train/loss": record["loss"], "train/tokens_per_s": record["tokens_per_s"],
-                                   "train/lr": record["lr"], "train/grad_norm": record["grad_norm"],
-                                   "train/mfu": record.get("mfu"), "eval/loss": record.get("eval_loss")})
+        skip = {"step", "step_time_s", "data_wait_s", "tokens", "weight", "skipped", "ckpt_block_s"}
+        scalars = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
+                   if k not in skip and isinstance(v, (int, float))}
+        self.writer.write(record, scalars)
         loss = record["loss"]
+        user = [k for k in record if k not in RESERVED_METRICS and k not in skip and k not in _STANDARD
+                and not k.startswith("eval_")]
+        rate = (f"{record['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in record
+                else f"{record['examples_per_s']:,.1f} ex/s")
         info = ((f"loss {loss:.4f}" if loss is not None else "loss non-finite (skipped)")
-                + f"  {record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms/step"
+                + "".join(f"  {k} {record[k]:.4f}" for k in user if record[k] is not None)
+                + f"  {rate}  {record['step_time_s'] * 1e3:.0f} ms/step"
                 + (f"  MFU {record['mfu']:.1%}" if "mfu" in record else "")
-                + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
+                + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+                + "".join(f"  eval {k[5:]} {record[k]:.4f}" for k in record
+                          if k.startswith("eval_") and k != "eval_loss" and record[k] is not None))
         self.progress.update(step, info)
 
     def close(self, failed: bool = False) -> None:
@@ -500,10 +594,12 @@ class _Loop:
         goodput["goodput"] = goodput.get("compute_s", 0.0) / wall if wall else 0.0
         rates = self.rates
         median_rate = statistics.median(rates[1:] or rates) if rates else None
-        mfu = (median_rate * self.flops_per_token / (self.peak * self.plan.num_devices)
-               if (self.peak and median_rate) else None)
+        mfu = (median_rate * self.flops_per_example / (self.peak * self.plan.num_devices)
+               if (self.peak and median_rate and self.flops_per_example) else None)
+        tokens = median_rate * self.tokens_per_example if (median_rate and self.tokens_per_example) else None
         summary = TrainSummary(self.t.run_dir, len(self.losses), self.first_loss, self.final_loss, self.eval_loss,
-                               median_rate, mfu, wall, goodput, self.preempted, resumed_from)
+                               tokens, mfu, wall, goodput, self.preempted, resumed_from, examples_per_s=median_rate,
+                               eval_metrics=self.eval_metrics)
         self.writer.write({"event": "summary", **dataclasses.asdict(summary)})
         self.writer.close()
         if self.t.is_main:
@@ -517,8 +613,12 @@ def _format_summary(s: TrainSummary) -> str:
         parts.append(f"loss {s.first_loss:.4f} → {s.final_loss:.4f}")
     if s.eval_loss is not None:
         parts.append(f"eval loss {s.eval_loss:.4f}")
+    for name, value in (s.eval_metrics or {}).items():
+        parts.append(f"eval {name} {value:.4f}")
     if s.tokens_per_s:
         parts.append(f"{s.tokens_per_s:,.0f} tokens/s (median)")
+    elif s.examples_per_s:
+        parts.append(f"{s.examples_per_s:,.1f} examples/s (median)")
     if s.mfu is not None:
         parts.append(f"MFU {s.mfu:.1%}")
     g = s.goodput

@@ -1,0 +1,327 @@
+"""Estimates for any model (no analytic formula needed): from the program the train step compiles.
+
+The decoder has analytic formulas (:mod:`memory`, :mod:`flops`, :mod:`comms`). Any other model — a
+built-in ViT or BERT, or a user's factory — is measured on its own train step instead::
+
+    cost = program_cost(plan, loss_fn)            # traces, and compiles when the mesh has devices
+    cost.flops, cost.memory.peak, cost.collectives
+    compiled_flops_per_step(plan, loss_fn)        # FLOPs of one optimizer step, all devices together
+    saved_activation_bytes(plan, loss_fn)         # what the backward keeps per device (traced, any mesh)
+
+What comes from where:
+
+* **FLOPs** (:func:`jaxpr_flops`): counted on the step's jaxpr, the program ``jit`` compiles:
+  every ``dot_general`` ``2 · output elements · contracted size``, every convolution
+  ``2 · output elements · kernel elements / output features``; the body of a ``scan`` ×
+  its length, a ``shard_map`` body × the devices it runs on, the larger branch of a ``cond``.
+  Rematerialisation is part of the program, so its recomputed forward is counted. Elementwise
+  ops (norms, softmax, the optimizer update) are not counted (a few % of a transformer).
+  Not ``compiled.cost_analysis()["flops"] × devices``: XLA's cost analysis counts the body of a
+  ``while`` loop once (measured on jax 0.10: a 10-step scan of matmuls reports 1/10 of its FLOPs),
+  so a model that scans its layers would be under-counted ``L`` times. ``cost.xla_flops`` keeps
+  XLA's figure for comparison (equal up to the elementwise share for a program without loops).
+* **Memory** (real ``Mesh``): ``compiled.memory_analysis()`` of the step compiled for the plan's
+  devices: peak = argument + output − alias (donated) + temp bytes, exact for this backend.
+* **Memory** (``AbstractMesh``, more devices than exist): nothing can be compiled, so the loss's
+  VJP is traced abstractly at one device's micro-batch and its residuals (the tensors the backward
+  keeps) are summed: :func:`saved_activation_bytes`. Compile with ``--check tpu`` (libtpu) or on
+  the real devices for exact figures.
+* **Collectives**: from the compiled HLO (:func:`meshtrain.analysis.collectives.hlo_collectives`)
+  on a real mesh; on an ``AbstractMesh`` the parameter collectives of :mod:`comms` (FSDP gathers,
+  gradient reductions), without tensor-parallel activation collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshtrain.analysis.collectives import Collective, hlo_collectives
+from meshtrain.annotate import StepContext, step_context
+from meshtrain.errors import ConfigError
+from meshtrain.models.bert import BertConfig, mlm_loss
+from meshtrain.models.decoder import DecoderConfig
+from meshtrain.models.flops import jaxpr_flops  # noqa: F401 (re-export)
+from meshtrain.models.vit import ViTConfig, vit_loss
+from meshtrain.state import abstract_train_state
+from meshtrain.train.step import make_train_step, next_token_loss, unpack_loss
+
+#: Where a figure came from (``MemoryEstimate.source``, ``StepTimeEstimate.source``).
+ANALYTIC = "analytic"
+COMPILED = "from the compiled program"
+TRACED = "from the traced program"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredMemory:
+    """``compiled.memory_analysis()`` per device, with ``peak = argument + output − alias + temp``."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+    @classmethod
+    def of(cls, compiled) -> "MeasuredMemory":
+        ma = compiled.memory_analysis()
+        return cls(int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes),
+                   int(ma.temp_size_in_bytes))
+
+    def to_dict(self) -> Dict[str, int]:
+        return {**dataclasses.asdict(self), "peak": self.peak}
+
+
+def is_abstract(plan) -> bool:
+    return isinstance(plan.mesh, jax.sharding.AbstractMesh)
+
+
+def has_analytic_model(cfg) -> bool:
+    """True for a ``DecoderConfig`` (the analytic memory, FLOPs and collective formulas apply)."""
+
+    return isinstance(cfg, DecoderConfig)
+
+
+def default_loss(cfg, plan=None) -> Optional[Callable]:
+    """The built-in loss for a built-in config: next-token (decoder), ``vit_loss``, ``mlm_loss`` (BERT);
+    ``None`` for anything else (a user model must name its loss), or when ``plan``'s batch lacks the
+    keys that loss reads (e.g. a BERT planned for classification)."""
+
+    losses = {DecoderConfig: (next_token_loss, ("inputs", "targets")), ViTConfig: (vit_loss, ("images", "labels")),
+              BertConfig: (mlm_loss, ("input_ids", "targets"))}
+    found = next((v for k, v in losses.items() if isinstance(cfg, k)), None)
+    if found is None:
+        return None
+    fn, keys = found
+    if plan is not None and plan.batch is not None:
+        paths = {p for p, _ in plan.batch.leaves()}
+        if not set(keys) <= paths:
+            return None
+    return fn
+
+
+def _need_loss(loss_fn, what: str):
+    if loss_fn is None:
+        raise ConfigError(f"{what} of a model without analytic formulas needs its loss: pass loss_fn= "
+                          f"(`meshtrain plan --loss module:fn`), a function (model, batch) -> (loss_sum, weight[, "
+                          f"metrics])")
+    return loss_fn
+
+
+def step_inputs(plan, batch_abstract=None) -> Tuple[Any, Any]:
+    """``(state, batch)`` as ``ShapeDtypeStruct``s carrying the plan's shardings (nothing allocated).
+
+    ``batch_abstract``: a pytree of ``ShapeDtypeStruct``s or arrays like the plan's batch (default:
+    the plan's layout); its leaves get the plan's batch shardings.
+    """
+
+    if plan.batch is None:
+        raise ConfigError("estimating a step needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T)) or "
+                          "batch=BatchLayout.from_example(example_batch)")
+    if batch_abstract is None:
+        batch = plan.batch.abstract(plan.batch_shardings)
+    else:
+        batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch_abstract,
+                             plan.batch_shardings)
+    return abstract_train_state(plan), batch
+
+
+def trace_step(plan, loss_fn=None, batch_abstract=None):
+    """``make_train_step(plan, loss_fn).trace(...)`` on abstract inputs (an ``AbstractMesh`` too)."""
+
+    state, batch = step_inputs(plan, batch_abstract)
+    step = make_train_step(plan, loss_fn=loss_fn)
+    if is_abstract(plan):
+        with jax.sharding.use_abstract_mesh(plan.mesh):
+            return step.trace(state, batch)
+    return step.trace(state, batch)
+
+
+def compile_step(plan, loss_fn=None, batch_abstract=None):
+    """The train step compiled for the plan's devices (nothing allocated or run)."""
+    if is_abstract(plan):
+        raise ConfigError(f"the plan is on an AbstractMesh of {plan.num_devices} devices, more than this machine "
+                          f"has ({len(jax.devices())}); only meshes of existing devices compile. Estimates come "
+                          f"from the traced program; for exact per-device memory compile for the target (`--check "
+                          f"tpu` with libtpu) or plan on the real devices")
+    return trace_step(plan, loss_fn, batch_abstract).lower().compile()
+
+
+# -- FLOPs --------------------------------------------------------------------------------------
+
+def compiled_flops_per_step(plan, loss_fn=None, batch_abstract=None) -> float:
+    """FLOPs of one train step of ``plan`` over the whole global batch (all devices together).
+
+    Counted on the program ``make_train_step(plan, loss_fn=loss_fn)`` compiles (its jaxpr): every
+    matmul ``2·M·N·K`` and convolution, layer scans × their length, rematerialised forward passes
+    included (they are executed). MFU for any model::
+
+        MFU = compiled_flops_per_step(plan, loss_fn) / (step seconds · devices · peak FLOP/s per device)
+
+    This counts what runs, recompute included: with ``remat`` it is above the decoder's
+    ``6·N·tokens + attention`` convention (:mod:`meshtrain.analysis.flops`), which counts useful work.
+    Why not ``cost_analysis()["flops"] × devices``: XLA counts a ``while`` body once (see the module
+    docstring). Needs no devices (an ``AbstractMesh`` plan works); takes about a trace (≤ 1 s for small
+    models), no compile. ``loss_fn`` defaults to next-token cross-entropy; ``batch_abstract``
+    (``ShapeDtypeStruct``s) to the plan's batch layout.
+    """
+    return jaxpr_flops(trace_step(plan, loss_fn, batch_abstract).jaxpr)
+
+
+# -- activations (traced) -----------------------------------------------------------------------
+
+def _nbytes(x) -> int:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return int(np.prod(x.shape)) * 8  # threefry keys: 2 × uint32
+    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def _local_batch(plan, rows: int):
+    def shrink(_, leaf):
+        shape = list(leaf.shape)
+        if leaf.batch_dim is not None:
+            shape[leaf.batch_dim] = rows
+        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+
+    return plan.batch.map(shrink)
+
+
+def _residuals(plan, loss_fn, rows: int):
+    """Shapes of the residuals of ``loss_fn``'s VJP for a ``rows``-row batch, traced on a 1-device mesh."""
+    from flax import nnx
+
+
+    abstract = plan.abstract.with_param_dtype(plan.recipe.param_dtype)
+    names = tuple(plan.mesh.axis_names)
+    mesh = jax.sharding.AbstractMesh((1,) * len(names), names)
+    recipe = plan.recipe
+    ctx = StepContext(mesh, plan.rules, frozenset(recipe.replicate_indivisible), recipe.remat, recipe.attention)
+    dtype = jnp.dtype(recipe.compute_dtype)
+    graphdef = abstract.graphdef
+
+    def residuals(params, model_state, batch):
+        def loss(params):
+            with step_context(ctx):
+                cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+                return unpack_loss(loss_fn(nnx.merge(graphdef, cast, model_state), batch), loss_fn)[0]
+        return jax.tree.leaves(jax.vjp(loss, params)[1])
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.eval_shape(residuals, abstract.params, abstract.model_state, _local_batch(plan, rows))
+
+
+def local_rows(plan) -> int:
+    """Rows of the global batch one device handles per micro-batch: ``B / (data-parallel × micro-batches)``."""
+    return max(plan.batch.batch_size // (plan.data_parallel_size * plan.recipe.micro_batches), 1)
+
+
+def saved_activation_bytes(plan, loss_fn) -> int:
+    """Bytes the backward keeps on one device for one micro-batch (``loss_fn``'s VJP residuals).
+
+    The loss is traced abstractly (no devices) with the recipe's remat policy and compute dtype on
+    ``B / (data-parallel size × micro-batches)`` rows. It is traced twice, on ``b`` and ``b + 1``
+    rows: residuals whose shape changes with the rows are activations (counted); the others are
+    weights and constants (not counted here: parameters are counted as parameters and gathered or
+    cast weights as temporaries). Tensor / context parallelism is not applied (each device is
+    assumed to keep whole activations of its rows): an upper bound when ``tensor`` or ``context`` > 1.
+    """
+    loss_fn = _need_loss(loss_fn, "the activation estimate")
+    b = local_rows(plan)
+    one, two = _residuals(plan, loss_fn, b), _residuals(plan, loss_fn, b + 1)
+    if len(one) == len(two):
+        return sum(_nbytes(x) for x, y in zip(one, two) if tuple(x.shape) != tuple(y.shape))
+    params = {tuple(x.shape) for x in jax.tree.leaves(plan.abstract.params)}  # fallback: not a weight's shape
+    return sum(_nbytes(x) for x in one if tuple(x.shape) not in params)
+
+
+def _axes_in(spec) -> set:
+    out = set()
+    for e in spec:
+        out |= {e} if isinstance(e, str) else set(e or ())
+    return out
+
+
+def working_weight_bytes(plan) -> Tuple[int, int]:
+    """``(W, extra)``: bytes per device of the weights as the step multiplies with them (compute
+    dtype, all-gathered over the data-parallel axes that shard them: ``Σ E·c / non-batch shards``),
+    and the part of that which is not the stored parameter itself (gathered or cast copies)."""
+    sizes = plan.mesh_sizes
+    rule = plan.rules.table("activations").get("batch")
+    batch_axes = set(rule.mesh_axes if rule else ())
+    compute = np.dtype(plan.recipe.compute_dtype)
+    c = compute.itemsize
+    total = extra = 0
+    for leaf in plan.group("params"):
+        axes = _axes_in(leaf.spec)
+        shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
+        gathered = any(sizes.get(a, 1) > 1 for a in axes & batch_axes)
+        w = math.prod(leaf.shape) * c // max(shards, 1)
+        total += w
+        if gathered or np.dtype(leaf.dtype) != compute:
+            extra += w
+    return total, extra
+
+
+# -- one object for the report ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """What the step's program says about itself (see the module docstring).
+
+    ``flops``: :func:`jaxpr_flops` of the step, all devices together. ``source``: :data:`COMPILED`
+    (compiled for the plan's devices: ``memory``, ``collectives``, ``xla_flops`` set) or
+    :data:`TRACED` (an ``AbstractMesh``: only traced). ``activations``: :func:`saved_activation_bytes`
+    (traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices`` (while bodies once).
+    """
+
+    source: str
+    num_devices: int
+    flops: float
+    memory: Optional[MeasuredMemory] = None
+    collectives: Tuple[Collective, ...] = ()
+    xla_flops: Optional[float] = None
+    activations: Optional[int] = None
+
+    @property
+    def flops_per_device(self) -> float:
+        return self.flops / max(self.num_devices, 1)
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"source": self.source, "num_devices": self.num_devices, "flops": self.flops,
+                "xla_cost_analysis_flops": self.xla_flops, "activations": self.activations,
+                "memory": self.memory.to_dict() if self.memory else None}
+
+
+def program_cost(plan, loss_fn, batch_abstract=None, *, compile: Optional[bool] = None) -> ProgramCost:
+    """Trace (and, on a real mesh, compile) the step of ``plan`` with ``loss_fn``.
+
+    ``compile``: default ``True`` on a ``Mesh`` of existing devices, ``False`` on an ``AbstractMesh``
+    (then the activations are traced: :func:`saved_activation_bytes`).
+    """
+    loss_fn = _need_loss(loss_fn, "an estimate")
+    compile = (not is_abstract(plan)) if compile is None else compile
+    traced = trace_step(plan, loss_fn, batch_abstract)
+    flops = jaxpr_flops(traced.jaxpr)
+    if not compile:
+        return ProgramCost(TRACED, plan.num_devices, flops, activations=saved_activation_bytes(plan, loss_fn))
+    if is_abstract(plan):
+        compile_step(plan, loss_fn, batch_abstract)  # raises the explanation
+    compiled = traced.lower().compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla = float(cost.get("flops", 0.0)) * plan.num_devices if cost else None
+    return ProgramCost(COMPILED, plan.num_devices, flops, MeasuredMemory.of(compiled),
+                       tuple(hlo_collectives(compiled.as_text(), plan.mesh)), xla)
+
+
+__all__ = ["ANALYTIC", "COMPILED", "TRACED", "MeasuredMemory", "ProgramCost", "compile_step",
+           "compiled_flops_per_step", "default_loss", "has_analytic_model", "jaxpr_flops", "local_rows",
+           "program_cost", "saved_activation_bytes", "step_inputs", "trace_step", "working_weight_bytes"]
