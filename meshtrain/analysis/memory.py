@@ -57,6 +57,7 @@ import dataclasses
 import enum
 from typing import Dict, List, Optional, Tuple
 
+import jax
 import numpy as np
 
 from meshtrain.analysis.activations import saved_activations
@@ -64,6 +65,7 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, Pro
                                          has_analytic_model, local_rows, program_cost, working_weight_bytes)
 from meshtrain.analysis.layout import layout_of
 from meshtrain.recipes import Remat
+from meshtrain.train.step import gradient_shardings
 
 
 class Component(str, enum.Enum):
@@ -135,7 +137,7 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
     per = plan.per_device_bytes()
     params = plan.group("params")
     elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params)
-    grads = per["params"] + (4 * elems if lay.micro_batches > 1 else 0)
+    grads = gradient_bytes(plan) + (4 * elems if lay.micro_batches > 1 else 0)
     weight_fraction = 0.0
     total_param_bytes = sum(l.bytes_total for l in params)
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
@@ -183,11 +185,11 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
     else:
         micro = plan.recipe.micro_batches
         elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in plan.group("params"))
-        grads = per["params"] + (4 * elems if micro > 1 else 0)
+        grads = gradient_bytes(plan) + (4 * elems if micro > 1 else 0)
         _, extra = working_weight_bytes(plan)
         r = plan.recipe
         rows = state + (
-            (Component.GRADIENTS, grads, "= parameters (same shardings and dtype)"
+            (Component.GRADIENTS, grads, _GRAD_FORMULA
              + (" + f32 accumulator 4 B × elements per device (micro-batches)" if micro > 1 else "")),
             (Component.ACTIVATIONS, cost.activations or 0,
              f"loss VJP residuals traced on b={local_rows(plan)} rows per device per micro-batch, remat="
@@ -199,6 +201,25 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
     return MemoryEstimate(tuple((c, int(b)) for c, b, _ in rows), tuple((c, f) for c, _, f in rows), cost.source)
 
 
+_GRAD_FORMULA = ("Σ parameter elements × dtype bytes ÷ the shards of the gradient's sharding (the parameter's; "
+                 "the optimizer state's under zero2)")
+
+
+def gradient_bytes(plan) -> int:
+    """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
+    keeps its gradient in (:func:`meshtrain.train.step.gradient_shardings`: the parameter's own, or its
+    optimizer state's under ``zero2``)."""
+    sizes = plan.mesh_sizes
+    total = 0
+    for sharding, leaf in zip(jax.tree.leaves(gradient_shardings(plan)), jax.tree.leaves(plan.abstract.params)):
+        shards = 1
+        for entry in sharding.spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                shards *= sizes.get(axis, 1) if axis else 1
+        total += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize // shards
+    return total
+
+
 #: ``MemoryEstimate.source`` of :func:`state_memory`.
 STATE_ONLY = "state only (no loss: activations and temporaries unknown)"
 
@@ -208,7 +229,7 @@ def state_memory(plan) -> MemoryEstimate:
     alone: what is known without a loss function (a lower bound on the step's memory)."""
     per = plan.per_device_bytes()
     rows = ((Component.PARAMS, per["params"], "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"),
-            (Component.GRADIENTS, per["params"], "= parameters (same shardings and dtype)"),
+            (Component.GRADIENTS, gradient_bytes(plan), _GRAD_FORMULA),
             (Component.OPTIMIZER, per["optimizer"], "Σ optimizer-state leaves ÷ shards (plan)"),
             (Component.BATCH, per["batch"], "input arrays (plan)"),
             (Component.OTHER, per.get("model_state", 0), "model state (plan)"))

@@ -90,20 +90,37 @@ def sharding_json(sharding) -> Any:
     return type(sharding).__name__
 
 
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def dtype_name(dtype) -> str:
+    """``float32``, ``int32``, ... and ``key<fry>`` for PRNG key arrays (dropout streams), which
+    ``np.dtype`` cannot interpret."""
+    return str(dtype) if _is_key(dtype) else np.dtype(dtype).name
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element; a threefry key is two uint32 words."""
+    if _is_key(dtype):
+        return 8  # threefry2x32 (JAX's default) keys are two uint32 words
+    return np.dtype(dtype).itemsize
+
+
 def describe_tree(tree) -> Dict[str, Dict[str, Any]]:
     """``{path: {"shape", "dtype", "sharding", "bytes"}}`` for every leaf of arrays or ShapeDtypeStructs."""
     out = {}
     for path, x in flat_paths(tree):
         shape = tuple(int(d) for d in np.shape(x))
-        dtype = np.dtype(x.dtype)
-        out[path] = {"shape": list(shape), "dtype": dtype.name, "sharding": sharding_json(getattr(x, "sharding", None)),
-                     "bytes": int(math.prod(shape)) * dtype.itemsize}
+        out[path] = {"shape": list(shape), "dtype": dtype_name(x.dtype),
+                     "sharding": sharding_json(getattr(x, "sharding", None)),
+                     "bytes": int(math.prod(shape)) * itemsize(x.dtype)}
     return out
 
 
 def state_bytes(tree) -> int:
     """Global bytes of all leaves (each array counted once, however it is sharded)."""
-    return sum(int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(int(math.prod(np.shape(x))) * itemsize(x.dtype) for x in jax.tree.leaves(tree))
 
 
 def _shape(s) -> str:
@@ -119,11 +136,11 @@ def mismatches(saved: Dict[str, Dict[str, Any]], target, *, allow_cast: bool) ->
         s = saved.get(path)
         if s is None:
             problems.append(f"missing in checkpoint: {path} (the plan has shape {_shape(t.shape)} "
-                            f"{np.dtype(t.dtype).name})")
+                            f"{dtype_name(t.dtype)})")
         elif tuple(s["shape"]) != tuple(t.shape):
             problems.append(f"shape: {path} saved {_shape(s['shape'])}, the plan has {_shape(t.shape)}")
-        elif s["dtype"] != np.dtype(t.dtype).name and not allow_cast:
-            problems.append(f"dtype: {path} saved {s['dtype']}, the plan has {np.dtype(t.dtype).name} "
+        elif s["dtype"] != dtype_name(t.dtype) and not allow_cast:
+            problems.append(f"dtype: {path} saved {s['dtype']}, the plan has {dtype_name(t.dtype)} "
                             f"(pass allow_cast=True to cast)")
     for path in saved:
         if path not in want:
