@@ -53,7 +53,7 @@ def main(argv=None) -> int:
             times[layers] = min(times[layers], time.perf_counter() - t0)
             text = compiled.as_text()
             hlo_ops[layers] = (sum(1 for line in text.splitlines() if " = " in line),
-                               len(re.findall(r"= \S+ while\(", text)))
+                               len(re.findall(r"\swhile\(", text)))
     for layers, (abstract, _, _, _) in setups.items():
         print(f"{args.model} with {layers:>3} layers ({abstract.num_params / 1e6:.1f}M params): "
               f"lower+compile {times[layers]:.2f} s (best of {args.repeats}), {hlo_ops[layers][0]} HLO instructions, "

@@ -103,7 +103,7 @@ class MemoryEstimate:
         return sum(b for _, b in self.components)
 
     def __getitem__(self, component: Component) -> int:
-        return dict(self.components)[Component(component)]
+        return dict(self.components).get(Component(component), 0)  # a component this estimate has not: 0 bytes
 
     def largest(self, k: int = 3) -> List[Tuple[Component, int]]:
         return sorted(self.components, key=lambda cb: -cb[1])[:k]
