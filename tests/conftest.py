@@ -1,8 +1,23 @@
-"""8 simulated CPU devices for the whole suite, set once before JAX starts its backends."""
+"""8 simulated CPU devices for the whole suite, set once before JAX starts its backends.
+
+Compiled programs are shared through a JAX compilation cache in a folder made fresh for each test
+session (the controller makes it; xdist workers and the CLI subprocesses the tests start inherit it
+through the environment): identical train steps compiled by several tests are compiled once. Nothing
+depends on it: a test run without it gives the same results, only slower.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
+_OWN_CACHE = None
+if "PYTEST_XDIST_WORKER" not in os.environ and "MESHTRAIN_TEST_CACHE" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="meshtrain-tests-jax-cache-")
+    os.environ["MESHTRAIN_TEST_CACHE"] = _OWN_CACHE
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -13,6 +28,11 @@ import pytest  # noqa: E402
 
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from the code")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
