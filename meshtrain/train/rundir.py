@@ -144,7 +144,7 @@ def inspect_run_dir(run_dir: str, checkpoint_dir: Optional[str] = None) -> RunCo
     steps, committed = [], []
     path = os.path.join(run_dir, METRICS_FILE)
     if os.path.isfile(path):
-        for rec in _records(path):
+        for rec in read_records(path):
             if isinstance(rec.get("step"), int) and "loss" in rec:
                 steps.append(rec["step"])
             elif rec.get("event") == "checkpoint":
@@ -155,7 +155,8 @@ def inspect_run_dir(run_dir: str, checkpoint_dir: Optional[str] = None) -> RunCo
                        tuple(sorted(set(committed))))
 
 
-def _records(path: str):
+def read_records(path: str):
+    """The JSON objects of a ``metrics.jsonl``, skipping a line cut by a kill."""
     with open(path) as f:
         for line in f:
             try:
@@ -174,7 +175,7 @@ def truncate_metrics(run_dir: str, restored_step: int) -> int:
     if not os.path.isfile(path):
         return 0
     kept, dropped = [], 0
-    for rec in _records(path):
+    for rec in read_records(path):
         step = rec.get("step")
         if isinstance(step, int) and step > restored_step and rec.get("event") in (None, "checkpoint"):
             dropped += 1

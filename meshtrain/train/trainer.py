@@ -10,7 +10,6 @@ or with your own model: ``Trainer(cfg, model=lambda rngs: MyModel(rngs=rngs)).ru
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import statistics
@@ -36,7 +35,7 @@ from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default
 from meshtrain.models.flops import jaxpr_flops, model_flops_per_token
 from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, peak_flops
 from meshtrain.train.preflight import Estimate, check_memory
-from meshtrain.train.rundir import RunLock, inspect_run_dir, truncate_metrics
+from meshtrain.train.rundir import RunLock, inspect_run_dir, read_records, truncate_metrics
 from meshtrain.state import init_state
 from meshtrain.train.step import RESERVED_METRICS, LossFn, NonFinite, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
@@ -385,16 +384,11 @@ class Trainer:
         if not os.path.exists(path):
             return 0, 0.0
         done: Dict[int, float] = {}
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a kill
-                    continue
-                if "loss" in rec and rec.get("step", 0) > step:
-                    done[rec["step"]] = rec.get("step_time_s", 0.0)
-                elif rec.get("event") == "restart":
-                    done = {}
+        for rec in read_records(path):   # skips a line cut by a kill
+            if "loss" in rec and rec.get("step", 0) > step:
+                done[rec["step"]] = rec.get("step_time_s", 0.0)
+            elif rec.get("event") == "restart":
+                done = {}
         return len(done), float(sum(done.values()))
 
     def _evaluate(self, eval_step, state, plan: ShardingPlan) -> Dict[str, float]:
