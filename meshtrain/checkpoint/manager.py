@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -131,6 +132,15 @@ def _detach_from_donation(tree):
     for j, arrays in rebuilt.items():
         leaves[j] = jax.make_array_from_single_device_arrays(leaves[j].shape, leaves[j].sharding, arrays)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _join_orbax_threads(timeout_s: float) -> None:
+    """Wait (bounded) for Orbax's background writer threads other than this one to end."""
+    deadline = time.monotonic() + timeout_s
+    for t in threading.enumerate():
+        if t is threading.current_thread() or not type(t).__module__.startswith("orbax."):
+            continue
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -373,7 +383,16 @@ class Checkpointer:
         self._apply_retention()
 
     def _after_failure(self, step: int) -> None:
+        # Orbax raises as soon as one of its writer threads fails; the others (and tensorstore's
+        # own writers) can still create files in the temporary folder for a moment. Join Orbax's
+        # threads, then clean until the folder stays gone, so the disk space really comes back.
+        _join_orbax_threads(timeout_s=30.0)
         self._clean_tmp(f"after the failed save of step {step}", step=step)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if any(integrity.tmp_step(p) == step for p in integrity.tmp_dirs(self.directory)):
+                self._clean_tmp(f"after the failed save of step {step} (a late write recreated it)", step=step)
         self._manager.reload()
 
     def _save_error(self, step: int, exc: BaseException) -> CheckpointError:
