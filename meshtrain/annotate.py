@@ -39,6 +39,13 @@ class StepContext:
     replicate_ok: frozenset = frozenset()
     remat: Remat = Remat.NONE
     attention: AttentionKind = AttentionKind.DENSE
+    #: the recipe's step options (``meshtrain.strategies.STEP_OPTIONS``) as sorted ``(name, value)``
+    #: pairs; kernels read them with :meth:`option`.
+    options: Tuple[Tuple[str, object], ...] = ()
+
+    def option(self, name: str, default=None):
+        """A step option set by the recipe's strategies, e.g. ``ctx.option("shard_gradients", False)``."""
+        return dict(self.options).get(name, default)
 
 
 _ACTIVE: contextvars.ContextVar[Optional[StepContext]] = contextvars.ContextVar("meshtrain_step", default=None)

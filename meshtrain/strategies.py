@@ -38,6 +38,17 @@ STEP_OPTIONS: Dict[str, str] = {
 }
 
 
+def register_step_option(name: str, meaning: str) -> None:
+    """Declare a step option that strategies may set (kernels read it from the step context with
+    ``current_step_context().option(name)``). Example::
+
+        register_step_option("moe_dispatch", "how MoE tokens reach their experts")
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise RecipeError(f"step option name {name!r}: use an identifier such as 'moe_dispatch'")
+    STEP_OPTIONS.setdefault(name, meaning)
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """A registered parallelism dimension: the mesh axes it owns, the rules it adds and the step

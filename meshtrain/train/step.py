@@ -70,7 +70,8 @@ def _cast_floats(tree, dtype):
 
 def step_context_for(plan: ShardingPlan) -> StepContext:
     r = plan.recipe
-    return StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat, r.attention)
+    return StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat, r.attention,
+                       tuple(sorted(r.step_options().items())))
 
 
 def gradient_shardings(plan: ShardingPlan):
