@@ -1,5 +1,6 @@
 """The benchmark scripts in tools/ run and meet their bounds (scaled down to the tiny model)."""
 
+import json
 import os
 import re
 import subprocess
@@ -35,3 +36,18 @@ def test_overhead_benchmark_matches_hand_written_numbers():
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     first = re.search(r"meshtrain ([0-9.]+), hand-written ([0-9.]+)", out.stdout)
     assert first.group(1) == first.group(2)  # the same model, data and optimizer: the same loss
+
+
+def test_mfu_benchmark_runs_on_cpu_and_reports_its_formula():
+    out = tool("bench_mfu.py", "--steps", "2", "--batch-size", "8", "--seq-len", "64", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["model"] == "tiny" and res["hardware"] == "cpu" and res["recipe"] == "fsdp"
+    # The same model, shardings, data and optimizer: the same first loss from both steps.
+    assert res["first_loss"]["meshtrain"] == res["first_loss"]["hand-written"]
+    from meshtrain.models import get_config
+    from meshtrain.models.flops import model_flops_per_token
+    assert res["model_flops_per_step"] == model_flops_per_token(get_config("tiny"), 64) * 8 * 64
+    for r in res["results"].values():   # MFU is the formula applied to the measured step time
+        mfu = res["model_flops_per_step"] / r["step_s"] / 8 / (res["peak_tflops_per_device"] * 1e12)
+        assert abs(r["mfu"] - mfu) <= 1e-9 * max(mfu, 1.0) and r["mfu"] > 0
