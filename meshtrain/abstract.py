@@ -22,6 +22,7 @@ from flax import nnx
 from meshtrain.annotate import PathRules
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import RulesError
+from meshtrain.precision import has_master_weights, master_weights
 
 #: A model factory: takes ``nnx.Rngs`` and returns the model. ``lambda rngs: MyModel(cfg, rngs=rngs)``.
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -79,14 +80,20 @@ class AbstractState:
         return floats.pop() if len(floats) == 1 else None
 
     def with_param_dtype(self, dtype) -> "AbstractState":
-        """The same state with floating parameters stored as ``dtype`` (optimizer state re-derived)."""
+        """The same state with floating parameters stored as ``dtype`` (optimizer state re-derived).
+
+        A 16-bit ``dtype`` wraps the optimizer in :func:`meshtrain.precision.master_weights`: the
+        f32 master copy of the parameters lives in the optimizer state (sharded like it)."""
         dtype = jnp.dtype(dtype)
         if self.param_dtype == dtype:
             return self
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype)
                               if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params)
-        opt_state = jax.eval_shape(self.tx.init, params) if self.tx is not None else None
-        return dataclasses.replace(self, params=params, opt_state=opt_state)
+        tx = self.tx
+        if tx is not None and dtype.itemsize < 4 and not has_master_weights(self.opt_state):
+            tx = master_weights(tx)
+        opt_state = jax.eval_shape(tx.init, params) if tx is not None else None
+        return dataclasses.replace(self, params=params, opt_state=opt_state, tx=tx)
 
 
 def _build(factory: ModelFactory, seed) -> nnx.Module:

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.abstract import _build, split_model
 from meshtrain.plan import ShardingPlan
+from meshtrain.precision import has_master_weights
 
 
 @jax.tree_util.register_dataclass
@@ -63,9 +64,11 @@ def init_state(plan: ShardingPlan, seed: int = 0) -> TrainState:
         raise ValueError("init_state needs an optimizer: build the abstract state with abstract_state(factory, tx)")
 
     def _init():
-        _, params, model_state = split_model(_build(a.factory, seed))
-        params = jax.tree.map(lambda x, target: x.astype(target.dtype), params, a.params)
-        return TrainState(jnp.zeros((), jnp.int32), params, a.tx.init(params), model_state)
+        _, built, model_state = split_model(_build(a.factory, seed))
+        params = jax.tree.map(lambda x, target: x.astype(target.dtype), built, a.params)
+        # f32 master weights start from the factory's own (f32) values, not the 16-bit rounding.
+        opt_state = a.tx.init(built if has_master_weights(a.opt_state) else params)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
     with jax.set_mesh(plan.mesh):
         return jax.jit(_init, out_shardings=state_shardings(plan))()

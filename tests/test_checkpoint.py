@@ -173,15 +173,38 @@ def test_dtype_mismatch_needs_allow_cast(run, tmp_path):
     plan, _, states = run
     with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
         ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
-        bf16 = mt.make_plan(tiny_abstract(), plan.recipe.with_options(param_dtype="bfloat16"), plan.mesh)
-        with pytest.raises(CheckpointError, match=r"dtype: params/embedding_vd saved float32, the plan has "
+        mu16 = mt.make_plan(tiny_abstract(tx=optax.adamw(1e-3, mu_dtype=jnp.bfloat16)), plan.recipe, plan.mesh)
+        with pytest.raises(CheckpointError, match=r"dtype: opt_state/0/mu/embedding_vd saved float32, the plan has "
                                                   r"bfloat16 \(pass allow_cast=True"):
-            ckpt.restore(bf16)
-        r = ckpt.restore(bf16, allow_cast=True)
+            ckpt.restore(mu16)
+        r = ckpt.restore(mu16, allow_cast=True)
+    mu = r.state.opt_state[0].mu["embedding_vd"]
+    assert mu.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(mu), states[1].opt_state[0].mu["embedding_vd"].astype(jnp.bfloat16))
+    assert_on_mesh(r.state, mu16)
+
+
+def test_f32_checkpoint_restores_into_bf16_master_weights_and_back(run, tmp_path):
+    """Changing param_dtype between runs loses nothing: the f32 parameters become the f32 master copy
+    (bit-exact) and come back from it."""
+    plan, _, states = run
+    bf16 = mt.make_plan(tiny_abstract(), plan.recipe.with_options(param_dtype="bfloat16"), plan.mesh)
+    with Checkpointer(tmp_path / "a", save_every=1, async_save=False) as ckpt:
+        ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
+        r = ckpt.restore(bf16)                      # lossless: no allow_cast needed
+    saved = states[1]
     assert r.state.params["embedding_vd"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(r.state.params["embedding_vd"]),
-                                  states[1].params["embedding_vd"].astype(jnp.bfloat16))
+                                  saved.params["embedding_vd"].astype(jnp.bfloat16))
+    assert_bit_exact(saved.params, r.state.opt_state.master)
+    assert_bit_exact(saved.opt_state, r.state.opt_state.inner)
     assert_on_mesh(r.state, bf16)
+    with Checkpointer(tmp_path / "b", save_every=1, async_save=False) as ckpt:
+        ckpt.maybe_save(2, r.state, data_state={}, metadata={})
+        back = ckpt.restore(plan)
+    assert_bit_exact(saved.params, back.state.params)
+    assert_bit_exact(saved.opt_state, back.state.opt_state)
+    assert_on_mesh(back.state, plan)
 
 
 def test_resaving_a_step(run, tmp_path):

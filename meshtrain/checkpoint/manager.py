@@ -31,16 +31,19 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT, read_meta
-from meshtrain.checkpoint.layout import describe_tree, from_nested, mismatch_error, mismatches, state_bytes, to_nested
+from meshtrain.checkpoint.layout import (describe_tree, from_nested, key_name, mismatch_error, mismatches, state_bytes,
+                                        to_nested)
 from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
                                         SaveResult, StepCheck, StepStatus, Verify)
-from meshtrain.state import abstract_train_state
+from meshtrain.precision import MasterWeightsState, has_master_weights
+from meshtrain.state import TrainState, abstract_train_state
 
 log = logging.getLogger("meshtrain.checkpoint")
 
@@ -568,7 +571,8 @@ class Checkpointer:
                 _warn(f"restoring step {step} while newer good steps {newer} exist in {self.directory}; saving "
                       f"one of those steps again will fail while the good one is there")
         meta = read_meta(self.directory / str(step))
-        target = abstract_train_state(plan)
+        final = abstract_train_state(plan)
+        target, convert = _precision_bridge(meta["tree"], final)
         problems = mismatches(meta["tree"], target, allow_cast=allow_cast)
         if problems:
             raise mismatch_error(step, self.directory, problems, meta.get("user", {}))
@@ -580,7 +584,7 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"restoring step {step} from {self.directory} failed: {type(exc).__name__}: "
                                   f"{str(exc).strip()[:500]}") from exc
-        state = _onto_target(from_nested(out["state"], target), target)
+        state = _onto_target(convert(_onto_target(from_nested(out["state"], target), target)), final)
         return Restored(step, state, dict(meta.get("data_state") or {}), meta.get("user", {}), meta["tree"])
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -634,6 +638,37 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
                 f"keep_every={self.keep_every}, async_save={self.async_save}, compression={self.compression.value})")
+
+
+def _precision_bridge(saved_tree: Dict[str, Any], final):
+    """``(what to read, how to turn it into final)`` across a change of parameter precision.
+
+    A plan with 16-bit parameters keeps f32 master weights in ``opt_state.master`` (see
+    :mod:`meshtrain.precision`). From an f32 checkpoint it reads the f32 parameters as the master
+    copy (bit-exact) and the optimizer state as the inner state, and rounds the working parameters;
+    from a 16-bit checkpoint into an f32 plan it takes the master copy as the parameters. Otherwise
+    the checkpoint is read as the plan is."""
+    saved_master = any(p.startswith("opt_state/master/") for p in saved_tree)
+    want_master = has_master_weights(final.opt_state)
+    if saved_master == want_master:
+        return final, lambda state: state
+    sds = lambda t, dtype: jax.ShapeDtypeStruct(t.shape, dtype, sharding=t.sharding)  # noqa: E731
+    if want_master:  # f32 checkpoint -> 16-bit parameters + f32 master
+        master = final.opt_state.master
+        target = TrainState(final.step, master, final.opt_state.inner, final.model_state)
+
+        def convert(state):
+            params = jax.tree.map(lambda m, p: m.astype(p.dtype), state.params, final.params)
+            return TrainState(state.step, params, MasterWeightsState(state.params, state.opt_state), state.model_state)
+        return target, convert
+    # 16-bit checkpoint with master weights -> f32 parameters from the master copy
+    saved_params = {p[len("params/"):]: d for p, d in saved_tree.items() if p.startswith("params/")}
+    working = jax.tree_util.tree_map_with_path(
+        lambda kp, t: sds(t, jnp.dtype(saved_params.get("/".join(key_name(k) for k in kp), {}).get("dtype", t.dtype))),
+        final.params)
+    target = TrainState(final.step, working, MasterWeightsState(final.params, final.opt_state), final.model_state)
+    return target, lambda state: TrainState(state.step, state.opt_state.master, state.opt_state.inner,
+                                            state.model_state)
 
 
 def _onto_target(state, target):
