@@ -107,6 +107,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     warnings.formatwarning = _one_line_warning
     try:
+        if getattr(args, "xla_flags", "none") == "auto":
+            from meshtrain.hardware import apply_scheduling_flags
+
+            apply_scheduling_flags()  # read once, when the backend starts: before setup_devices
         if getattr(args, "setup_devices", True):
             setup_devices(getattr(args, "devices", None))
             # Before any backend starts: MESHTRAIN_* variables, flags or the cluster may ask for it.

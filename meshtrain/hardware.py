@@ -225,3 +225,93 @@ def cpu_profile(num_devices: int) -> Hardware:
          "fast_domain": "all simulated devices", "fast_latency_s": f"{src}: timed psum of 32 bytes per device",
          "slow_latency_s": "same as fast"},
         shared_host=n)
+
+
+# ---- XLA scheduling flags per backend --------------------------------------------------------
+#
+# What makes collectives overlap compute. XLA reads these once, when its backend starts, from
+# ``XLA_FLAGS`` (GPU) or ``LIBTPU_INIT_ARGS`` (TPU); the CPU backend needs none. The GPU set follows
+# the JAX GPU performance guide (latency-hiding scheduler, pipelined and combined collectives); the
+# TPU set is the async-collective-fusion group MaxText launches its TPU runs with. Every GPU flag is
+# checked against this jaxlib by tests/test_xla_flags.py (an unknown flag aborts XLA at start-up).
+
+#: backend -> (environment variable, ((flag, value, why), ...)).
+SCHEDULING_FLAGS: Dict[str, tuple] = {
+    "cpu": ("XLA_FLAGS", ()),
+    "gpu": ("XLA_FLAGS", (
+        ("xla_gpu_enable_latency_hiding_scheduler", "true", "schedule async collectives behind compute"),
+        ("xla_gpu_enable_highest_priority_async_stream", "true", "collectives on a high-priority stream"),
+        ("xla_gpu_all_gather_combine_threshold_bytes", "134217728", "combine FSDP gathers up to 128 MiB"),
+        ("xla_gpu_reduce_scatter_combine_threshold_bytes", "134217728", "combine gradient reduce-scatters"),
+        ("xla_gpu_all_reduce_combine_threshold_bytes", "134217728", "combine DP all-reduces"),
+        ("xla_gpu_enable_pipelined_all_gather", "true", "prefetch the next layer's weights inside the scan"),
+        ("xla_gpu_enable_pipelined_reduce_scatter", "true", "overlap a layer's gradient reduce-scatter"),
+        ("xla_gpu_enable_pipelined_all_reduce", "true", "overlap a layer's gradient all-reduce"),
+        ("xla_gpu_enable_while_loop_double_buffering", "true", "double-buffer the layer scan's carries"),
+        ("xla_gpu_enable_all_gather_combine_by_dim", "false", "combine gathers of different dimensions too"),
+        ("xla_gpu_enable_reduce_scatter_combine_by_dim", "false", "combine reduce-scatters of different dims"),
+    )),
+    "tpu": ("LIBTPU_INIT_ARGS", (
+        ("xla_tpu_enable_async_collective_fusion", "true", "run collectives asynchronously, fused"),
+        ("xla_tpu_enable_async_collective_fusion_fuse_all_gather", "true", "include FSDP all-gathers"),
+        ("xla_tpu_enable_async_collective_fusion_multiple_steps", "true", "overlap across several ops"),
+        ("xla_tpu_overlap_compute_collective_tc", "true", "overlap on the TensorCore"),
+        ("xla_enable_async_all_gather", "true", "async all-gather"),
+        ("xla_tpu_enable_data_parallel_all_reduce_opt", "true", "overlap the DP gradient all-reduce"),
+        ("xla_tpu_data_parallel_opt_different_sized_ops", "true", "... for gradients of different sizes"),
+    )),
+}
+
+
+def backend_of_hardware(hw: "Hardware | str") -> str:
+    """``cpu``, ``gpu`` or ``tpu`` for a hardware profile (or its name)."""
+    name = hw if isinstance(hw, str) else hw.name
+    name = ALIASES.get(name.lower(), name.lower())
+    return "cpu" if name == "cpu" else ("tpu" if name.startswith("tpu") else "gpu")
+
+
+def scheduling_flags(backend: str) -> Dict[str, str]:
+    """``{environment variable: flags}`` meshtrain sets for ``backend`` (``cpu``/``gpu``/``tpu``)."""
+    if backend not in SCHEDULING_FLAGS:
+        raise ConfigError(f"unknown backend {backend!r}; use one of {sorted(SCHEDULING_FLAGS)}")
+    var, flags = SCHEDULING_FLAGS[backend]
+    return {var: " ".join(f"--{f}={v}" for f, v, _ in flags)} if flags else {}
+
+
+def detect_backend(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The backend JAX will start, guessed *without* starting it: ``JAX_PLATFORMS`` if set, else the
+    installed plugin (``libtpu`` → tpu, ``jax_cuda*_plugin`` → gpu), else cpu."""
+    import importlib.util
+    import os
+
+    environ = os.environ if environ is None else environ
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        first = platforms.split(",")[0].strip().lower()
+        return {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}.get(first, "cpu")
+    if importlib.util.find_spec("libtpu"):
+        return "tpu"
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return "gpu"
+    return "cpu"
+
+
+def apply_scheduling_flags(backend: Optional[str] = None, environ=None) -> Dict[str, str]:
+    """Append meshtrain's scheduling flags for ``backend`` (default: :func:`detect_backend`) to the
+    environment, before JAX starts its backend; a flag the user already set keeps the user's value.
+    Returns ``{variable: flags added}``. ``meshtrain train`` calls it (``--xla-flags none`` skips it)::
+
+        apply_scheduling_flags("gpu")     # then import/use jax
+    """
+    import os
+
+    environ = os.environ if environ is None else environ
+    backend = backend or detect_backend(environ)
+    added: Dict[str, str] = {}
+    var, flags = SCHEDULING_FLAGS[backend]
+    current = environ.get(var, "")
+    new = [f"--{f}={v}" for f, v, _ in flags if f"--{f}=" not in current and f"--{f} " not in current + " "]
+    if new:
+        environ[var] = (current + " " + " ".join(new)).strip()
+        added[var] = " ".join(new)
+    return added

@@ -60,6 +60,8 @@ def _parse(argv):
     p.add_argument("--hardware", default="auto", help="peak FLOP/s profile (auto from the device kind)")
     p.add_argument("--min-mfu", type=float, default=None, help="exit 1 if meshtrain's MFU is below this")
     p.add_argument("--max-ratio", type=float, default=None, help="exit 1 if meshtrain / hand-written is above this")
+    p.add_argument("--xla-flags", choices=("auto", "none"), default="auto",
+                   help="auto: meshtrain's XLA scheduling flags for the backend (as `meshtrain train`); none: off")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -76,6 +78,9 @@ def _hardware_name(device) -> str:
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    from meshtrain.hardware import apply_scheduling_flags
+
+    flags = apply_scheduling_flags() if args.xla_flags == "auto" else {}  # before the backend starts
     import jax
 
     # Before any backend use; only the CPU backend reads it (jax.devices() lists accelerators first).
@@ -189,7 +194,7 @@ def main(argv=None) -> int:
         "compute_dtype": args.compute_dtype, "batch": batch, "seq_len": seq, "steps": args.steps,
         "model_flops_per_step": flops_per_step, "first_loss": {"meshtrain": first_mt, "hand-written": first_hand},
         "compile_s": {"meshtrain": compile_mt, "hand-written": compile_hand}, "results": rows,
-        "ratio_meshtrain_over_hand": ratio, "config": dataclasses.asdict(cfg),
+        "ratio_meshtrain_over_hand": ratio, "xla_flags_added": flags, "config": dataclasses.asdict(cfg),
     }
     if args.json:
         print(json.dumps(result))
@@ -199,6 +204,7 @@ def main(argv=None) -> int:
         print(f"{cfg.name} ({cfg.num_params() / 1e9:.3f}B params), recipe {recipe.name}, attention {attention}, "
               f"remat {remat}, params {args.param_dtype}, compute {args.compute_dtype}, "
               f"batch {batch} x {seq} tokens, {args.steps} alternating steps")
+        print(f"XLA scheduling flags added: {flags or 'none'}")
         print(f"first-step loss: meshtrain {first_mt:.6f}, hand-written {first_hand:.6f}")
         print(f"{'variant':<14}{'step ms':>10}{'tokens/s':>14}{uname + '/dev':>14}{'MFU':>9}")
         for name, r in rows.items():

@@ -21,6 +21,7 @@ from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_est
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, default_loss, has_analytic_model,
                                          program_cost)
 from meshtrain.analysis.hardware import get_hardware
+from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import estimate_memory, state_memory
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
@@ -182,7 +183,8 @@ def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, 
         collectives={"backend": a["backend"].value, "source": a["ops_source"], "per_axis": per_axis_estimate(a["ops"]),
                      "links": {k: v.value for k, v in a["links"].items()},
                      "ops": [o.to_dict() for o in a["ops"]]},
-        step_time=step.to_dict() if step is not None else None, warnings=a["warnings"])
+        step_time=step.to_dict() if step is not None else None, warnings=a["warnings"],
+        xla_flags=scheduling_flags(backend_of_hardware(a["hw"])))
     if a["cost"] is not None:
         out["program"] = a["cost"].to_dict()
     out.update(_check(plan, cfg, args, a))
@@ -203,6 +205,14 @@ def _collective_rows(a) -> List[str]:
     return rows if per else ["  none (one device, or nothing sharded)"]
 
 
+def _flags_line(hw) -> str:
+    flags = scheduling_flags(backend_of_hardware(hw))
+    if not flags:
+        return f"XLA scheduling flags ({backend_of_hardware(hw)}): none needed"
+    return "XLA scheduling flags `meshtrain train` sets on this backend: " + "; ".join(
+        f"{var}={value}" for var, value in flags.items())
+
+
 def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name=None) -> str:
     a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu", loss_fn=loss_fn)
     hw, mem, step = a["hw"], a["memory"], a["step"]
@@ -213,7 +223,8 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
                   f"{_rate(hw.fast_link_bytes_per_s, 'B/s')} within {hw.fast_domain}, slow links "
                   f"{_rate(hw.slow_link_bytes_per_s, 'B/s')} (sources: meshtrain.analysis.hardware)",
               f"model {_model_name(cfg, model_name)}; {_batch_line(plan)}; params {r.param_dtype}, compute "
-              f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {r.micro_batches}", ""]
+              f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {r.micro_batches}",
+              _flags_line(hw), ""]
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
     source = "" if mem.source == ANALYTIC else f" ({mem.source})"
     lines.append(f"memory per device{source}: {_gib(mem.total)} of {_gib(hw.hbm_bytes)} — {a['fit'].value}{frac}")

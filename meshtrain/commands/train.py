@@ -49,6 +49,10 @@ def add_parser(sub):
     p.add_argument("--resume", action="store_const", const="latest", default="no",
                    help="continue from the newest valid checkpoint in --out (a new run if --out holds none; "
                         "refused if it holds checkpoints of which none is valid)")
+    p.add_argument("--xla-flags", choices=("auto", "none"), default="auto",
+                   help="auto: add meshtrain's XLA scheduling flags for the backend (GPU: latency-hiding "
+                        "scheduler, pipelined/combined collectives; TPU: async collective fusion) to XLA_FLAGS / "
+                        "LIBTPU_INIT_ARGS, keeping any flag you set; none: leave them alone")
     p.add_argument("--nonfinite", choices=("raise", "skip"), default="raise",
                    help="a non-finite loss or gradient stops the run (raise) or skips that update (skip)")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
