@@ -153,6 +153,66 @@ def test_hlo_parser_counts_loop_trip_counts_tuples_and_async_pairs():
     assert ag.wire_bytes == pytest.approx(128 * 3 / 4) and ar.wire_bytes == pytest.approx(2 * 56 / 2)
 
 
+# XLA:TPU's shape (measured on llama3-8b, v5p:2x2x2): no known_trip_count; a layer loop counting
+# 0..4 holds a windowed-einsum (collective matmul) loop that counts 0..4 in steps of 2 with two
+# collective-permutes (both ring directions) per iteration.
+TPU_LOOPS = """HloModule m
+
+%win_cond (p: (bf16[512,64], u32[])) -> pred[] {
+  %c4 = u32[]{:T(128)} constant(4), metadata={op_name="dot_general"}
+  %p = (bf16[512,64], u32[]) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=1
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c4), direction=LT
+}
+
+%win_body (p: (bf16[512,64], u32[])) -> (bf16[512,64], u32[]) {
+  %p = (bf16[512,64], u32[]) parameter(0)
+  %x = bf16[512,64]{1,0} get-tuple-element(%p), index=0
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=1
+  %cp0 = bf16[512,64]{1,0} collective-permute(%x), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cp1 = bf16[512,64]{1,0} collective-permute(%x), channel_id=4, source_target_pairs={{1,0},{2,1},{3,2},{0,3}}
+  %two = u32[]{:T(128)} constant(2)
+  %next = u32[]{:T(128)} add(%i, %two)
+  ROOT %t = (bf16[512,64], u32[]) tuple(%cp0, %next)
+}
+
+%layer_cond (p: (s32[], bf16[512,64])) -> pred[] {
+  %p = (s32[], bf16[512,64]) parameter(0)
+  %n = s32[]{:T(128)} constant(4)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %gt = pred[]{:T(512)} compare(%n, %i), direction=GT
+}
+
+%layer_body (p: (s32[], bf16[512,64])) -> (s32[], bf16[512,64]) {
+  %p = (s32[], bf16[512,64]) parameter(0)
+  %x = bf16[512,64]{1,0} get-tuple-element(%p), index=1
+  %zero = u32[]{:T(128)} constant(0)
+  %wt = (bf16[512,64], u32[]) tuple(%x, %zero)
+  %w = (bf16[512,64], u32[]) while(%wt), condition=%win_cond, body=%win_body
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  %y = bf16[512,64]{1,0} get-tuple-element(%w), index=0
+  ROOT %t = (s32[], bf16[512,64]) tuple(%next, %y)
+}
+
+ENTRY %main (a: bf16[512,64]) -> bf16[512,64] {
+  %a = bf16[512,64]{1,0} parameter(0)
+  %z = s32[]{:T(128)} constant(0)
+  %t = (s32[], bf16[512,64]) tuple(%z, %a)
+  %l = (s32[], bf16[512,64]) while(%t), condition=%layer_cond, body=%layer_body
+}
+"""
+
+
+def test_hlo_parser_reads_trip_counts_from_unannotated_loops():
+    ops = hlo_collectives(TPU_LOOPS, jax.sharding.AbstractMesh((4,), ("fsdp",)))
+    assert [c.kind for c in ops] == ["collective-permute"] * 2
+    # 4 layers x 2 windowed iterations: each permute runs 8 times per step
+    assert all(c.executions == 8 and c.axes == ("fsdp",) for c in ops)
+    assert per_axis(ops)["fsdp"]["collective-permute"] == 2 * 8 * 512 * 64 * 2
+
+
 # ---- hardware -------------------------------------------------------------------------------
 
 FIGURES = ("peak_flops", "hbm_bytes", "hbm_bytes_per_s", "fast_link_bytes_per_s", "slow_link_bytes_per_s",

@@ -205,16 +205,110 @@ def _computations(hlo_text: str):
             continue
         comps[current].append(line)
     edges = []
+    index = {name: _instructions(lines) for name, lines in comps.items()}
     for caller, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
+            derived = None
+            if trip is None and _WHILE.search(line):
+                derived = _derived_trip_count(line, index, caller)
             for m in _CALLEE.finditer(line):
-                factor = int(trip.group("n")) if (trip and m.group("attr") == "body") else 1
+                if m.group("attr") == "body":
+                    factor = int(trip.group("n")) if trip else (derived if derived is not None else 1)
+                else:
+                    factor = 1
                 edges.append((caller, m.group("name"), factor))
             for m in _CALLEES.finditer(line):
                 for name in re.findall(r"%([\w.\-]+)", m.group("names")):
                     edges.append((caller, name, 1))
     return comps, entry, edges
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_WHILE = re.compile(r"\bwhile\(%(?P<init>[\w.\-]+)\), condition=%(?P<cond>[\w.\-]+), body=%(?P<body>[\w.\-]+)")
+_CONST = re.compile(r"^\S+\s+constant\((?P<v>-?\d+)\)")   # "u32[]{:T(128)} constant(4), ..."
+_GTE = re.compile(r"\bget-tuple-element\(%[\w.\-]+\), index=(?P<i>\d+)")
+_COMPARE = re.compile(r"\bcompare\(%(?P<a>[\w.\-]+), %(?P<b>[\w.\-]+)\), direction=(?P<dir>[A-Z]+)")
+_FORWARD = re.compile(r"\b(?:copy|convert|bitcast)\(%(?P<x>[\w.\-]+)\)")
+_ADD = re.compile(r"\badd\(%(?P<a>[\w.\-]+), %(?P<b>[\w.\-]+)\)")
+
+
+def _instructions(lines: List[str]) -> Dict[str, str]:
+    """``{instruction name: text after '='}``, plus ``"ROOT"`` → the root's name."""
+    out: Dict[str, str] = {}
+    for line in lines:
+        m = _INSTR.match(line)
+        if m:
+            out[m.group("name")] = m.group("rest")
+            if line.lstrip().startswith("ROOT"):
+                out["ROOT"] = m.group("name")
+    return out
+
+
+def _constant(comp: Dict[str, str], name: str, depth: int = 0) -> Optional[int]:
+    rest = comp.get(name)
+    if rest is None or depth > 8:
+        return None
+    m = _CONST.match(rest)
+    if m:
+        return int(m.group("v"))
+    f = _FORWARD.search(rest)
+    return _constant(comp, f.group("x"), depth + 1) if f else None
+
+
+def _tuple_operand(comp: Dict[str, str], name: str, i: int) -> Optional[str]:
+    rest = comp.get(name, "")
+    m = re.search(r"\btuple\((?P<ops>[^)]*)\)", rest)
+    if not m:
+        return None
+    ops = re.findall(r"%([\w.\-]+)", m.group("ops"))
+    return ops[i] if i < len(ops) else None
+
+
+def _derived_trip_count(line: str, index: Dict[str, Dict[str, str]], caller: str) -> Optional[int]:
+    """Trip count of a ``while`` without XLA's ``known_trip_count`` annotation, read from the loop:
+    the condition compares one tuple element with a constant bound (``i < n``), the element starts at
+    a constant in the loop's initial tuple (0 if it cannot be resolved) and the body adds a constant
+    step to it (1 if not resolved). XLA:TPU's windowed-einsum (collective matmul) loops and layer
+    scans both have this shape. ``None`` when the condition has another shape."""
+    w = _WHILE.search(line)
+    cond, body, here = index.get(w.group("cond"), {}), index.get(w.group("body"), {}), index.get(caller, {})
+    root = cond.get(cond.get("ROOT", ""), "")
+    cm = _COMPARE.search(root)
+    if not cm:
+        return None
+    direction = cm.group("dir")
+    elem, bound = None, None
+    for var, other, flip in ((cm.group("a"), cm.group("b"), False), (cm.group("b"), cm.group("a"), True)):
+        g = _GTE.search(cond.get(var, ""))
+        c = _constant(cond, other)
+        if g and c is not None:
+            elem, bound = int(g.group("i")), c
+            if flip:  # n > i  is  i < n
+                direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, direction)
+            break
+    if elem is None:
+        return None
+    start_name = _tuple_operand(here, w.group("init"), elem)
+    start = _constant(here, start_name) if start_name else None
+    start = 0 if start is None else start
+    step = 1
+    next_name = _tuple_operand(body, body.get("ROOT", ""), elem)
+    am = _ADD.search(body.get(next_name, "")) if next_name else None
+    if am:
+        for x in (am.group("a"), am.group("b")):
+            k = _constant(body, x)
+            if k:
+                step = k
+    if direction in ("LT", "NE") and step > 0:
+        return max(0, -(-(bound - start) // step))
+    if direction == "LE" and step > 0:
+        return max(0, (bound - start) // step + 1)
+    if direction == "GT" and step < 0:
+        return max(0, -(-(start - bound) // -step))
+    if direction == "GE" and step < 0:
+        return max(0, (start - bound) // -step + 1)
+    return None
 
 
 def _executions(comps, entry, edges) -> Dict[str, int]:
