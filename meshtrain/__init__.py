@@ -12,15 +12,19 @@ The public API, re-exported from small modules::
 
 from meshtrain import models
 from meshtrain.abstract import AbstractState, ModelFactory, abstract_state
-from meshtrain.annotate import PathRules, StepContext, constrain, remat
+from meshtrain.annotate import PathRules, StepContext, constrain, remat, scan_layers
 from meshtrain.axes import LOGICAL_AXES, MESH_AXES, register_logical_axis
 from meshtrain.batch_layout import BatchLayout, BatchLeaf
 from meshtrain.checkpoint import CheckpointError, Checkpointer, Restored, SaveResult, inspect_checkpoint
 from meshtrain.errors import ConfigError, MeshError, MeshtrainError, PlanError, RecipeError, RulesError
 from meshtrain.mesh import AxisTypes, MeshSpec
 from meshtrain.parallel.attention import attention
+from meshtrain.parallel.context import sequence_permutation
+from meshtrain.parallel.pipeline import PipelineParts
 from meshtrain.plan import BatchSpec, LeafPlan, ShardingPlan, make_plan
-from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, get_recipe, register_recipe
+from meshtrain.precision import master_weights
+from meshtrain.recipes import (BUILTIN_RECIPES, AttentionKind, LayerLoop, Offload, Recipe, Remat, Schedule, get_recipe,
+                               register_recipe)
 from meshtrain.rules import AxisRules, Rule
 from meshtrain.strategies import register_strategy
 from meshtrain.state import TrainState, abstract_train_state, init_state, state_shardings
@@ -37,4 +41,5 @@ __all__ = [
     "ShardingPlan", "StepContext", "TrainState", "abstract_state", "abstract_train_state", "attention",
     "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
     "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
+    "sequence_permutation", "PipelineParts", "Schedule", "LayerLoop", "Offload", "master_weights", "scan_layers",
 ]

@@ -25,7 +25,7 @@ import jax
 
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import RulesError
-from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.recipes import AUTO_UNROLL_LAYERS, AttentionKind, LayerLoop, Remat
 from meshtrain.rules import AxisRules
 
 
@@ -42,6 +42,8 @@ class StepContext:
     #: the recipe's step options (``meshtrain.strategies.STEP_OPTIONS``) as sorted ``(name, value)``
     #: pairs; kernels read them with :meth:`option`.
     options: Tuple[Tuple[str, object], ...] = ()
+    layer_loop: LayerLoop = LayerLoop.AUTO
+    scan_unroll: int = 1
 
     def option(self, name: str, default=None):
         """A step option set by the recipe's strategies, e.g. ``ctx.option("shard_gradients", False)``."""
@@ -72,11 +74,14 @@ _POLICIES = {
 }
 
 
-def remat(fn, policy: Optional[Remat] = None):
+def remat(fn, policy: Optional[Remat] = None, *, prevent_cse: bool = False):
     """Wrap a layer function in ``jax.checkpoint`` with the recipe's remat policy.
 
     Call it on the body of your layer scan: ``body = meshtrain.remat(body)``. With ``Remat.NONE``
-    (or outside a step) it returns ``fn`` unchanged.
+    (or outside a step) it returns ``fn`` unchanged. ``prevent_cse=False`` (the default) is right
+    for a rolled ``lax.scan`` body; pass ``True`` when the calls end up in straight-line code
+    (unrolled), or XLA merges the recomputation with the forward pass and nothing is saved
+    (:func:`scan_layers` does this for you).
     """
     if policy is None:
         ctx = _ACTIVE.get()
@@ -84,8 +89,31 @@ def remat(fn, policy: Optional[Remat] = None):
     policy = Remat(policy)
     if policy is Remat.NONE:
         return fn
-    # prevent_cse=False is safe (and faster) because the caller runs fn under scan.
-    return jax.checkpoint(fn, policy=_POLICIES[policy], prevent_cse=False)
+    return jax.checkpoint(fn, policy=_POLICIES[policy], prevent_cse=prevent_cse)
+
+
+def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
+    """Run ``layer(carry, layer_params) -> (carry, out)`` over the stacked ``layers`` (leading
+    ``layers`` axis) with the recipe's remat policy and layer loop (:class:`LayerLoop`): a
+    ``lax.scan``, fully unrolled, or ``scan_unroll`` layers per iteration; ``auto`` unrolls stacks of
+    at most ``AUTO_UNROLL_LAYERS`` layers without remat (remat saves memory only inside a loop) and
+    scans the rest. Outside a step it scans. Example::
+
+        x_btd, _ = scan_layers(lambda x, p: (block(p, x), None), x_btd, stacked_params)
+    """
+    n = length if length is not None else jax.tree.leaves(layers)[0].shape[0]
+    ctx = _ACTIVE.get()
+    loop, unroll = (ctx.layer_loop, ctx.scan_unroll) if ctx is not None else (LayerLoop.SCAN, 1)
+    if loop is LayerLoop.AUTO:
+        # Remat only saves memory inside a loop: unrolled, XLA schedules the recomputation early and
+        # keeps it alive (measured on XLA:CPU, tiny model: remat=full 54.9 MB vs none 47.1 MB
+        # unrolled; 36.5 MB vs 69.2 MB scanned). So auto scans whenever a remat policy is on.
+        remat_on = ctx is not None and ctx.remat is not Remat.NONE
+        loop = LayerLoop.UNROLLED if n <= AUTO_UNROLL_LAYERS and not remat_on else LayerLoop.SCAN
+    unroll = n if loop is LayerLoop.UNROLLED else min(unroll, max(n, 1))
+    # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
+    # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
+    return jax.lax.scan(remat(layer, prevent_cse=unroll > 1), carry, layers, length=length, unroll=unroll)
 
 
 def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "activation"):

@@ -14,7 +14,10 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple, Union
 
 #: Canonical mesh axes, outermost to innermost.
-MESH_AXES: Tuple[str, ...] = ("stage", "data", "fsdp", "expert", "context", "tensor")
+#: ``ulysses`` is the inner context axis of 2-D context parallelism (``usp``): its all-to-alls move
+#: every attention input and output, so it sits inside ``context`` (whose ring ``ppermute`` overlaps
+#: with compute and tolerates slower links) and outside ``tensor`` (per-layer all-reduces).
+MESH_AXES: Tuple[str, ...] = ("stage", "data", "fsdp", "expert", "context", "ulysses", "tensor")
 
 #: Logical axes used by meshtrain's reference models, with what they mean.
 LOGICAL_AXES = {

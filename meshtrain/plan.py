@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshtrain.abstract import AbstractState, path_str, tree_paths
 from meshtrain.batch_layout import BATCH_AXIS, BatchLayout, BatchSpec, as_batch_layout  # noqa: F401 (re-export)
 from meshtrain.errors import ConfigError, PlanError
-from meshtrain.recipes import Recipe, get_recipe
+from meshtrain.offload import offload_optimizer, to_host
+from meshtrain.recipes import Offload, Recipe, get_recipe
 from meshtrain.rules import AxisRules, shard_shape
 
 GROUPS = ("params", "optimizer", "batch", "model_state")
@@ -118,9 +119,13 @@ class ShardingPlan:
 
     def per_device_bytes(self) -> Dict[str, int]:
         """Bytes each device holds: ``params``, ``optimizer``, ``batch``, ``model_state`` (only when
-        the model has non-parameter variables) and ``total`` (the state: all but ``batch``)."""
+        the model has non-parameter variables) and ``total`` (the state: all but ``batch``). With
+        ``offload="optimizer"`` the optimizer state's bytes move to ``optimizer_host`` (each device's
+        share of host memory) and ``optimizer`` is 0."""
         groups = ("params", "optimizer", "batch") + (("model_state",) if self.group("model_state") else ())
         out = {g: sum(l.bytes_per_device for l in self.group(g)) for g in groups}
+        if self.recipe.offload is Offload.OPTIMIZER:  # in host memory: off the device's books
+            out["optimizer_host"], out["optimizer"] = out["optimizer"], 0
         out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0)
         return out
 
@@ -250,6 +255,9 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
             leaves.append(leaf)
             opt_sh[path] = sh
         opt_shardings = jax.tree.map(lambda p: opt_sh[p], tree_paths(abstract.opt_state))
+        if recipe.offload is Offload.OPTIMIZER:  # the same layout, in pinned host memory between steps
+            device_opt, opt_shardings = opt_shardings, to_host(opt_shardings)
+            abstract = dataclasses.replace(abstract, tx=offload_optimizer(abstract.tx, device_opt, opt_shardings))
 
     # Non-parameter variables (batch statistics, RNG keys and counters): sharded by their own
     # ``out_sharding`` names through the params rules when they have them, else replicated; either

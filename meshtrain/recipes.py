@@ -40,9 +40,63 @@ class Remat(str, enum.Enum):
 
 
 class AttentionKind(str, enum.Enum):
-    """How attention is computed; context-parallel kinds shard the sequence (``parallel/``)."""
+    """How attention is computed; context-parallel kinds shard the sequence (``parallel/``).
+
+    * ``dense``: materialises the scores (short sequences, reference);
+    * ``flash``: memory-efficient, never materialises ``T × T`` (cuDNN / splash / blockwise XLA);
+    * ``all_gather``: queries stay sequence-sharded on ``context``, K/V all-gathered;
+    * ``ring``: K/V blocks passed around ``context`` with ``ppermute`` (zig-zag load balance);
+    * ``ulysses``: all-to-all sequence-sharded ↔ head-sharded over ``context``;
+    * ``usp``: Ulysses over ``ulysses`` × ring over ``context``.
+    """
 
     DENSE = "dense"
+    FLASH = "flash"
+    ALL_GATHER = "all_gather"
+    RING = "ring"
+    ULYSSES = "ulysses"
+    USP = "usp"
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule over the ``stage`` axis (recipes with the ``pp`` strategy;
+    :mod:`meshtrain.parallel.pipeline`).
+
+    * ``gpipe``: all micro-batches forward, then all backward; bubble (p-1)/(m+p-1);
+    * ``circular``: each stage holds ``repeats`` non-adjacent layer groups; bubble (p-1)/(r·m+p-1);
+    * ``1f1b``: after warm-up each stage alternates a forward and a backward (explicit per-stage VJP),
+      so only the micro-batches in flight keep activations.
+    """
+
+    GPIPE = "gpipe"
+    CIRCULAR = "circular"
+    ONE_F_ONE_B = "1f1b"
+
+
+class LayerLoop(str, enum.Enum):
+    """How the stack of identical layers runs (:func:`meshtrain.scan_layers`).
+
+    * ``scan``: one ``lax.scan`` (compile time flat in depth; ``scan_unroll`` layers per iteration);
+    * ``unrolled``: straight-line code (XLA schedules across layers; compile time grows with depth);
+    * ``auto``: unrolled up to :data:`AUTO_UNROLL_LAYERS` layers when no remat policy is on, else
+      scanned (remat saves memory only inside a loop).
+    """
+
+    AUTO = "auto"
+    SCAN = "scan"
+    UNROLLED = "unrolled"
+
+
+#: ``LayerLoop.AUTO`` unrolls stacks of at most this many layers (measured: see BENCHMARKS.md).
+AUTO_UNROLL_LAYERS = 8
+
+
+class Offload(str, enum.Enum):
+    """What lives in host memory between steps (:mod:`meshtrain.offload`): ``none``, or
+    ``optimizer`` (the optimizer state, in ``pinned_host`` memory, moved in for the update)."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
 
 
 DTYPES = ("float32", "bfloat16")
@@ -65,6 +119,11 @@ class Recipe:
       max_replicated_fraction: the plan guard: at most this share of the bytes a recipe shards may
         stay replicated.
       rules: extra or overriding rules, merged after the strategies' rules.
+      offload: :class:`Offload`: ``optimizer`` keeps the optimizer state in pinned host memory.
+      layer_loop / scan_unroll: :class:`LayerLoop` for the layer stack, and layers per scan iteration.
+      schedule: :class:`Schedule` of the pipeline (``pp`` strategy); ``micro_batches`` is then the
+        pipeline's micro-batch count.
+      repeats: layer groups per stage for the ``circular`` schedule (1 otherwise).
     """
 
     name: str
@@ -79,6 +138,11 @@ class Recipe:
     replicate_indivisible: Tuple[str, ...] = ()
     max_replicated_fraction: float = 0.02
     rules: AxisRules = AxisRules()
+    offload: Offload = Offload.NONE
+    layer_loop: LayerLoop = LayerLoop.AUTO
+    scan_unroll: int = 1
+    schedule: Schedule = Schedule.GPIPE
+    repeats: int = 1
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass normalisation)
@@ -87,14 +151,29 @@ class Recipe:
         try:
             set_("remat", Remat(self.remat))
             set_("attention", AttentionKind(self.attention))
+            set_("offload", Offload(self.offload))
+            set_("layer_loop", LayerLoop(self.layer_loop))
         except ValueError as exc:
             raise RecipeError(f"recipe {self.name!r}: {exc}; remat is one of {[r.value for r in Remat]}, "
-                              f"attention one of {[a.value for a in AttentionKind]}") from None
+                              f"attention one of {[a.value for a in AttentionKind]}, offload one of "
+                              f"{[o.value for o in Offload]}, layer_loop one of {[x.value for x in LayerLoop]}") \
+                from None
+        if not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool) or self.scan_unroll < 1:
+            raise RecipeError(f"recipe {self.name!r}: scan_unroll={self.scan_unroll!r}; use an int >= 1 (layers per "
+                              f"scan iteration)")
         for field in ("param_dtype", "compute_dtype"):
             if getattr(self, field) not in DTYPES:
                 raise RecipeError(f"recipe {self.name!r}: {field}={getattr(self, field)!r}; use one of {DTYPES}")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise RecipeError(f"recipe {self.name!r}: micro_batches={self.micro_batches!r}; use an int >= 1")
+        try:
+            set_("schedule", Schedule(self.schedule))
+        except ValueError:
+            raise RecipeError(f"recipe {self.name!r}: schedule={self.schedule!r}; use one of "
+                              f"{[s.value for s in Schedule]}") from None
+        if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
+            raise RecipeError(f"recipe {self.name!r}: repeats={self.repeats!r}; use an int >= 1 (layer groups per "
+                              f"pipeline stage, circular schedule)")
         if not 0.0 <= self.max_replicated_fraction <= 1.0:
             raise RecipeError(f"recipe {self.name!r}: max_replicated_fraction must be in [0, 1]")
         _, owners = compose(self.strategies)  # validates names, requirements and axis claims
@@ -152,7 +231,17 @@ class Recipe:
             "replicate_indivisible": list(self.replicate_indivisible),
             "max_replicated_fraction": self.max_replicated_fraction,
             "rules": rules,
+            **({"offload": self.offload.value} if self.offload is not Offload.NONE else {}),
+            **({"layer_loop": self.layer_loop.value} if self.layer_loop is not LayerLoop.AUTO else {}),
+            **({"scan_unroll": self.scan_unroll} if self.scan_unroll != 1 else {}),
+            **self._pipeline_dict(),
         }
+
+    def _pipeline_dict(self) -> Dict[str, Any]:
+        # Only pipeline recipes (or non-default knobs) write these keys, so other recipe files stay as they were.
+        if "pp" in self.strategies or self.schedule is not Schedule.GPIPE or self.repeats != 1:
+            return {"schedule": self.schedule.value, "repeats": self.repeats}
+        return {}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> "Recipe":
@@ -247,6 +336,49 @@ BUILTIN_RECIPES: Dict[str, Recipe] = {r.name: r for r in [
              ("dp", "fsdp", "tp", "sp"), {"data": 1, "fsdp": -1, "tensor": 2}),
 ]}
 
+# expert parallelism (MoE models; a dense model just sees `expert` as more data parallelism)
+for _r in [
+    _builtin("ep", "Expert parallelism: MoE experts split over `expert` (all-to-all dispatch), batch over `data` "
+             "and `expert`, other weights replicated.", ("dp", "ep"), {"data": 1, "expert": -1},
+             max_replicated_fraction=1.0),  # like dp, non-expert weights are replicated on purpose
+    _builtin("fsdp_ep", "FSDP over `fsdp` × expert parallelism over `expert`: experts split over `expert`, every "
+             "weight also sharded on `embed` over `fsdp`.", ("fsdp", "ep"), {"fsdp": -1, "expert": 4}),
+    _builtin("fsdp_tp_ep", "FSDP × Megatron TP × expert parallelism: experts over `expert`, expert and dense MLP "
+             "widths over `tensor`.", ("dp", "fsdp", "tp", "ep"), {"data": 1, "fsdp": -1, "expert": 2, "tensor": 2}),
+]:
+    BUILTIN_RECIPES[_r.name] = _r
+
+
+# pipeline parallelism (meshtrain.parallel.pipeline): `stage` outermost, so it can sit on the slow links.
+for _r in [
+    _builtin("pp", "Pipeline parallel: the layer stack split over `stage` (2 stages), micro-batches passed between "
+             "neighbours; data parallel over the rest. Pick --schedule gpipe|circular|1f1b.",
+             ("dp", "pp"), {"stage": 2, "data": -1}, micro_batches=4,
+             max_replicated_fraction=0.6),  # embedding and head stay whole on every stage
+    _builtin("pp_fsdp", "Pipeline (2 stages) × FSDP: each stage's layers sharded over `fsdp`.",
+             ("dp", "fsdp", "pp"), {"stage": 2, "data": 1, "fsdp": -1}, micro_batches=4),
+    _builtin("pp_fsdp_tp", "Pipeline (2 stages) × FSDP × Megatron TP (2): 3D parallelism.",
+             ("dp", "fsdp", "tp", "pp"), {"stage": 2, "data": 1, "fsdp": -1, "tensor": 2}, micro_batches=4),
+]:
+    BUILTIN_RECIPES[_r.name] = _r
+
+
+# context parallelism (meshtrain.parallel.context): the sequence split over `context` (× `ulysses` for usp).
+for _r in [
+    _builtin("cp", "Context parallel: the sequence split over all devices (`context`), ring attention with zig-zag "
+             "load balance; weights replicated. For long sequences; --attention all_gather|ring|ulysses.",
+             ("cp",), {"context": -1}, attention="ring"),
+    _builtin("fsdp_cp", "FSDP × context parallel (4): weights sharded over `fsdp`, the sequence over `context` "
+             "(ring attention, zig-zag load balance).", ("dp", "fsdp", "cp"), {"data": 1, "fsdp": -1, "context": 4},
+             attention="ring"),
+    _builtin("fsdp_tp_cp", "FSDP × context (2) × Megatron TP (2): queries sequence-sharded, K/V all-gathered over "
+             "`context` (Llama 3's long-context layout).", ("dp", "fsdp", "tp", "cp"),
+             {"data": 1, "fsdp": -1, "context": 2, "tensor": 2}, attention="all_gather"),
+    _builtin("fsdp_cp_usp", "FSDP × 2-D context parallel (USP): Ulysses all-to-all over `ulysses` (2) inside a ring "
+             "over `context` (2).", ("dp", "fsdp", "cp", "usp"), {"data": 1, "fsdp": -1, "context": 2, "ulysses": 2},
+             attention="usp"),
+]:
+    BUILTIN_RECIPES[_r.name] = _r
 
 def register_recipe(recipe: Recipe) -> Recipe:
     """Add a recipe to the built-in table (other modules register CP/EP/PP recipes this way)."""

@@ -183,3 +183,47 @@ def _tp() -> AxisRules:
                    "over `tensor` (reduce-scatter / all-gather instead of all-reduce)", requires=("tp",))
 def _sp() -> AxisRules:
     return AxisRules.of(activations={"residual_seq": "tensor"})
+
+
+# ---- pipeline parallelism ------------------------------------------------------------------
+
+register_step_option("pipeline", "the step runs the model's layer stack through a pipeline schedule over `stage` "
+                     "(the recipe's schedule, repeats and micro_batches; meshtrain.parallel.pipeline)")
+
+
+@register_strategy("pp", "pipeline parallelism: the layer stack split over `stage` (the `layers` dimension of "
+                   "weights and optimizer state), micro-batches passed between neighbouring stages",
+                   claims=("stage",), options={"pipeline": True})
+def _pp() -> AxisRules:
+    return AxisRules.of(params={"layers": "stage"})
+
+
+# ---- expert parallelism --------------------------------------------------------------------
+
+@register_strategy("ep", "expert parallelism: MoE expert weights split over `expert` on their `expert` dimension, "
+                   "batch split over `expert` too; tokens reach their experts by all-to-all (meshtrain.parallel.moe)",
+                   claims=("expert",))
+def _ep() -> AxisRules:
+    return AxisRules.of(params={"expert": "expert"}, activations={"batch": "expert"})
+
+
+# ---- context parallelism -------------------------------------------------------------------
+
+register_step_option("load_balance", "order of the sequence chunks over the context ring: 'zigzag' (device r holds "
+                     "chunks r and 2R-1-r, equal causal work) or 'none' (meshtrain.parallel.context)")
+register_step_option("flash_backend", "flash attention implementation: 'auto' (splash on TPU, cuDNN on GPU for "
+                     "bf16/fp16 without packed documents, else blockwise XLA), 'xla', 'cudnn' or 'splash'")
+
+
+@register_strategy("cp", "context parallelism: the sequence of activations and of the batch split over `context`; "
+                   "attention by the recipe's kind (all_gather, ring, ulysses; zig-zag load balance)",
+                   claims=("context",), options={"load_balance": "zigzag"})
+def _cp() -> AxisRules:
+    return AxisRules.of(activations={"seq": "context", "residual_seq": "context"})
+
+
+@register_strategy("usp", "2-D context parallelism (USP): the sequence split over `context` × `ulysses`; attention "
+                   "all-to-all over the inner `ulysses` axis, ring over `context`", claims=("ulysses",),
+                   requires=("cp",))
+def _usp() -> AxisRules:
+    return AxisRules.of(activations={"seq": "ulysses", "residual_seq": "ulysses"})

@@ -1,6 +1,8 @@
 """Batches as pytrees with logical axes: every leaf planned (per-device bytes), nothing silently
 replicated, mismatched batches named, and the loss contract (loss sum, weight, metric sums)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,9 +114,13 @@ def test_per_device_batch_bytes_are_global_over_data_parallel(name, lm_abstract)
         dp = plan.data_parallel_size
         leaves = plan.group("batch")
         assert len(leaves) == len(plan.batch.leaves()) and leaves
+        # context parallelism splits a leaf's `seq` dimension too (cp recipes)
+        seq_rule = plan.rules.table("activations")["seq"]
+        cp = math.prod(plan.mesh_sizes[a] for a in seq_rule.mesh_axes)
+        ways = lambda leaf: dp * (cp if "seq" in leaf.logical_axes else 1)  # noqa: E731
         for leaf in leaves:
-            assert leaf.bytes_per_device * dp == leaf.bytes_total, (name, kind, leaf)
-        assert plan.per_device_bytes()["batch"] == sum(l.bytes_total for l in leaves) // dp
+            assert leaf.bytes_per_device * ways(leaf) == leaf.bytes_total, (name, kind, leaf)
+        assert plan.per_device_bytes()["batch"] == sum(l.bytes_total // ways(l) for l in leaves)
         shardings = jax.tree.leaves(plan.batch_shardings)
         assert len(shardings) == len(leaves) and all(s.mesh.shape == mesh.shape for s in shardings)
     assert plan.to_dict()["batch"][0]["path"] == "images"

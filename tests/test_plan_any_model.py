@@ -78,7 +78,8 @@ def _vit_plan(recipe="fsdp", batch=16, **options):
 
 
 def test_vit_tiny_plan_from_the_compiled_program_and_traced_estimate_within_15_percent(capsys):
-    code, out, err = run_plan(capsys, "--model", "vit-tiny", "--recipe", "fsdp", "--batch-size", "16", "--json")
+    code, out, err = run_plan(capsys, "--model", "vit-tiny", "--recipe", "fsdp", "--batch-size", "16",
+                              "--layer-loop", "scan", "--json")
     assert code == 0, err
     data = json.loads(out)
     assert data["estimates"] == COMPILED and data["mesh_kind"] == "devices"

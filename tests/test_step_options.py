@@ -25,12 +25,14 @@ def test_remat_policies_same_numbers_less_memory():
         loss, grads, plan, state = _loss_grads(r, mesh)
         assert abs(loss - base_loss) <= 1e-6 * base_loss, policy
         assert max(rel_diff(a, b) for a, b in zip(grads, base_grads)) <= 1e-5, policy
-    # Memory: measured on a longer sequence, where activations dominate.
+    # Memory: measured on a longer sequence, where activations dominate, all in a layer scan (the
+    # default loop unrolls a 2-layer model without remat; unrolled it also holds less: 47 vs 69 MB).
     for policy in (mt.Remat.NONE, mt.Remat.FULL, mt.Remat.DOTS_NO_BATCH):
-        r = recipe.with_options(remat=policy)
+        r = recipe.with_options(remat=policy, layer_loop="scan")
         plan = mt.make_plan(tiny_abstract(), r, mesh, batch=mt.BatchSpec(16, 256))
-        state = mt.init_state(plan)
-        compiled = mt.make_train_step(plan).lower(state, put(token_batch(0, 16, 256), plan)).compile()
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.batch_shardings[k])
+                 for k, v in plan.batch.abstract().items()}   # abstract inputs: nothing initialised
+        compiled = mt.make_train_step(plan).lower(mt.abstract_train_state(plan), batch).compile()
         temps[policy] = compiled.memory_analysis().temp_size_in_bytes
     assert temps[mt.Remat.FULL] < 0.75 * temps[mt.Remat.NONE], temps
     assert temps[mt.Remat.DOTS_NO_BATCH] < temps[mt.Remat.NONE], temps

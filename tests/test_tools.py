@@ -18,7 +18,7 @@ def tool(name, *args):
 
 def test_compile_time_is_flat_in_depth():
     out = tool("bench_compile.py", "--model", "tiny", "--layers", "4", "32", "--repeats", "1",
-               "--batch-size", "8", "--seq-len", "64", "--max-ratio", "inf")
+               "--batch-size", "8", "--seq-len", "64", "--max-ratio", "inf", "--layer-loop", "scan")
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     ops = re.findall(r"(\d+) HLO instructions, (\d+) while loops?", out.stdout)
     # The scanned program does not grow with depth (XLA may pick a different tiling or two): the
@@ -28,6 +28,15 @@ def test_compile_time_is_flat_in_depth():
     assert abs(n32 - n4) <= 0.01 * n4, out.stdout
     assert w4 == w32 >= 1, out.stdout  # the layers stay one loop at any depth
     assert re.search(r"ratio .*: [0-9.]+", out.stdout)
+
+
+def test_default_layer_loop_unrolls_shallow_stacks_and_scans_deep_ones():
+    out = tool("bench_compile.py", "--model", "tiny", "--layers", "4", "32", "--repeats", "1",
+               "--batch-size", "8", "--seq-len", "64", "--max-ratio", "inf")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    loops = [int(w) for _, w in re.findall(r"(\d+) HLO instructions, (\d+) while loops?", out.stdout)]
+    assert loops[0] == 0 and loops[1] >= 1, out.stdout   # 4 layers: straight-line; 32: one scan
+    assert "layer loop auto" in out.stdout
 
 
 def test_overhead_benchmark_matches_hand_written_numbers():

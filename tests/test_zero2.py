@@ -23,8 +23,8 @@ CONSTRAINT = re.compile(r"sdy\.sharding_constraint %\S+ <@mesh, \[(.*?)\]> : ten
 
 def _lower(name, **options):
     recipe, mesh = mesh_for(name)
-    if options:
-        recipe = recipe.with_options(**options)
+    # In a layer scan the backward's gradient buffers are whole tensors XLA must keep: what zero2 shards.
+    recipe = recipe.with_options(**{"layer_loop": "scan", **options})
     plan = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(16, 64))
     state = mt.init_state(plan)
     return plan, mt.make_train_step(plan).lower(state, put(token_batch(0), plan))

@@ -25,6 +25,7 @@ from meshtrain.analysis.hardware import PROFILES, Hardware, get_hardware, hardwa
 from meshtrain.analysis.layout import Layout, layout_of
 from meshtrain.analysis.memory import (Component, Fit, MeasuredMemory, MemoryEstimate, ZeroStage, estimate_memory,
                                        zero_model_state)
+from meshtrain.analysis.moe import moe_summary
 from meshtrain.analysis.steptime import StepTimeEstimate, estimate_step_time
 
 __all__ = [
@@ -34,5 +35,5 @@ __all__ = [
     "compiled_flops_per_step", "estimate_memory", "estimate_step_time", "get_hardware", "hardware_names",
     "hlo_collectives", "jaxpr_flops", "layout_of", "measure_cpu", "model_flops_per_token", "per_axis",
     "per_axis_estimate", "program_cost", "saved_activation_bytes", "saved_activations", "step_flops", "summarize",
-    "time_round_robin", "wire_bytes", "zero_model_state",
+    "time_round_robin", "wire_bytes", "zero_model_state", "moe_summary",
 ]

@@ -36,7 +36,7 @@ from meshtrain.abstract import abstract_state
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.mesh import MeshSpec
 from meshtrain.models.decoder import Decoder, DecoderConfig
-from meshtrain.recipes import Remat
+from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.rules import AxisRules
 from meshtrain.train.step import cast_floats, next_token_loss
 
@@ -64,6 +64,8 @@ class ActivationSplit:
     tensor: int = 1
     sequence: int = 1
     micro_batches: int = 1
+    #: context parallelism: every tensor with a sequence dimension is split this many ways
+    context: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +89,11 @@ class SavedTensor:
         ex = dict(self.exponents)
         div = split.batch if "B" in ex else 1
         if any(v in ex for v in _SHARDED_BY_TENSOR):
-            div *= split.tensor
+            div *= split.tensor * (split.context if "T" in ex else 1)
         elif "T" in ex and "d" in ex:
-            div *= split.sequence
+            div *= max(split.sequence, split.context)  # residual stream: SP and/or CP
+        elif "T" in ex:
+            div *= split.context
         return div
 
     def formula(self) -> str:
@@ -152,8 +156,13 @@ class ActivationModel:
 
 @functools.lru_cache(maxsize=None)
 def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "float32",
-                      tie_embeddings: bool = False) -> ActivationModel:
-    """Trace the probe decoder's loss VJP abstractly and turn its residuals into formulas."""
+                      tie_embeddings: bool = False, attention: "AttentionKind | str" = AttentionKind.DENSE
+                      ) -> ActivationModel:
+    """Trace the probe decoder's loss VJP abstractly and turn its residuals into formulas.
+
+    ``attention``: ``dense`` saves the ``T × T`` probabilities; every other kind is traced as
+    ``flash`` (the context-parallel kinds save the same q, k, v, output and log-sum-exp per device,
+    divided by the context split)."""
     from flax import nnx
 
 
@@ -164,7 +173,8 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     abstract = abstract_state(lambda rngs: Decoder(cfg, rngs=rngs))
     graphdef, params, rest = abstract.graphdef, abstract.params, abstract.model_state
     mesh = MeshSpec(ici={"data": 1}).abstract(1)
-    ctx = StepContext(mesh, AxisRules.defaults(), frozenset(), remat)
+    kind = AttentionKind.DENSE if AttentionKind(attention) is AttentionKind.DENSE else AttentionKind.FLASH
+    ctx = StepContext(mesh, AxisRules.defaults(), frozenset(), remat, kind)
     dtype = jnp.dtype(compute_dtype)
     ids = jax.ShapeDtypeStruct((p["B"], p["T"]), jnp.int32)
     batch = {"inputs": ids, "targets": ids, "positions": ids, "segment_ids": ids}

@@ -24,7 +24,8 @@ Tensor parallelism over ``t`` devices (Megatron), per layer and micro-batch: for
 ``X`` after the attention output and the MLP down projections (2), backward 2 for the input
 gradients of the column-parallel projections; with sequence parallelism each all-reduce becomes a
 reduce-scatter (result ``X/t``) + all-gather (``X``) and the backward re-gathers the two inputs
-(6 all-gathers, 4 reduce-scatters). ``remat=full`` repeats the forward ones. Vocabulary-parallel
+(6 all-gathers, 4 reduce-scatters). ``remat=full`` repeats the forward ones but the layer's last
+reduction (its output is never read by the backward). Vocabulary-parallel
 embedding (forward) and head (backward) add one each, and the loss 3 small ``b·T`` f32 reductions.
 
 Backends: XLA:GPU/TPU emit the above. XLA:CPU (measured, jax 0.10) has no reduce-scatter (it
@@ -43,7 +44,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from meshtrain.analysis.collectives import axes_key, wire_bytes
+from meshtrain.analysis.context_comms import context_collectives
 from meshtrain.analysis.layout import layout_of
+from meshtrain.parallel.moe import capacity_for
 from meshtrain.recipes import Remat
 
 
@@ -117,7 +120,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
     live = lambda axes: tuple(a for a in canon(axes) if sizes.get(a, 1) > 1)  # noqa: E731
     c = np.dtype(lay.compute_dtype).itemsize
     m = lay.micro_batches
-    batch = set(lay.batch_axes)
+    batch = set(lay.batch_axes) | set(lay.context_axes)  # context parallelism splits the data too
     out: List[CollectiveEstimate] = []
 
     def add(kind, axes, nbytes, executions, what, overlap=Overlap.HIDDEN, phase=Phase.BACKWARD):
@@ -130,8 +133,10 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         elems = math.prod(leaf.shape)
         p = np.dtype(leaf.dtype).itemsize
         s = set(live(_axes_in(leaf.spec)))
-        f, r = s & batch, batch - s
-        t = lay.size(s - batch)
+        # MoE experts split over batch axes (EP) are not gathered: each device runs its own experts.
+        ex = s & set(expert_axes(plan)) if "expert" in (leaf.logical_axes or ()) else set()
+        f, r = (s - ex) & batch, batch - s
+        t = lay.size((s - batch) | ex)
         layer = bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers"
         per = (cfg.n_layers if cfg is not None else max(int(leaf.shape[0]), 1)) if layer else 1
         lookup = (cfg is not None and tuple(leaf.logical_axes) == ("vocab", "embed") and not cfg.tie_embeddings
@@ -161,7 +166,72 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
 
     if cfg is not None:
         _tensor_parallel(plan, cfg, lay, backend, c, add)
+        _expert_parallel(plan, cfg, lay, backend, c, add)
+        for row in context_collectives(plan, cfg, backend.value):  # attention kinds over the context axes
+            hidden = row["kind"] in ("collective-permute", "all-gather")
+            add(row["kind"], row["axes"], row["bytes"], row["executions"], row["what"],
+                Overlap.HIDDEN if hidden else Overlap.EXPOSED, Phase(row["phase"]))
     return out
+
+
+def expert_axes(plan) -> Tuple[str, ...]:
+    """Mesh axes (size > 1) that split the ``expert`` dimension of MoE weights under ``plan``."""
+    rule = plan.rules.table("params").get("expert")
+    return tuple(a for a in (rule.mesh_axes if rule else ()) if plan.mesh_sizes.get(a, 1) > 1)
+
+
+def moe_exchange_bytes(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Dict[str, float]:
+    """Bytes one device's MoE token exchange moves per layer and micro-batch, for one all-to-all
+    (``per_op``) and per step per layer (``per_layer_step``: dispatch + combine, forward and
+    backward, ×micro-batches, +2 recomputed with remat), and the exchange kind.
+
+    ``b`` rows per device, ``T`` sequence, ``k`` experts per token, ``E`` experts, ``d`` width,
+    ``c`` compute-dtype bytes, ``ep`` expert-parallel devices, ``a = b·T·k`` local assignments:
+
+    * capacity: the ``(b, E, C, d)`` buffer, ``C = ceil(cf·T·k/E)``: ``b·E·C·d·c`` per all-to-all;
+    * dropless, CPU (padded, nothing drops): ``ep·a·d·c`` per all-to-all (+ ``ep·a`` int32 expert ids
+      in the forward);
+    * dropless, GPU/TPU (``ragged_all_to_all``): the rows that exist, ``a·d·c`` with balanced routing.
+    """
+    backend = Backend(backend)
+    lay = layout_of(plan)
+    ep = lay.size(expert_axes(plan))
+    c = np.dtype(lay.compute_dtype).itemsize
+    m = lay.micro_batches
+    b = plan.batch.batch_size // (lay.batch_split * m)
+    T, k, E, d = plan.batch.seq_len, cfg.experts_per_token, cfg.n_experts, cfg.d_model
+    a = b * T * k
+    recompute = 0 if plan.recipe.remat is Remat.NONE else 2
+    if cfg.capacity_factor is not None:
+        per_op, kind, exchange, ids = b * E * capacity_for(cfg.capacity_factor, T, k, E) * d * c, "all-to-all", \
+            "capacity (padded fixed-size all-to-all)", 0.0
+    elif backend is Backend.CPU:
+        per_op, kind, exchange, ids = ep * a * d * c, "all-to-all", "dropless, padded exchange (XLA:CPU has no " \
+            "ragged all-to-all; room for every local assignment per destination, nothing drops)", ep * a * 4.0
+    else:
+        per_op, kind, exchange, ids = a * d * c, "ragged-all-to-all", "dropless, ragged_all_to_all", a * 4.0
+    ops = (4 + recompute) * m
+    return {"ep": ep, "kind": kind, "exchange": exchange, "per_op": float(per_op), "ops_per_layer_step": ops,
+            "ids_per_layer_step": ids * (1 + recompute // 2) * m,
+            "per_layer_step": float(per_op) * ops + ids * (1 + recompute // 2) * m}
+
+
+def _expert_parallel(plan, cfg, lay, backend, c, add) -> None:
+    if not getattr(cfg, "n_experts", 0):
+        return
+    axes = expert_axes(plan)
+    if not axes:
+        return
+    x = moe_exchange_bytes(plan, cfg, backend)
+    L, m = cfg.n_layers, lay.micro_batches
+    per = x["ops_per_layer_step"] // m
+    add(x["kind"], axes, x["per_op"], (per // 2) * L * m, "MoE token dispatch + combine (forward)",
+        Overlap.EXPOSED, Phase.FORWARD)
+    add(x["kind"], axes, x["per_op"], (per - per // 2) * L * m, "MoE token dispatch + combine (backward)",
+        Overlap.EXPOSED, Phase.BACKWARD)
+    if x["ids_per_layer_step"]:
+        add(x["kind"], axes, x["ids_per_layer_step"] / m, L * m, "MoE expert ids (dropless exchange)",
+            Overlap.EXPOSED, Phase.FORWARD)
 
 
 def _zero_axes(plan, param_path: str) -> Tuple[str, ...]:
@@ -186,7 +256,11 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
     axes = lay.tensor_axes
     sp = lay.sequence > 1
     L = cfg.n_layers
-    recompute = 2 if plan.recipe.remat is Remat.FULL else 0
+    # remat=full re-runs the forward's collectives in the backward, except the last one of a layer:
+    # the MLP-down reduction only produces the layer's output, which the backward never reads, so XLA
+    # drops it (measured on XLA:CPU and XLA:TPU: 5 TP all-reduces per layer, not 6).
+    full = plan.recipe.remat is Remat.FULL
+    recompute, regather = (1, 2) if full else (0, 0)
     crit, fwd, bwd = Overlap.EXPOSED, Phase.FORWARD, Phase.BACKWARD
     bwd_ar = 5 if backend is Backend.CPU else 2
     if not sp:
@@ -195,7 +269,7 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
             + (", recomputed forward)" if recompute else ")"), crit, bwd)
     else:
         add("all-gather", axes, x, 2 * L * m, "SP forward all-gather (b,T,d) before column-parallel", crit, fwd)
-        add("all-gather", axes, x, (4 + recompute) * L * m, "SP backward all-gathers (re-gather inputs, "
+        add("all-gather", axes, x, (4 + regather) * L * m, "SP backward all-gathers (re-gather inputs, "
             "reduce-scatter transposes)", crit, bwd)
         if backend is Backend.CPU:
             add("all-reduce", axes, x, 2 * L * m, "SP forward reduce-scatter (as all-reduce)", crit, fwd)

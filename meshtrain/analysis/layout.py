@@ -31,6 +31,8 @@ class Layout:
     param_dtype: str
     compute_dtype: str
     dcn_axes: Tuple[str, ...] = ()
+    #: mesh axes that split the sequence inside attention / MLP blocks (context parallelism)
+    context_axes: Tuple[str, ...] = ()
 
     @property
     def sizes(self) -> Dict[str, int]:
@@ -55,8 +57,12 @@ class Layout:
     def sequence(self) -> int:
         return self.size(self.sequence_axes)
 
+    @property
+    def context(self) -> int:
+        return self.size(self.context_axes)
+
     def split(self) -> ActivationSplit:
-        return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches)
+        return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
 
 
 def _axes(plan, logical: str) -> Tuple[str, ...]:
@@ -71,4 +77,4 @@ def layout_of(plan) -> Layout:
     dcn = tuple(a for a, s in r.mesh.dcn if s > 1)
     return Layout(tuple(plan.mesh_sizes.items()), _axes(plan, "batch"), _axes(plan, "heads"),
                   _axes(plan, "residual_seq"), _axes(plan, "vocab"), r.micro_batches, r.param_dtype,
-                  r.compute_dtype, dcn)
+                  r.compute_dtype, dcn, _axes(plan, "seq"))

@@ -64,7 +64,8 @@ from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, ProgramCost, default_loss,  # noqa: F401
                                          has_analytic_model, local_rows, program_cost, working_weight_bytes)
 from meshtrain.analysis.layout import layout_of
-from meshtrain.recipes import Remat
+from meshtrain.parallel.context import attention_block_shape, plan_layout
+from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.train.step import gradient_shardings
 
 
@@ -142,15 +143,17 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
     total_param_bytes = sum(l.bytes_total for l in params)
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
         weight_fraction = per["params"] / total_param_bytes
-    model = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings)
+    attention = plan.recipe.attention
+    model = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, attention)
     acts = model.bytes_per_device(cfg, B, T, split, weight_fraction=weight_fraction)
-    none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings)
+    none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention)
     layer = none.layer_bytes_per_device(cfg, B, T, split)
     b_loc = B // (split.batch * split.micro_batches)
     vocab_split = lay.size(lay.vocab_axes)
-    logits_grad = 4 * b_loc * T * cfg.vocab_size // vocab_split
+    logits_grad = 4 * b_loc * (T // lay.context) * cfg.vocab_size // vocab_split
+    blocks = attention_working_set(plan, cfg, b_loc)
     comps = ((Component.PARAMS, per["params"]), (Component.GRADIENTS, grads), (Component.OPTIMIZER, per["optimizer"]),
-             (Component.ACTIVATIONS, acts), (Component.TEMPORARIES, layer + logits_grad),
+             (Component.ACTIVATIONS, acts), (Component.TEMPORARIES, layer + logits_grad + blocks),
              (Component.BATCH, per["batch"]))
     remat = plan.recipe.remat.value
     formulas = (
@@ -159,11 +162,26 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
          + (" + f32 accumulator 4 B × elements per device (micro-batches)" if lay.micro_batches > 1 else "")),
         (Component.OPTIMIZER, "Σ optimizer-state leaves ÷ shards (plan)"),
         (Component.ACTIVATIONS, f"saved tensors under remat={remat}, {lay.compute_dtype}, b={b_loc} per device "
-                                f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"),
-        (Component.TEMPORARIES, "one layer with remat=none (backward working set) + f32 logits gradient 4·b·T·V/t"),
+                                f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"
+                                + (f", ÷{lay.context} on the sequence (context, attention {attention.value})"
+                                   if lay.context > 1 else "")),
+        (Component.TEMPORARIES, "one layer with remat=none (backward working set) + f32 logits gradient 4·b·T·V/t"
+                                + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else "")),
         (Component.BATCH, "input arrays (plan)"),
     )
     return MemoryEstimate(comps, formulas)
+
+
+def attention_working_set(plan, cfg, b_loc: int) -> int:
+    """Bytes of the score blocks a blockwise attention kind keeps live in the backward (scores,
+    probabilities, their gradient and ``dp``: 4 f32 blocks of ``b × heads × bq × bk``); 0 for ``dense``
+    (its ``T × T`` scores are in the activations)."""
+    if plan.recipe.attention is AttentionKind.DENSE:
+        return 0
+    lay = layout_of(plan)
+    bq, bk, heads = attention_block_shape(plan_layout(plan), plan.batch.seq_len, max(cfg.n_heads // lay.tensor, 1),
+                                          b_loc)
+    return 4 * 4 * b_loc * heads * bq * bk
 
 
 def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> MemoryEstimate:

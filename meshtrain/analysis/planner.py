@@ -128,7 +128,9 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
             out.append(f"tensor parallelism over {lay.tensor} devices ({axis}) leaves the {hw.fast_domain}-device "
                        f"fast-link domain of {hw.name}: its per-layer all-reduces cross the slow links; keep "
                        f"tensor × inner axes ≤ {hw.fast_domain}")
-    ctx = lay.sizes.get("context", 1)
+    # only the all-to-all kinds split heads over the context axes (ring / all_gather keep them whole)
+    att = plan.recipe.attention.value
+    ctx = lay.context if att == "ulysses" else lay.sizes.get("ulysses", 1) if att == "usp" else 1
     for what, heads in (("query heads", getattr(cfg, "n_heads", None)), ("kv heads", getattr(cfg, "n_kv_heads", None))):
         ways = lay.tensor * ctx
         if heads and ways > 1 and heads % ways:

@@ -24,6 +24,8 @@ from meshtrain.analysis.hardware import get_hardware
 from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import estimate_memory, state_memory
+from meshtrain.analysis.moe import moe_lines, moe_summary
+from meshtrain.analysis.pipeline import pipeline_lines, pipeline_summary
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
 from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collectives, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
@@ -187,6 +189,12 @@ def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, 
         xla_flags=scheduling_flags(backend_of_hardware(a["hw"])))
     if a["cost"] is not None:
         out["program"] = a["cost"].to_dict()
+    pp = pipeline_summary(plan, cfg)
+    if pp is not None:
+        out["pipeline"] = pp
+    moe = moe_summary(plan, cfg, a["backend"])
+    if moe is not None:
+        out["moe"] = moe
     out.update(_check(plan, cfg, args, a))
     return _finite(out)
 
@@ -234,6 +242,8 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
         lines.append(f"  {c.value:16s} {_gib(b):>12s}  {formulas[c]}")
     lines += ["", f"collectives per step ({a['ops_source']}; bytes = result per device):"]
     lines += _collective_rows(a)
+    lines += moe_lines(moe_summary(plan, cfg, a["backend"]))
+    lines += pipeline_lines(pipeline_summary(plan, cfg))
     if step is None:
         lines += ["", "step time: unknown without the model's loss; pass --loss module:fn (a function (model, "
                       "batch) -> (loss_sum, weight[, metrics])) to estimate it from the compiled program"]

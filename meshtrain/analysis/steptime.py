@@ -149,8 +149,10 @@ def hbm_traffic(plan, cfg, lay: Layout) -> float:
         weights += math.prod(leaf.shape) * c / lay.size(axes - batch)
     B, T = plan.batch.batch_size, plan.batch.seq_len
     split = lay.split()
-    a_none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings).bytes_per_device(cfg, B, T, split)
-    a_saved = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings).bytes_per_device(
+    att = plan.recipe.attention  # flash / context kinds keep no T × T scores
+    a_none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att).bytes_per_device(
+        cfg, B, T, split)
+    a_saved = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att).bytes_per_device(
         cfg, B, T, split)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3
     per = plan.per_device_bytes()

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
@@ -121,7 +121,8 @@ def _detach_from_donation(tree):
         for i, sh in enumerate(shards):
             if sh.replica_id == 0:
                 sources.append(arrays[i])
-                targets.append(sh.device)
+                # in the array's own memory kind (pinned_host for an offloaded optimizer state)
+                targets.append(SingleDeviceSharding(sh.device, memory_kind=x.sharding.memory_kind))
                 slots.append((j, arrays, i))
     if not sources:
         return tree

@@ -32,7 +32,16 @@ def add_parser(sub):
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default=None,
                    help="activation recomputation policy for the layer stack (default: the recipe's)")
     p.add_argument("--micro-batches", type=int, default=None,
-                   help="gradient accumulation steps per optimizer step (default: the recipe's)")
+                   help="gradient accumulation steps per optimizer step; with a pp recipe: the pipeline's "
+                        "micro-batches (default: the recipe's)")
+    p.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"), default=None,
+                   help="pipeline schedule for a pp recipe (default: the recipe's), e.g. --recipe pp_fsdp "
+                        "--schedule 1f1b --micro-batches 8")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="layer groups per pipeline stage for --schedule circular (default: the recipe's)")
+    p.add_argument("--attention", choices=("dense", "flash", "all_gather", "ring", "ulysses", "usp"), default=None,
+                   help="attention kind (default: the recipe's); all_gather/ring/ulysses/usp need a cp recipe, e.g. "
+                        "--recipe fsdp_cp --attention ulysses")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds initialisation, data order and dropout (>= 0)")
     p.add_argument("--data", default=None,
                    help="text file/folder or .npy/.bin token file (default: the embedded corpus, this Python's "
@@ -49,6 +58,12 @@ def add_parser(sub):
     p.add_argument("--resume", action="store_const", const="latest", default="no",
                    help="continue from the newest valid checkpoint in --out (a new run if --out holds none; "
                         "refused if it holds checkpoints of which none is valid)")
+    p.add_argument("--offload", choices=("none", "optimizer"), default=None,
+                   help="optimizer: keep the optimizer state (and f32 master weights) in pinned host memory "
+                        "between steps (default: the recipe's)")
+    p.add_argument("--layer-loop", choices=("auto", "scan", "unrolled"), default=None,
+                   help="run the layer stack as one scan, unrolled, or auto (unrolled up to 8 layers) "
+                        "(default: the recipe's)")
     p.add_argument("--xla-flags", choices=("auto", "none"), default="auto",
                    help="auto: add meshtrain's XLA scheduling flags for the backend (GPU: latency-hiding "
                         "scheduler, pipelined/combined collectives; TPU: async collective fusion) to XLA_FLAGS / "

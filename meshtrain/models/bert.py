@@ -135,6 +135,32 @@ class Bert(nnx.Module):
         pooled_bd = self.dropout(pooled_bd, deterministic=det, rngs=k_cls)
         return constrain(pooled_bd @ self.classifier_dl[...] + self.classifier_bias_l[...], ("batch", None))
 
+    # -- pipeline contract (meshtrain.parallel.pipeline): embeddings, encoder.blocks, MLM head ----------
+    def pipeline_parts(self) -> "PipelineParts":
+        """Embeddings, the ``encoder.blocks`` stack and the masked-LM head (``__call__``; ``classify``
+        is not pipelined), for the pipeline schedules; dropout must be off."""
+        return PipelineParts(stack="encoder.blocks", before=self.pipeline_before, layer=_pipeline_layer,
+                             after=self.pipeline_after)
+
+    def pipeline_before(self, input_ids_bt, positions_bt=None, segment_ids_bt=None, *,
+                        deterministic: Optional[bool] = None):
+        self._check(input_ids_bt)
+        det, _ = dropout_key(self.dropout, deterministic)
+        if not det:
+            raise ConfigError(f"model {self.cfg.name!r} has dropout {self.cfg.dropout} on: a pipeline recipe runs its "
+                              f"layer stack without dropout; set dropout=0.0 or pick a recipe without 'pp'")
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(input_ids_bt.shape[1]), input_ids_bt.shape)
+        x_btd = jnp.take(self.tok_vd[...], input_ids_bt, axis=0) + jnp.take(self.pos_pd[...], positions_bt, axis=0)
+        return constrain(self.emb_norm(x_btd), RESIDUAL), {"segment_ids": segment_ids_bt}
+
+    def pipeline_after(self, x_btd, side):
+        h_btd = self.final_norm(x_btd) if self.cfg.pre_ln else x_btd
+        h_btd = jax.nn.gelu(h_btd @ self.mlm_dense_dd[...] + self.mlm_dense_bias_d[...])
+        h_btd = self.mlm_norm(h_btd)
+        logits = jnp.einsum("btd,vd->btv", h_btd, self.tok_vd[...]) + self.mlm_bias_v[...]
+        return constrain(logits, ("batch", "seq", "vocab"))
+
 
 def mlm_loss(model: nnx.Module, batch: Dict[str, jax.Array], *, deterministic: Optional[bool] = None
              ) -> Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]:
@@ -164,3 +190,10 @@ def bert_classification_loss(model: nnx.Module, batch: Dict[str, jax.Array], *,
     logits = model.classify(batch["input_ids"], batch.get("positions"), batch.get("segment_ids"),
                             deterministic=deterministic)
     return class_cross_entropy(logits, batch["labels"])
+
+
+def _pipeline_layer(block, x_btd, side):
+    return block(x_btd, side["segment_ids"], deterministic=True, key=None)
+
+
+from meshtrain.parallel.pipeline import PipelineParts  # noqa: E402  (appended: the pipeline contract type)

@@ -2,7 +2,8 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP, tied or untied
 embeddings. The layer stack is one vmapped ``Block`` (its parameters carry a leading ``layers``
-axis) run under ``jax.lax.scan``, so compile time does not grow with depth.
+axis) run by :func:`meshtrain.annotate.scan_layers`: one ``lax.scan`` for deep stacks (compile time
+flat in depth), straight-line code for shallow ones (the recipe's ``layer_loop``).
 
 Example::
 
@@ -20,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtrain.annotate import constrain, remat
+from meshtrain.annotate import constrain, scan_layers
 from meshtrain.errors import ConfigError
+from meshtrain.models.moe import MoE, MoEConfig, pop_moe_stats
 from meshtrain.parallel.attention import attention
 
 RESIDUAL = ("batch", "residual_seq", "embed")
@@ -43,13 +45,44 @@ class DecoderConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Mixture of experts (n_experts=0: every block has the dense SwiGLU MLP of width d_ff). With
+    # n_experts > 0 every block's MLP is an MoE layer (meshtrain.models.moe): experts_per_token
+    # routed experts of width d_expert (0: d_ff) plus n_shared_experts shared ones; capacity_factor
+    # None routes dropless; the router losses enter the training loss with these coefficients.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    d_expert: int = 0
+    n_shared_experts: int = 0
+    capacity_factor: Optional[float] = 1.25
+    router_aux_coef: float = 0.01
+    router_z_coef: float = 0.001
+    router_norm_topk: bool = True  # renormalise the chosen experts' scores (Mixtral, Qwen3); False: raw
 
-    def num_params(self) -> int:
+    def __post_init__(self):
+        if self.n_experts:
+            self.moe()  # validates top-k, capacity and widths with errors naming the field
+
+    def moe(self) -> Optional[MoEConfig]:
+        """The blocks' :class:`MoEConfig`, or ``None`` for a dense model."""
+        if not self.n_experts:
+            return None
+        return MoEConfig(self.d_model, self.n_experts, self.experts_per_token, self.d_expert or self.d_ff,
+                         self.n_shared_experts, self.capacity_factor, self.router_aux_coef, self.router_z_coef,
+                         self.router_norm_topk)
+
+    def num_params(self, active: bool = False) -> int:
+        """All parameters, or (``active=True``) those one token uses: MoE blocks count the router,
+        ``experts_per_token`` routed experts and the shared ones."""
         d, l = self.d_model, self.n_layers
         attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * d * self.d_ff
+        moe = self.moe()
+        mlp = 3 * d * self.d_ff if moe is None else (moe.active_params() if active else moe.num_params())
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return l * (attn + mlp + 2 * d) + emb + d
+
+    def num_active_params(self) -> int:
+        """Parameters a token passes through (equals :meth:`num_params` for a dense model)."""
+        return self.num_params(active=True)
 
 
 def _init(in_axis, out_axis):
@@ -120,7 +153,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs) if not cfg.n_experts else MoE(cfg.moe(), rngs)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt):
         x_btd = constrain(x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt), RESIDUAL)
@@ -159,12 +192,49 @@ class Decoder(nnx.Module):
         graphdef, layers = nnx.split(self.blocks)
 
         def layer(x_btd, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_btd, positions_bt, segment_ids_bt), None
+            block = nnx.merge(graphdef, layer_state)
+            x_btd = block(x_btd, positions_bt, segment_ids_bt)
+            # MoE router statistics leave the scan as outputs (dense blocks: none, the program is unchanged)
+            return x_btd, (pop_moe_stats(block) if cfg.n_experts else None)
 
-        x_btd, _ = jax.lax.scan(remat(layer), x_btd, layers)
+        x_btd, stats = scan_layers(layer, x_btd, layers)
+        if stats:  # their mean over layers, for the loss (meshtrain.models.moe.pop_moe_stats)
+            self.moe_stats = nnx.Intermediate({k: jnp.mean(v) for k, v in stats.items()})
         x_btd = self.final_norm(x_btd)
         if cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x_btd, table_vd) * cfg.d_model ** -0.5
         else:
             logits = x_btd @ self.lm_head_dv[...]
         return constrain(logits, ("batch", "seq", "vocab"))
+
+    # -- pipeline contract (meshtrain.parallel.pipeline): the same parts __call__ runs ------------
+    def pipeline_parts(self) -> "PipelineParts":
+        """Embedding, the ``blocks`` stack (leading ``layers`` axis) and final norm + head, for the
+        pipeline schedules; ``model(tokens, positions, segment_ids)`` arguments go to ``before``."""
+        return PipelineParts(stack="blocks", before=self.pipeline_before, layer=_pipeline_layer,
+                             after=self.pipeline_after)
+
+    def pipeline_before(self, tokens_bt, positions_bt: Optional[jax.Array] = None,
+                        segment_ids_bt: Optional[jax.Array] = None):
+        if tokens_bt.shape[1] > self.cfg.max_seq_len:
+            raise ConfigError(f"sequence length {tokens_bt.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len} of "
+                              f"model {self.cfg.name!r}")
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        x_btd = constrain(jnp.take(self.embedding_vd[...], tokens_bt, axis=0), RESIDUAL)
+        return x_btd, {"positions": positions_bt, "segment_ids": segment_ids_bt}
+
+    def pipeline_after(self, x_btd, side):
+        x_btd = self.final_norm(x_btd)
+        if self.cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x_btd, self.embedding_vd[...]) * self.cfg.d_model ** -0.5
+        else:
+            logits = x_btd @ self.lm_head_dv[...]
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _pipeline_layer(block, x_btd, side):
+    return block(x_btd, side["positions"], side["segment_ids"])
+
+
+from meshtrain.parallel.pipeline import PipelineParts  # noqa: E402  (appended: the pipeline contract type)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshtrain.annotate import constrain, remat
+from meshtrain.annotate import constrain, scan_layers
 from meshtrain.parallel.attention import attention
 
 RESIDUAL = ("batch", "residual_seq", "embed")
@@ -117,8 +117,9 @@ class EncoderBlock(nnx.Module):
 
 
 class EncoderStack(nnx.Module):
-    """``n_layers`` identical blocks, parameters stacked on a leading ``layers`` axis, run under
-    ``jax.lax.scan`` with the recipe's remat policy (the decoder's pattern)."""
+    """``n_layers`` identical blocks, parameters stacked on a leading ``layers`` axis, run by
+    :func:`meshtrain.annotate.scan_layers` with the recipe's remat policy and layer loop (the
+    decoder's pattern)."""
 
     def __init__(self, n_layers: int, rngs: nnx.Rngs, **block_kwargs):
         self.n_layers = n_layers
@@ -139,7 +140,7 @@ class EncoderStack(nnx.Module):
             return nnx.merge(graphdef, layer_state)(x, segment_ids_bt, deterministic=deterministic,
                                                     key=layer_key), None
 
-        x_btd, _ = jax.lax.scan(remat(layer), x_btd, (layers, keys))
+        x_btd, _ = scan_layers(layer, x_btd, (layers, keys))
         return x_btd
 
 

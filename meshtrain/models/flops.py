@@ -4,7 +4,8 @@ MFU (model FLOPs utilisation) counts useful work only::
 
     model_flops_per_token(cfg, T) = 6·N + 6·L·n·h·T
 
-* ``N``: parameters that take part in matmuls, i.e. all parameters except a separate input
+* ``N``: parameters that take part in matmuls (mixture of experts: those a token is routed
+  through, i.e. *active* parameters; MFU by active FLOPs), i.e. all parameters except a separate input
   embedding table (a lookup, not a matmul); norm scales are included (negligible).
   ``6·N``: forward ``2·N`` (multiply + add per weight) and backward ``4·N`` (input and weight grads).
 * ``6·L·n·h·T``: attention scores ``Q·Kᵀ`` and ``P·V`` (``2·2·n·h·T`` per token per layer in the
@@ -34,9 +35,12 @@ from meshtrain.recipes import Remat
 
 
 def matmul_params(cfg) -> int:
-    """``N`` in ``6·N``: all parameters minus a separate (untied) input embedding table."""
+    """``N`` in ``6·N``: all parameters minus a separate (untied) input embedding table. For a
+    mixture-of-experts decoder, the *active* parameters (router, ``experts_per_token`` routed and the
+    shared experts per token): MFU of an MoE model is by active FLOPs."""
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-    return cfg.num_params() - embed
+    active = getattr(cfg, "num_active_params", None)
+    return (active() if active is not None else cfg.num_params()) - embed
 
 
 def attention_flops_per_token(cfg, seq_len: int, *, causal_once: bool = True) -> float:

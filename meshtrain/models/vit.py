@@ -122,6 +122,31 @@ class ViT(nnx.Module):
         logits = pooled_bd @ self.head_dc[...] + self.head_bias_c[...]
         return constrain(logits, ("batch", None))
 
+    # -- pipeline contract (meshtrain.parallel.pipeline): patch embedding, encoder.blocks, pooled head --
+    def pipeline_parts(self) -> "PipelineParts":
+        """Patch embedding, the ``encoder.blocks`` stack and norm + pooled head, for the pipeline
+        schedules (dropout must be off: its per-layer keys do not travel with the micro-batches)."""
+        return PipelineParts(stack="encoder.blocks", before=self.pipeline_before, layer=_pipeline_layer,
+                             after=self.pipeline_after)
+
+    def pipeline_before(self, images_bhwc: jax.Array, *, deterministic: Optional[bool] = None):
+        cfg = self.cfg
+        det, _ = dropout_key(self.dropout, deterministic)
+        if not det:
+            raise ConfigError(f"model {cfg.name!r} has dropout {cfg.dropout} on: a pipeline recipe runs its layer "
+                              f"stack without dropout; set dropout=0.0 or pick a recipe without 'pp'")
+        patches = patchify(images_bhwc.astype(self.patch_ppcd[...].dtype), cfg.patch_size)
+        x_btd = jnp.einsum("bnpqc,pqcd->bnd", patches, self.patch_ppcd[...]) + self.patch_bias_d[...]
+        if cfg.pool == "cls":
+            cls = jnp.broadcast_to(self.cls_d[...].astype(x_btd.dtype), (x_btd.shape[0], 1, cfg.d_model))
+            x_btd = jnp.concatenate([cls, x_btd], axis=1)
+        return constrain(x_btd + self.pos_td[...].astype(x_btd.dtype), RESIDUAL), {}
+
+    def pipeline_after(self, x_btd, side):
+        x_btd = self.final_norm(x_btd)
+        pooled_bd = x_btd[:, 0] if self.cfg.pool == "cls" else jnp.mean(x_btd, axis=1)
+        return constrain(pooled_bd @ self.head_dc[...] + self.head_bias_c[...], ("batch", None))
+
 
 def vit_loss(model: nnx.Module, batch: Dict[str, jax.Array], *, deterministic: Optional[bool] = None
              ) -> Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]:
@@ -135,3 +160,10 @@ def vit_loss(model: nnx.Module, batch: Dict[str, jax.Array], *, deterministic: O
     """
     logits = model(batch["images"], deterministic=deterministic)
     return class_cross_entropy(logits, batch["labels"])
+
+
+def _pipeline_layer(block, x_btd, side):
+    return block(x_btd, None, deterministic=True, key=None)
+
+
+from meshtrain.parallel.pipeline import PipelineParts  # noqa: E402  (appended: the pipeline contract type)

@@ -1,8 +1,18 @@
 """Attention through one function with a ``kind``; models call :func:`attention` and the recipe
-picks the kind (``dense`` now; context-parallel kinds plug in here).
+picks the kind (:class:`~meshtrain.recipes.AttentionKind`): ``dense``, ``flash``, and the
+context-parallel ``all_gather``, ``ring``, ``ulysses``, ``usp`` (:mod:`meshtrain.parallel.context`).
 
 Shapes: ``q_btnh`` (batch, seq, query heads, head dim), ``k_bskh`` / ``v_bskh`` with ``k`` key/value
 heads (grouped-query attention when ``n > k``; ``n`` must be a multiple of ``k``).
+
+Inside a step whose recipe shards ``seq`` over context axes, the sequence dimension of ``q``/``k``/
+``v``/``segment_ids`` is in the recipe's layout order (zig-zag for ring / all_gather / usp; the
+built-in language-model data arrive in that order with their positions). Outside a step (or with
+no sharded context axis) a context kind computes the same attention as ``flash`` on one device.
+
+Example::
+
+    o_btnh = attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=seg_bt, kind="flash")
 """
 
 from __future__ import annotations
@@ -13,7 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.annotate import current_step_context
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.context import CONTEXT_KINDS, LoadBalance, context_attention, context_layout
+from meshtrain.parallel.flash import FlashBackend, flash_attention
 from meshtrain.recipes import AttentionKind
+
+__all__ = ["attention", "reference_attention", "AttentionKind"]
 
 
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
@@ -24,13 +39,26 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     ``segment_ids_bt`` keeps packed documents apart (a token attends only within its segment).
     ``kind`` defaults to the active recipe's attention kind (``dense`` outside a step).
     """
+    ctx = current_step_context()
     if kind is None:
-        ctx = current_step_context()
         kind = ctx.attention if ctx is not None else AttentionKind.DENSE
-    kind = AttentionKind(kind)
+    try:
+        kind = AttentionKind(kind)
+    except ValueError:
+        raise ConfigError(f"attention kind {kind!r}; use one of {[a.value for a in AttentionKind]}") from None
+    n, kv = q_btnh.shape[2], k_bskh.shape[2]
+    if n % kv:
+        raise ConfigError(f"attention: {n} query heads are not a multiple of {kv} key/value heads")
     if kind is AttentionKind.DENSE:
         return _dense(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal)
-    raise NotImplementedError(f"attention kind {kind.value!r}")  # unreachable: the enum lists only kinds above
+    backend = ctx.option("flash_backend", FlashBackend.AUTO) if ctx is not None else FlashBackend.AUTO
+    if kind in CONTEXT_KINDS and ctx is not None:
+        layout = context_layout(kind, ctx.rules, dict(ctx.mesh.shape),
+                                ctx.option("load_balance", LoadBalance.ZIGZAG))
+        if layout.sharded:
+            return context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal, layout, ctx)
+        backend = FlashBackend.XLA if kind is not AttentionKind.FLASH else backend
+    return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal=causal, backend=backend)
 
 
 def _dense(q, k, v, segment_ids, causal):

@@ -68,6 +68,11 @@ class TrainConfig:
     param_dtype: Optional[str] = None
     remat: Optional[str] = None
     micro_batches: Optional[int] = None
+    schedule: Optional[str] = None  # pipeline schedule (pp recipes): gpipe, circular, 1f1b
+    repeats: Optional[int] = None  # layer groups per stage (circular)
+    attention: Optional[str] = None  # attention kind: dense, flash, all_gather, ring, ulysses, usp
+    offload: Optional[str] = None  # "optimizer": optimizer state in pinned host memory
+    layer_loop: Optional[str] = None  # auto, scan, unrolled
     data: Optional[str] = None
     batch_size: int = 16
     seq_len: int = 128

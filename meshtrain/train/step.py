@@ -19,6 +19,7 @@ accuracy. A weight of 0 divides by 1 (the loss reads 0).
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import jax
@@ -30,6 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshtrain.abstract import path_str
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
+from meshtrain.models.moe import moe_loss_terms, pop_moe_stats
+from meshtrain.parallel import pipeline as pipe
 from meshtrain.plan import ShardingPlan
 from meshtrain.state import TrainState, state_shardings
 
@@ -49,14 +52,21 @@ class NonFinite(str, enum.Enum):
     SKIP = "skip"
 
 
-def next_token_loss(model: nnx.Module, batch: Dict[str, jax.Array]) -> Tuple[jax.Array, jax.Array]:
+def next_token_loss(model: nnx.Module, batch: Dict[str, jax.Array]):
     """Cross-entropy of ``targets`` under ``model(inputs, positions, segment_ids)``; targets < 0 are
-    ignored (padding). Returns ``(sum, count)`` in f32."""
+    ignored (padding). Returns ``(sum, count)`` in f32; for a model with MoE layers
+    (:mod:`meshtrain.models.moe`) ``(sum + router penalty · count, count, {"moe_aux_loss", "moe_z_loss",
+    "moe_load_max", "moe_drop_frac"} sums)``: the loss includes ``aux_coef·aux + z_coef·z``."""
     logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
     targets = batch["targets"]
     mask = (targets >= 0).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
-    return jnp.sum(ce * mask), jnp.sum(mask)
+    total, count = jnp.sum(ce * mask), jnp.sum(mask)
+    stats = pop_moe_stats(model)
+    if stats is None:
+        return total, count
+    extra, metrics = moe_loss_terms(stats, count)
+    return total + extra, count, metrics
 
 
 def cast_floats(tree, dtype):
@@ -71,7 +81,7 @@ def _cast_floats(tree, dtype):
 def step_context_for(plan: ShardingPlan) -> StepContext:
     r = plan.recipe
     return StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat, r.attention,
-                       tuple(sorted(r.step_options().items())))
+                       tuple(sorted(r.step_options().items())), r.layer_loop, r.scan_unroll)
 
 
 def gradient_shardings(plan: ShardingPlan):
@@ -142,18 +152,77 @@ def unpack_loss(out, loss_fn=None) -> Tuple[jax.Array, jax.Array, Dict[str, jax.
     return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in metrics.items()}
 
 
+def pipeline_config(plan: ShardingPlan) -> Optional[pipe.PipelineConfig]:
+    """The pipeline of a recipe with the ``pp`` strategy (``None`` otherwise), checked against the
+    model (the pipeline contract, layers divisible into groups) and the batch (``ConfigError``s that
+    name the fix)."""
+    if not plan.recipe.step_options().get("pipeline"):
+        return None
+    cfg = pipe.config_for(plan.recipe, plan.mesh_sizes)
+    model = nnx.merge(plan.abstract.graphdef, plan.abstract.params, plan.abstract.model_state)
+    parts = pipe.get_parts(model)
+    stack = pipe.get_path(plan.abstract.params, parts.stack)
+    if not stack:
+        raise ConfigError(f"pipeline_parts().stack = {parts.stack!r} holds no parameters of "
+                          f"{type(model).__name__}; name the nnx.vmap'ed layer stack")
+    sizes = {int(x.shape[0]) for x in jax.tree.leaves(stack)}
+    if len(sizes) != 1:
+        raise ConfigError(f"the leaves of {parts.stack!r} have different leading (layers) sizes {sorted(sizes)}; "
+                          f"the pipeline stack must be one nnx.vmap'ed layer with a leading `layers` axis")
+    batch = None
+    if plan.batch is not None:
+        dims = [(leaf.shape[leaf.batch_dim]) for _, leaf in plan.batch.leaves() if leaf.batch_dim is not None]
+        batch = dims[0] if dims else None
+    cfg.check(sizes.pop(), batch)
+    return cfg
+
+
+def _split_batch(batch, plan: ShardingPlan, micro: int):
+    """Every leaf cut along its ``batch`` dim into ``(micro, ...)`` (rows stay on their devices);
+    leaves without one are repeated."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    dims = [leaf.batch_dim for _, leaf in plan.batch.leaves()]
+    out = []
+    for x, d in zip(leaves, dims):
+        if d is None:
+            out.append(jnp.broadcast_to(x, (micro,) + x.shape))
+            continue
+        y = x.reshape(x.shape[:d] + (x.shape[d] // micro, micro) + x.shape[d + 1:])
+        out.append(jnp.moveaxis(y, d + 1, 0))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn):
     graphdef = plan.abstract.graphdef
     compute_dtype = jnp.dtype(plan.recipe.compute_dtype)
+    pipeline = pipeline_config(plan)
 
     def summed(params, model_state, batch):
         # Cast before use: under FSDP the all-gathers then move compute-dtype bytes.
         model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
-        total, weight, metrics = unpack_loss(loss_fn(model, batch), loss_fn)
+        if pipeline is None:
+            out = loss_fn(model, batch)
+        else:  # gpipe / circular: the stack runs through the schedule inside model(...), autodiff replays it
+            out = pipe.pipelined_loss(model, loss_fn, batch, pipeline)
+        total, weight, metrics = unpack_loss(out, loss_fn)
+        # Values a layer stored for the loss (MoE router statistics) are per call, not state: a loss
+        # that did not pop them must not turn them into a model-state leaf the plan never saw.
+        nnx.pop(model, nnx.Intermediate)
         _, _, new_model_state = nnx.split(model, nnx.Param, ...)
         return total, (weight, metrics, nnx.to_pure_dict(new_model_state))
 
-    return jax.value_and_grad(summed, has_aux=True)
+    if pipeline is None or pipeline.schedule is not pipe.Schedule.ONE_F_ONE_B:
+        return jax.value_and_grad(summed, has_aux=True)
+
+    def one_f_one_b(params, model_state, batch):
+        # 1F1B: the backward is written out per stage inside the schedule (no jax.grad over the pipeline).
+        build = lambda p: nnx.merge(graphdef, _cast_floats(p, compute_dtype), model_state)  # noqa: E731
+        total, weight, metrics, grads = pipe.value_and_grad_1f1b(
+            build, params, loss_fn, _split_batch(batch, plan, pipeline.micro_batches), pipeline,
+            lambda out: unpack_loss(out, loss_fn))
+        return (total, (weight, metrics, model_state)), grads
+
+    return one_f_one_b
 
 
 def _batch_layout(plan: ShardingPlan, what: str):
@@ -262,7 +331,11 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
     loss_fn = loss_fn or next_token_loss
     tx = plan.abstract.tx
     grad_fn = _loss_and_grads(plan, loss_fn)
-    micro = plan.recipe.micro_batches
+    # Under a pipeline the recipe's micro-batches are the schedule's, not gradient accumulation.
+    pipeline = pipeline_config(plan)
+    micro = 1 if pipeline else plan.recipe.micro_batches
+    if pipeline and pipe.bubble_warning(pipeline):
+        warnings.warn(pipe.bubble_warning(pipeline), stacklevel=2)
     nonfinite = NonFinite(nonfinite)
     grad_sh = gradient_shardings(plan)  # ZeRO-2: the optimizer state's sharding; else the params'
 
@@ -326,11 +399,11 @@ def make_grad_fn(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None) -> Che
     """
     _batch_layout(plan, "make_grad_fn")
     grad_fn = _loss_and_grads(plan, loss_fn or next_token_loss)
+    micro = 1 if pipeline_config(plan) else plan.recipe.micro_batches
 
     def grads(state: TrainState, batch):
         with step_context(step_context_for(plan)):
-            total, weight, _, g, _ = _accumulate(grad_fn, state.params, state.model_state, batch,
-                                                 plan.recipe.micro_batches, plan)
+            total, weight, _, g, _ = _accumulate(grad_fn, state.params, state.model_state, batch, micro, plan)
             denom = _denominator(weight)
             return total / denom, jax.tree.map(lambda x: x / denom, g)
 

@@ -31,6 +31,7 @@ from meshtrain.models import get_config, model_factory
 from meshtrain.models.bert import BertConfig, mlm_loss
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.vit import ViTConfig, vit_loss
+from meshtrain.parallel.context import sequence_permutation
 from meshtrain.train.step import next_token_loss
 
 
@@ -47,6 +48,9 @@ class DataRequest:
     rows: np.ndarray
     split: str  # "train" or "val"
     shardings: Any = None  # the plan's batch shardings (None before the plan exists)
+    #: the token order the plan's attention expects (context parallelism with zig-zag load balance:
+    #: ``batch[:, seq_order]``), or ``None`` for natural order
+    seq_order: Optional[np.ndarray] = None
 
 
 #: ``request -> iterable of this process's numpy batches``.
@@ -71,12 +75,15 @@ class Task:
     model_cfg: Any = None
     metric_names: tuple = ()
     batch_axes: Any = None
+    #: the data honour ``DataRequest.seq_order`` (tokens, positions and segment ids reordered together)
+    reorders_seq: bool = False
 
     def feed(self, request: DataRequest, plan, first=None):
         """The iterator the loop reads: global device batches, ``state()``/``restore()``, ``wait_s``.
 
         ``first``: a batch already read (to find the batch layout) from the source that the last
         ``self.data(...)`` call returned; that source is continued, so no batch is seen twice."""
+        request = self._with_seq_order(request, plan)
         source = None
         if request.split == "train" and first is not None:
             source = self.data.reuse(request) if isinstance(self.data, _Sources) else None
@@ -91,6 +98,22 @@ class Task:
             return source
         return DeviceFeed(source, plan.batch, plan.batch_shardings, first=first,
                           name=f"{self.name} {request.split} data")
+
+    def _with_seq_order(self, request: DataRequest, plan) -> DataRequest:
+        """``request`` with the token order the plan's context-parallel attention expects."""
+        seq_leaves = [leaf for _, leaf in plan.batch.leaves() if "seq" in leaf.axes] if plan.batch is not None else []
+        if not seq_leaves:
+            return request
+        order = sequence_permutation(plan, seq_leaves[0].shape[seq_leaves[0].axes.index("seq")])
+        if order is None:
+            return request
+        if not self.reorders_seq:
+            raise ConfigError(
+                f"recipe {plan.recipe.name!r} runs attention {plan.recipe.attention.value!r} with zig-zag load "
+                f"balance, which expects each sequence in zig-zag order; this task's data come in natural order. "
+                f"Reorder your batches with meshtrain.parallel.context.sequence_permutation(plan, seq_len) "
+                f"(x[:, perm], positions included), or use --attention ulysses / a recipe without cp")
+        return dataclasses.replace(request, seq_order=order)
 
 
 def _eval_variant(loss_fn):
@@ -145,12 +168,28 @@ def language_model_task(cfg, factory, loss_fn, vocab_size: Optional[int] = None,
         return sources[name]
 
     def data(req: DataRequest):
-        return BatchIterator(split(req.split), req.batch_size, req.seq_len, req.seed,
-                             shardings=req.shardings, vocab_size=vocab_size,
-                             prefetch=2 if req.split == "train" else 0)
+        return _OrderedBatches(split(req.split), req.batch_size, req.seq_len, req.seed,
+                               shardings=req.shardings, vocab_size=vocab_size,
+                               prefetch=2 if req.split == "train" else 0, seq_order=req.seq_order)
 
     return Task(name, factory, loss_fn, loss_fn, data, data, layout=lambda b, t: BatchSpec(b, t).layout(),
-                tokens_per_example=lambda t: t, model_cfg=model_cfg)
+                tokens_per_example=lambda t: t, model_cfg=model_cfg, reorders_seq=True)
+
+
+class _OrderedBatches(BatchIterator):
+    """Token batches whose sequence dimension comes in ``seq_order`` (every key together: inputs,
+    targets, positions and segment ids), so the next-token loss, a sum over tokens, is unchanged
+    and RoPE reads the carried positions."""
+
+    def __init__(self, *args, seq_order: Optional[np.ndarray] = None, **kwargs):
+        self.seq_order = seq_order
+        super().__init__(*args, **kwargs)
+
+    def local_batch(self, first_sample: int):
+        batch = super().local_batch(first_sample)
+        if self.seq_order is None:
+            return batch
+        return {k: np.ascontiguousarray(v[:, self.seq_order]) for k, v in batch.items()}
 
 
 def _image_classifier(cfg, model_cfg: ViTConfig) -> Task:

@@ -179,7 +179,8 @@ class Trainer:
         recipe = get_recipe(cfg.recipe)
         if cfg.mesh:
             recipe = recipe.with_mesh(**MeshSpec.parse(cfg.mesh))
-        knobs = {k: getattr(cfg, k) for k in ("compute_dtype", "param_dtype", "remat", "micro_batches")
+        knobs = {k: getattr(cfg, k) for k in ("compute_dtype", "param_dtype", "remat", "micro_batches", "schedule",
+                                              "repeats", "attention", "offload", "layer_loop")
                  if getattr(cfg, k) is not None}
         recipe = recipe.with_options(**knobs) if knobs else recipe
         devices = devices if devices is not None else select_devices(cfg.devices)
@@ -447,7 +448,8 @@ class _Loop:
 
     def run(self) -> None:
         cfg, plan = self.cfg, self.plan
-        self.progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}, mesh "
+        self.progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}"
+                            f"{_knobs_text(plan.recipe)}, mesh "
                             + " × ".join(f"{a}={s}" for a, s in plan.mesh_sizes.items())
                             + f", batch {self.examples}" + (f"×{self.tokens_per_example}" if self.tokens_per_example
                                                              else "")
@@ -599,6 +601,19 @@ class _Loop:
         if self.t.is_main:
             self.progress.print(_format_summary(summary))
         return summary
+
+
+def _knobs_text(recipe) -> str:
+    """`` (attention ulysses, remat full, ...)``: the recipe's knobs that differ from the defaults."""
+    defaults = {"attention": "dense", "remat": "none", "param_dtype": "float32", "compute_dtype": "float32",
+                "micro_batches": 1, "offload": "none", "layer_loop": "auto"}
+    parts = []
+    for name, default in defaults.items():
+        value = getattr(recipe, name)
+        value = getattr(value, "value", value)
+        if value != default:
+            parts.append(f"{name.replace('_', ' ')} {value}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _format_summary(s: TrainSummary) -> str:

@@ -1,0 +1,360 @@
+"""Mixture-of-experts kernels: the router, token dispatch to experts and the combine back.
+
+Routing (:func:`route`, f32): ``softmax`` over the router logits, top-``k`` experts per token
+(Mixtral / Switch), optionally renormalised over the chosen ``k``. Two dispatch modes:
+
+* **capacity** (GShard / Switch): each sequence (one batch row, so the result does not depend on
+  the mesh) gives every expert ``C = ceil(capacity_factor · T · k / E)`` slots. Slots are filled in
+  priority order: every token's first choice (in token order), then every second choice, and so on.
+  Assignments past ``C`` are *dropped*: they contribute nothing and the token keeps only its
+  residual. Tokens go to experts as a fixed ``(rows, E, C, d)`` buffer.
+* **dropless** (MegaBlocks): assignments are sorted by expert and multiplied with
+  ``jax.lax.ragged_dot`` (a grouped matmul); nothing is dropped.
+
+Expert parallelism: when the step's rules map the ``expert`` logical axis of the expert weights to
+mesh axes of size > 1, :func:`experts` runs inside ``jax.shard_map`` and exchanges tokens with
+``jax.lax.all_to_all`` over those axes (each device holds ``E / ep`` experts):
+
+* capacity: a padded fixed-size all-to-all of the ``(rows, E, C, d)`` buffer, split on ``E``;
+* dropless on GPU/TPU: ``jax.lax.ragged_all_to_all`` of the expert-sorted tokens (only the rows
+  that exist travel; the receive buffer holds the worst case, ``ep × local assignments``);
+* dropless on CPU (XLA:CPU has no ragged all-to-all): a padded exchange with room for *every*
+  local assignment for each destination (``ep × local assignments`` rows sent), so nothing drops;
+  :func:`dropless_exchange` says which, and the plan states it.
+
+Expert weights keep FSDP/TP rules elsewhere: before the exchange they are gathered on ``embed``
+(FSDP) and stay split on ``mlp`` over tensor axes (a ``psum`` after the down projection).
+
+Example::
+
+    r = route(logits_bte, top_k=2, capacity=capacity_for(1.25, T, 2, E))
+    y_btd = experts(x_btd, r, w_gate_edf, w_up_edf, w_down_efd, capacity=r.capacity)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from meshtrain.annotate import current_step_context
+from meshtrain.errors import ConfigError
+
+#: Keys of the per-layer router statistics (all f32 scalars).
+STAT_KEYS = ("aux_loss", "z_loss", "load_max", "drop_frac")
+
+
+def capacity_for(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
+    """Slots per expert per sequence: ``ceil(capacity_factor · seq_len · top_k / n_experts)``.
+    ``capacity_factor >= n_experts / top_k`` never drops (``C >= seq_len``)."""
+    if capacity_factor is None or not capacity_factor > 0:
+        raise ConfigError(f"capacity_factor={capacity_factor!r}: use a number > 0 (e.g. 1.25; "
+                          f">= n_experts/top_k drops nothing), or capacity_factor=None for dropless routing")
+    return max(1, math.ceil(capacity_factor * seq_len * top_k / n_experts))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Where each token goes. ``(b, t, k)`` arrays: ``expert`` (int32), ``weight`` (f32 combine
+    weight), ``slot`` (position in its expert's buffer of its row; capacity mode), ``kept``
+    (``False`` for dropped assignments). ``counts_e`` assignments per expert before dropping,
+    ``dropped_e`` dropped per expert (global over the batch), ``stats`` (:data:`STAT_KEYS`)."""
+
+    expert: jax.Array
+    weight: jax.Array
+    slot: jax.Array
+    kept: jax.Array
+    counts_e: jax.Array
+    dropped_e: jax.Array
+    stats: Dict[str, jax.Array]
+    capacity: Optional[int] = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def route(logits_bte: jax.Array, top_k: int, *, capacity: Optional[int] = None, norm_topk: bool = True) -> Routing:
+    """Top-``k`` routing over ``softmax(logits)`` in f32, with the Switch statistics:
+
+    * ``aux_loss = E · Σ_e f_e · P_e`` with ``f_e`` the share of the ``N·k`` assignments that chose
+      expert ``e`` and ``P_e`` the mean router probability of ``e`` (1.0 when perfectly balanced);
+    * ``z_loss = mean_n logsumexp(logits_n)²`` (ST-MoE);
+    * ``load_max = max_e count_e / mean_e count_e`` (busiest expert relative to the mean);
+    * ``drop_frac`` = dropped assignments / ``N·k`` (0 in dropless mode, ``capacity=None``).
+    """
+    logits = logits_bte.astype(jnp.float32)
+    b, t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ConfigError(f"top_k={top_k} with {e} experts: use 1 <= top_k <= n_experts")
+    probs = jax.nn.softmax(logits, axis=-1)
+    weight, expert = jax.lax.top_k(probs, top_k)
+    if norm_topk:
+        weight = weight / jnp.sum(weight, axis=-1, keepdims=True)
+    expert = expert.astype(jnp.int32)
+    onehot_btke = jax.nn.one_hot(expert, e, dtype=jnp.int32)
+    counts = jnp.sum(onehot_btke, axis=(0, 1, 2))
+    if capacity is None:
+        slot = jnp.zeros_like(expert)
+        kept = jnp.ones(expert.shape, bool)
+    else:
+        # Priority: all first choices of a row (token order), then all second choices, ...
+        order_bke = jnp.swapaxes(onehot_btke, 1, 2).reshape(b, top_k * t, e)
+        pos = (jnp.cumsum(order_bke, axis=1) - 1) * order_bke
+        slot = jnp.swapaxes(jnp.sum(pos, axis=-1).reshape(b, top_k, t), 1, 2).astype(jnp.int32)
+        kept = slot < capacity
+    kept_counts = jnp.sum(onehot_btke * kept[..., None], axis=(0, 1, 2))
+    n_assign = float(b * t * top_k)
+    f_e = counts.astype(jnp.float32) / n_assign
+    p_e = jnp.mean(probs, axis=(0, 1))
+    stats = {
+        "aux_loss": e * jnp.sum(f_e * p_e),
+        "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "load_max": jnp.max(counts).astype(jnp.float32) / (n_assign / e),
+        "drop_frac": 1.0 - jnp.sum(kept_counts).astype(jnp.float32) / n_assign,
+    }
+    return Routing(expert, weight, slot, kept, counts, counts - kept_counts, stats, capacity)
+
+
+def swiglu_experts(x_end, w_gate_edf, w_up_edf, w_down_efd):
+    """Every expert's SwiGLU on its own rows: ``x (E, n, d) -> (E, n, d)``."""
+    h = jax.nn.silu(jnp.einsum("end,edf->enf", x_end, w_gate_edf)) * jnp.einsum("end,edf->enf", x_end, w_up_edf)
+    return jnp.einsum("enf,efd->end", h, w_down_efd)
+
+
+# -- capacity mode: per-row fixed buffers ---------------------------------------------------------
+
+def _flat_slot(r_expert, r_slot, r_kept, n_experts, capacity):
+    """Index into a row's flattened ``(E·C + 1)`` buffer; dropped assignments point at the last row."""
+    return jnp.where(r_kept, r_expert * capacity + r_slot, n_experts * capacity)
+
+
+def dispatch_rows(x_btd, expert_btk, slot_btk, kept_btk, n_experts: int, capacity: int):
+    """``(b, E, C, d)`` buffers: row ``b``'s tokens in the slots of their experts (zeros elsewhere)."""
+
+    def one(x_td, e_tk, s_tk, k_tk):
+        idx = _flat_slot(e_tk, s_tk, k_tk, n_experts, capacity).reshape(-1)
+        src = jnp.repeat(x_td, e_tk.shape[1], axis=0)
+        buf = jnp.zeros((n_experts * capacity + 1, x_td.shape[-1]), x_td.dtype).at[idx].add(src)
+        return buf[:-1].reshape(n_experts, capacity, x_td.shape[-1])
+
+    return jax.vmap(one)(x_btd, expert_btk, slot_btk, kept_btk)
+
+
+def combine_rows(y_becd, expert_btk, slot_btk, kept_btk, weight_btk):
+    """``Σ_k weight · y[expert, slot]`` per token; dropped assignments add nothing."""
+    n_experts, capacity = y_becd.shape[1], y_becd.shape[2]
+
+    def one(y_ecd, e_tk, s_tk, k_tk, w_tk):
+        flat = jnp.concatenate([y_ecd.reshape(n_experts * capacity, -1), jnp.zeros((1, y_ecd.shape[-1]), y_ecd.dtype)])
+        y_tkd = flat[_flat_slot(e_tk, s_tk, k_tk, n_experts, capacity)]
+        return jnp.einsum("tkd,tk->td", y_tkd, (w_tk * k_tk).astype(y_tkd.dtype))
+
+    return jax.vmap(one)(y_becd, expert_btk, slot_btk, kept_btk, weight_btk)
+
+
+# -- dropless mode: sort by expert, grouped matmul -------------------------------------------------
+
+def _sort_by_expert(x_nd, expert_nk):
+    """Assignments sorted by expert: rows ``(N·k, d)``, their experts, the permutation."""
+    k = expert_nk.shape[1]
+    flat_e = expert_nk.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    return x_nd[order // k], flat_e[order], order
+
+
+def _grouped_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd):
+    h = jax.nn.silu(jax.lax.ragged_dot(x_md, w_gate_edf, group_sizes_e)) * jax.lax.ragged_dot(x_md, w_up_edf,
+                                                                                                group_sizes_e)
+    return jax.lax.ragged_dot(h, w_down_efd, group_sizes_e)
+
+
+def _unsort_combine(y_md, order, weight_nk):
+    n, k = weight_nk.shape
+    y_ad = jnp.zeros_like(y_md).at[order].set(y_md)
+    return jnp.einsum("nkd,nk->nd", y_ad.reshape(n, k, -1), weight_nk.astype(y_md.dtype))
+
+
+def dropless_local(x_nd, expert_nk, weight_nk, w_gate_edf, w_up_edf, w_down_efd):
+    """Dropless experts on one device's tokens: sort, ``ragged_dot``, unsort, weighted sum."""
+    xs, es, order = _sort_by_expert(x_nd, expert_nk)
+    sizes = jnp.bincount(es, length=w_gate_edf.shape[0]).astype(jnp.int32)
+    return _unsort_combine(_grouped_swiglu(xs, sizes, w_gate_edf, w_up_edf, w_down_efd), order, weight_nk)
+
+
+# -- the entry point ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How a step lays out the experts: mesh axes of the expert dimension (``ep`` devices), of the
+    batch and of the expert ``mlp`` width (tensor). ``mesh`` is ``None`` outside a step / on one device."""
+
+    mesh: Optional[jax.sharding.Mesh]
+    expert_axes: Tuple[str, ...] = ()
+    batch_axes: Tuple[str, ...] = ()
+    mlp_axes: Tuple[str, ...] = ()
+
+    @property
+    def ep(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.expert_axes) if self.mesh is not None else 1
+
+
+def _live(mesh, spec_entry) -> Tuple[str, ...]:
+    axes = (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry or ())
+    return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def expert_layout(n_experts: int, d_model: int, d_expert: int, batch: int) -> ExpertLayout:
+    """The :class:`ExpertLayout` of the step being traced (no mesh outside a step or on one device)."""
+    ctx = current_step_context()
+    if ctx is None or ctx.mesh.size == 1:
+        return ExpertLayout(None)
+    sizes = dict(ctx.mesh.shape)
+    w = ctx.rules.resolve("params", ("expert", "embed", "mlp"), (n_experts, d_model, d_expert), sizes,
+                          path="moe expert weights", replicate_ok=ctx.replicate_ok)
+    xb = ctx.rules.resolve("activations", ("batch",), (batch,), sizes, path="moe tokens",
+                           replicate_ok=ctx.replicate_ok)
+    spec = tuple(w.spec) + (None,) * (3 - len(tuple(w.spec)))
+    bspec = tuple(xb.spec) + (None,)
+    return ExpertLayout(ctx.mesh, _live(ctx.mesh, spec[0]), _live(ctx.mesh, bspec[0]), _live(ctx.mesh, spec[2]))
+
+
+def dropless_exchange(mesh) -> str:
+    """``"ragged"`` (``ragged_all_to_all``) on GPU/TPU meshes, ``"padded"`` on CPU (not implemented
+    there): the padded exchange reserves room for every local assignment per destination."""
+    devices = getattr(mesh, "devices", None)
+    platform = devices.flat[0].platform if devices is not None and devices.size else "cpu"
+    return "padded" if platform == "cpu" else "ragged"
+
+
+def experts(x_btd, r: Routing, w_gate_edf, w_up_edf, w_down_efd, *, capacity: Optional[int]):
+    """Apply the routed experts: ``y_btd = Σ_k weight · expert(x)`` (dropped assignments add nothing).
+
+    Runs locally outside a step (or on one device); under a step whose rules shard ``expert`` over
+    mesh axes, runs expert-parallel (see the module docstring). ``capacity=None``: dropless.
+    """
+    b, t, d = x_btd.shape
+    n_experts, _, f = w_gate_edf.shape
+    lay = expert_layout(n_experts, d, f, b)
+    if lay.mesh is None or (capacity is not None and lay.ep == 1):
+        if capacity is None:  # no mesh: one device's tokens
+            y = dropless_local(x_btd.reshape(b * t, d), r.expert.reshape(b * t, -1), r.weight.reshape(b * t, -1),
+                               w_gate_edf, w_up_edf, w_down_efd)
+            return y.reshape(b, t, d)
+        x_becd = dispatch_rows(x_btd, r.expert, r.slot, r.kept, n_experts, capacity)
+        y_becd = jax.vmap(swiglu_experts, in_axes=(0, None, None, None))(x_becd, w_gate_edf, w_up_edf, w_down_efd)
+        return combine_rows(y_becd, r.expert, r.slot, r.kept, r.weight).astype(x_btd.dtype)
+    return _sharded(x_btd, r, w_gate_edf, w_up_edf, w_down_efd, capacity, lay)
+
+
+def _sharded(x_btd, r: Routing, w_gate_edf, w_up_edf, w_down_efd, capacity, lay: ExpertLayout):
+    mesh, ea, ba, ma = lay.mesh, lay.expert_axes, lay.batch_axes, lay.mlp_axes
+    n_experts = w_gate_edf.shape[0]
+    if lay.ep > 1:
+        if n_experts % lay.ep:
+            raise ConfigError(f"{n_experts} experts do not divide over the expert mesh axes {ea} ({lay.ep} devices); "
+                              f"use an expert axis size that divides {n_experts} (e.g. --mesh expert=2) or a "
+                              f"multiple of {lay.ep} experts")
+        missing = [a for a in ea if a not in ba]
+        if missing:
+            raise ConfigError(f"expert parallelism over {ea} needs the batch split over those axes too (missing "
+                              f"{missing}); use the `ep` strategy, which maps batch -> expert")
+    bspec = ba if ba else None
+    ein = (ea or None, None, ma or None)
+    eout = (ea or None, ma or None, None)
+    # Gather FSDP shards of the expert weights here (GSPMD): inside, each device needs its experts whole.
+    w_gate_edf, w_up_edf = (jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P(*ein)))
+                            for w in (w_gate_edf, w_up_edf))
+    w_down_efd = jax.lax.with_sharding_constraint(w_down_efd, NamedSharding(mesh, P(*eout)))
+    row = P(bspec, None, None)
+    kernel = _capacity_kernel if capacity is not None else (
+        _dropless_kernel if dropless_exchange(mesh) == "padded" or lay.ep == 1 else _ragged_kernel)
+
+    def body(x, e, s, k, w, wg, wu, wd):
+        y = kernel(x, e, s, k, w, wg, wu, wd, capacity=capacity, expert_axes=ea, ep=lay.ep)
+        return jax.lax.psum(y, ma) if ma else y
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(row, row, row, row, row, P(*ein), P(*ein), P(*eout)),
+                       out_specs=row)
+    return fn(x_btd, r.expert, r.slot, r.kept, r.weight, w_gate_edf, w_up_edf, w_down_efd)
+
+
+def _capacity_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
+    n_experts = wg.shape[0] * ep
+    x_becd = dispatch_rows(x_btd, e_btk, s_btk, k_btk, n_experts, capacity)
+    if ep > 1:  # (b, E, C, d) -> (ep·b, E/ep, C, d): each device gets its experts' slots of every row
+        x_becd = jax.lax.all_to_all(x_becd, expert_axes, 1, 0, tiled=True)
+    y_becd = jax.vmap(swiglu_experts, in_axes=(0, None, None, None))(x_becd, wg, wu, wd)
+    if ep > 1:
+        y_becd = jax.lax.all_to_all(y_becd, expert_axes, 0, 1, tiled=True)
+    return combine_rows(y_becd, e_btk, s_btk, k_btk, w_btk).astype(x_btd.dtype)
+
+
+def _local_expert_sort(x_md, local_e_m, n_local):
+    """Rows sorted by local expert (``n_local`` marks padding, sorted last); group sizes; permutation."""
+    order = jnp.argsort(local_e_m, stable=True)
+    sizes = jnp.bincount(local_e_m, length=n_local + 1)[:n_local].astype(jnp.int32)
+    return x_md[order], sizes, order
+
+
+def _dropless_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
+    """Dropless with a padded exchange: each destination gets room for all ``N·k`` local assignments."""
+    b, t, d = x_btd.shape
+    n, k = b * t, e_btk.shape[-1]
+    e_nk, w_nk = e_btk.reshape(n, k), w_btk.reshape(n, k)
+    if ep == 1:
+        return dropless_local(x_btd.reshape(n, d), e_nk, w_nk, wg, wu, wd).reshape(b, t, d)
+    n_local = wg.shape[0]
+    a = n * k
+    xs, es, order = _sort_by_expert(x_btd.reshape(n, d), e_nk)      # (a, d) sorted by global expert
+    dest = es // n_local
+    per_dest = jnp.bincount(dest, length=ep)
+    start = jnp.cumsum(per_dest) - per_dest
+    pos = jnp.arange(a) - start[dest]                                  # position within its destination
+    send = jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs)
+    send_e = jnp.full((ep, a), n_local, jnp.int32).at[dest, pos].set(es % n_local)
+    recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # (ep sources, a, d)
+    recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True)
+    rs, sizes, rorder = _local_expert_sort(recv.reshape(ep * a, d), recv_e.reshape(-1), n_local)
+    ys = _grouped_swiglu(rs, sizes, wg, wu, wd)
+    valid = (jnp.arange(ep * a) < jnp.sum(sizes))[:, None]
+    ys = jnp.where(valid, ys, 0)
+    y_recv = jnp.zeros_like(ys).at[rorder].set(ys).reshape(ep, a, d)
+    back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True)  # (ep destinations, a, d)
+    y_sorted = back[dest, pos]
+    return _unsort_combine(y_sorted, order, w_nk).reshape(b, t, d).astype(x_btd.dtype)
+
+
+def _ragged_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
+    """Dropless with ``ragged_all_to_all`` (GPU/TPU): only existing rows travel."""
+    b, t, d = x_btd.shape
+    n, k = b * t, e_btk.shape[-1]
+    n_local = wg.shape[0]
+    a = n * k
+    e_nk, w_nk = e_btk.reshape(n, k), w_btk.reshape(n, k)
+    xs, es, order = _sort_by_expert(x_btd.reshape(n, d), e_nk)
+    dest = es // n_local
+    send_sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
+    in_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    # sizes[i, j]: rows device i sends device j (every device needs the whole matrix for offsets)
+    sizes = jax.lax.all_gather(send_sizes, expert_axes, tiled=False).reshape(ep, ep)
+    me = jax.lax.axis_index(expert_axes)
+    out_offsets = (jnp.cumsum(sizes, axis=0) - sizes)[me].astype(jnp.int32)  # where my rows land at each j
+    recv_sizes = sizes[:, me].astype(jnp.int32)
+    recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    buf = jnp.zeros((ep * a, d), xs.dtype)
+    recv = jax.lax.ragged_all_to_all(xs, buf, in_offsets, send_sizes, out_offsets, recv_sizes,
+                                     axis_name=expert_axes)
+    ebuf = jnp.full((ep * a,), n_local, jnp.int32)
+    recv_e = jax.lax.ragged_all_to_all((es % n_local).astype(jnp.int32), ebuf, in_offsets, send_sizes, out_offsets,
+                                       recv_sizes, axis_name=expert_axes)
+    rs, gsizes, rorder = _local_expert_sort(recv, recv_e, n_local)
+    ys = _grouped_swiglu(rs, gsizes, wg, wu, wd)
+    ys = jnp.where((jnp.arange(ep * a) < jnp.sum(gsizes))[:, None], ys, 0)
+    y_recv = jnp.zeros_like(ys).at[rorder].set(ys)
+    # Back: what I received from source i (at recv_offsets[i]) returns to i at its in_offsets[me].
+    back_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me].astype(jnp.int32)
+    y_sorted = jax.lax.ragged_all_to_all(y_recv, jnp.zeros((a, d), ys.dtype), recv_offsets, recv_sizes,
+                                         back_offsets, send_sizes, axis_name=expert_axes)
+    return _unsort_combine(y_sorted, order, w_nk).reshape(b, t, d).astype(x_btd.dtype)

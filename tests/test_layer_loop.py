@@ -1,0 +1,43 @@
+"""The layer loop is a recipe choice: scan, unrolled, or scan with unroll=k, with remat, same numbers."""
+
+import jax
+import pytest
+from helpers import mesh_for, rel_diff, run_steps, tiny_abstract
+
+import meshtrain as mt
+from meshtrain.errors import RecipeError
+
+
+def _while_loops(plan):
+    """Loops in the lowered step (StableHLO, before XLA: nothing compiled or allocated)."""
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.batch_shardings[k])
+             for k, v in plan.batch.abstract().items()}
+    return mt.make_train_step(plan).lower(mt.abstract_train_state(plan), batch).as_text().count("stablehlo.while")
+
+
+def test_scan_unrolled_and_partial_unroll_train_alike():
+    recipe, mesh = mesh_for("fsdp")
+    abstract = tiny_abstract(n_layers=4)
+    scan, plan, _ = run_steps(recipe.with_options(layer_loop="scan"), mesh, steps=2, abstract=abstract)
+    flat, _, _ = run_steps(recipe.with_options(layer_loop="unrolled", remat="full"), mesh, steps=2,
+                           abstract=abstract)
+    two, _, _ = run_steps(recipe.with_options(layer_loop="scan", scan_unroll=2), mesh, steps=2, abstract=abstract)
+    assert rel_diff(flat, scan) <= 1e-5 and rel_diff(two, scan) <= 1e-5, (scan, flat, two)
+
+
+def test_auto_unrolls_shallow_and_scans_deep_stacks():
+    recipe, mesh = mesh_for("dp", 1)
+    shallow = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(16, 64))
+    deep = mt.make_plan(tiny_abstract(n_layers=mt.recipes.AUTO_UNROLL_LAYERS + 1), recipe, mesh,
+                        batch=mt.BatchSpec(16, 64))
+    assert shallow.recipe.layer_loop.value == "auto"
+    assert _while_loops(shallow) == 0 and _while_loops(deep) >= 1
+
+
+def test_bad_layer_loop_settings_name_the_choices():
+    with pytest.raises(RecipeError, match="layer_loop one of"):
+        mt.get_recipe("fsdp").with_options(layer_loop="sometimes")
+    with pytest.raises(RecipeError, match="scan_unroll=0"):
+        mt.get_recipe("fsdp").with_options(scan_unroll=0)
+    r = mt.get_recipe("fsdp").with_options(layer_loop="unrolled", scan_unroll=2)
+    assert mt.Recipe.from_dict(r.to_dict()) == r and "layer_loop" not in mt.get_recipe("fsdp").to_dict()
