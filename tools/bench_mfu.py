@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     else:
         unit, uname = (1e12, "TFLOP/s") if accel else (1e9, "GFLOP/s")  # CPU rates are GFLOP/s
         print(f"{result['device']}, peak {hw.peak_flops / unit:.1f} {uname} per device ({hw.name})")
-        print(f"{cfg.name} ({cfg.num_params() / 1e9:.3f}B params), recipe {recipe.name}, attention {attention}, "
+        print(f"{cfg.name} ({cfg.num_params() / 1e6:,.1f}M params), recipe {recipe.name}, attention {attention}, "
               f"remat {remat}, params {args.param_dtype}, compute {args.compute_dtype}, "
               f"batch {batch} x {seq} tokens, {args.steps} alternating steps")
         print(f"XLA scheduling flags added: {flags or 'none'}")
