@@ -192,10 +192,11 @@ def _split_batch(batch, plan: ShardingPlan, micro: int):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn):
+def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe.PipelineConfig]):
+    """``(params, model_state, batch) -> ((loss sum, (weight, metrics, model_state)), grads)``;
+    ``pipeline`` is :func:`pipeline_config` of the plan (computed once by the caller)."""
     graphdef = plan.abstract.graphdef
     compute_dtype = jnp.dtype(plan.recipe.compute_dtype)
-    pipeline = pipeline_config(plan)
 
     def summed(params, model_state, batch):
         # Cast before use: under FSDP the all-gathers then move compute-dtype bytes.
@@ -330,9 +331,9 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
     _batch_layout(plan, "make_train_step")
     loss_fn = loss_fn or next_token_loss
     tx = plan.abstract.tx
-    grad_fn = _loss_and_grads(plan, loss_fn)
-    # Under a pipeline the recipe's micro-batches are the schedule's, not gradient accumulation.
     pipeline = pipeline_config(plan)
+    grad_fn = _loss_and_grads(plan, loss_fn, pipeline)
+    # Under a pipeline the recipe's micro-batches are the schedule's, not gradient accumulation.
     micro = 1 if pipeline else plan.recipe.micro_batches
     if pipeline and pipe.bubble_warning(pipeline):
         warnings.warn(pipe.bubble_warning(pipeline), stacklevel=2)
@@ -398,8 +399,9 @@ def make_grad_fn(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None) -> Che
     recipe); use it to inspect or compare gradients across recipes.
     """
     _batch_layout(plan, "make_grad_fn")
-    grad_fn = _loss_and_grads(plan, loss_fn or next_token_loss)
-    micro = 1 if pipeline_config(plan) else plan.recipe.micro_batches
+    pipeline = pipeline_config(plan)
+    grad_fn = _loss_and_grads(plan, loss_fn or next_token_loss, pipeline)
+    micro = 1 if pipeline else plan.recipe.micro_batches
 
     def grads(state: TrainState, batch):
         with step_context(step_context_for(plan)):

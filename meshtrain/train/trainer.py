@@ -605,14 +605,12 @@ class _Loop:
 
 def _knobs_text(recipe) -> str:
     """`` (attention ulysses, remat full, ...)``: the recipe's knobs that differ from the defaults."""
-    defaults = {"attention": "dense", "remat": "none", "param_dtype": "float32", "compute_dtype": "float32",
-                "micro_batches": 1, "offload": "none", "layer_loop": "auto"}
+    defaults = {f.name: f.default for f in dataclasses.fields(recipe)}
     parts = []
-    for name, default in defaults.items():
+    for name in ("attention", "remat", "param_dtype", "compute_dtype", "micro_batches", "offload", "layer_loop"):
         value = getattr(recipe, name)
-        value = getattr(value, "value", value)
-        if value != default:
-            parts.append(f"{name.replace('_', ' ')} {value}")
+        if value != defaults[name]:
+            parts.append(f"{name.replace('_', ' ')} {getattr(value, 'value', value)}")
     return f" ({', '.join(parts)})" if parts else ""
 
 
