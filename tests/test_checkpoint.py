@@ -108,7 +108,7 @@ def test_sync_save_commits_before_returning(run, tmp_path):
 def test_uncompressed_checkpoints_restore_either_way(run, tmp_path):
     plan, _, states = run
     with Checkpointer(tmp_path / "raw", save_every=1, compression=Compression.NONE) as raw, \
-            Checkpointer(tmp_path / "zstd", save_every=1) as zstd:
+            Checkpointer(tmp_path / "zstd", save_every=1, compression=Compression.ZSTD) as zstd:
         for ckpt in (raw, zstd):
             ckpt.maybe_save(1, device(plan, states[1]), data_state={}, metadata={})
             ckpt.wait()

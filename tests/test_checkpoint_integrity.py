@@ -182,6 +182,27 @@ def test_injected_write_error_surfaces_at_next_call(run, ckdir, monkeypatch):
     assert ckpt.all_steps() == [1, 2, 6]
 
 
+def test_ctrl_c_inside_the_blocking_save_leaves_older_steps_and_closes_quietly(run, ckdir):
+    """Ctrl-C landing in Orbax's blocking part of a save: the partial folder goes, close() does not turn
+    the interrupt into a save error, and the older steps still restore (the CI race of stop 15)."""
+    plan, states = run
+    ckpt = Checkpointer(ckdir, save_every=3, keep_last=5)
+    real_save = ckpt._manager.save
+
+    def interrupted(step, *args, **kwargs):
+        (ckdir / f"{step}.orbax-checkpoint-tmp-123").mkdir()
+        raise KeyboardInterrupt
+
+    ckpt._manager.save = interrupted
+    with pytest.raises(KeyboardInterrupt), pytest.warns(CheckpointWarning, match="removed temporary"):
+        ckpt.maybe_save(3, device(plan, states[3]), data_state={}, metadata={})
+    ckpt._manager.save = real_save
+    ckpt.close()   # nothing in flight: no error
+    assert not integrity.tmp_dirs(ckdir) and ckpt.all_steps() == [1, 2]
+    with Checkpointer(ckdir, save_every=3) as again:
+        assert_bit_exact(states[2], again.restore(plan).state)
+
+
 def test_preflight_space_check(run, ckdir, monkeypatch):
     plan, states = run
     monkeypatch.setattr(manager, "_free_bytes", lambda path: 1000)

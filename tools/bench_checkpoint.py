@@ -1,7 +1,8 @@
-"""Checkpoint benchmark: training stall per async save vs a synchronous save, and save throughput vs the
-raw write speed of the same disk, all in one run and one folder.
+"""Checkpoint benchmark: save throughput vs the raw write speed of the same disk, host memory during a
+save, and the training stall of an async save vs a synchronous one, all in one run and one folder.
 
     python tools/bench_checkpoint.py                       # ~200 MB TrainState, 8 simulated CPU devices
+    python tools/bench_checkpoint.py --compare             # the same, earlier settings vs current, alternating
     python tools/bench_checkpoint.py --dir /mnt/fast --mb 400 --json
 
 What is measured (same state, same folder, same process):
@@ -10,6 +11,11 @@ What is measured (same state, same folder, same process):
   (``raw_fsync``), and the same without ``fsync`` (``raw_buffered``, page-cache speed).
 * sync save: ``Checkpointer(async_save=False).maybe_save`` wall time until the step is committed
   with its manifest (write + SHA-256 of every file + rename); throughput = state bytes / time.
+* host memory: the process's peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``
+  right before the save, after ``malloc_trim``; a 1 ms ``VmRSS`` sampler where the reset is not
+  allowed) minus its resident memory just before the save, for a sync save and for an async save
+  (from the call until the write is committed), as a multiple of the state's bytes. On CPU the
+  "device" arrays live in host memory too: the figure is what the save adds on top of them.
 * async save inside a training loop: ``SaveResult.blocking_s`` of each save (the stall: the loop
   cannot run while Orbax takes the arrays' host copies and starts its writer; the loop waits for
   every device to finish the step first, so step compute is not counted as stall; on CPU it includes
@@ -24,19 +30,33 @@ What is measured (same state, same folder, same process):
   spin for a while after each step and slow the save call on a 2-core machine; on GPU/TPU hosts
   the step does not occupy the host CPU, so this figure is the one that transfers.
 
-stall ratio = median async ``blocking_s`` / median sync ``blocking_s``, both in the loop (target ≤ 5 %).
+stall ratio = median async ``blocking_s`` / median sync ``blocking_s``, both in the loop (target <= 5 %).
+
+``--compare`` runs every measurement for two settings of the same code, alternating between them
+(raw write, sync save "before", sync save "after", raw write, ...; loops: before, after):
+
+* ``before``: the settings up to issue 14: zstd chunks, the manifest hashed with 8 MiB ``read``
+  calls, and the arrays copied before a synchronous save too;
+* ``after``: the current defaults (``--compression``, default ``none``; the manifest hashed from
+  the page cache; no copy before a synchronous save).
+
+The JSON's top-level figures are those of ``after``; ``configs`` holds both.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import json
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import jax
 
@@ -99,21 +119,186 @@ def raw_write(folder: Path, nbytes: int, fsync: bool) -> float:
     return dt
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """How the Checkpointer saves (the same code; ``before`` restores the earlier behaviour)."""
+
+    compression: str
+    mapped_hashing: bool       # manifest hashed from the page cache (mmap) instead of 8 MiB reads
+    copy_before_sync_save: bool
+
+    def checkpointer(self, folder: Path, **kw) -> Checkpointer:
+        ckpt = Checkpointer(folder, compression=self.compression, **kw)
+        ckpt._mapped_hashing = self.mapped_hashing
+        ckpt._copy_before_sync_save = self.copy_before_sync_save
+        return ckpt
+
+
+BEFORE = Setting("zstd", mapped_hashing=False, copy_before_sync_save=True)
+
+
+# -- host memory ------------------------------------------------------------------------------------
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+class PeakRSS:
+    """Peak resident memory of this process inside a ``with`` block, above its level at the start.
+
+    Freed heap memory is first returned to the OS (``malloc_trim``), so that the figure does not
+    depend on what earlier saves left in the allocator; the kernel's peak (``VmHWM``) is reset through
+    ``/proc/self/clear_refs`` and read at the end (exact, no sampling). Where the reset is not
+    allowed a thread samples ``VmRSS`` every millisecond instead (``method`` says which)."""
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        self.base = _status_kib("VmRSS") << 10
+        self.peak, self._stop = self.base, threading.Event()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.method, self._thread = "VmHWM", None
+        except OSError:
+            self.method = "VmRSS sampled every 1 ms"
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _status_kib("VmRSS") << 10)
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _status_kib("VmRSS") << 10)
+        else:
+            self.peak = max(self.peak, _status_kib("VmHWM") << 10)
+
+    @property
+    def extra(self) -> int:
+        return max(0, self.peak - self.base)
+
+
+# -- the measurements -------------------------------------------------------------------------------
+
+def sync_save(ckpt: Checkpointer, step: int, state, meta) -> dict:
+    """One synchronous save: seconds until committed, and the host memory it added."""
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        ckpt.maybe_save(step, state, data_state={}, metadata=meta)
+        dt = time.perf_counter() - t0
+    return {"s": dt, "rss_extra": mem.extra, "rss_method": mem.method}
+
+
+def run_loop(setting: Optional[Setting], folder: Path, mode: str, state, step_fn, plan, args, meta):
+    """``args.saves * args.every`` training steps; ``mode``: plain (no saves), async or sync."""
+    steps = args.saves * args.every
+    blocked, other, donated = [], 0.0, []
+    ckpt = None if mode == "plain" else setting.checkpointer(
+        folder, save_every=args.every, keep_last=1, async_save=mode == "async")
+    st = state
+    t0 = time.perf_counter()
+    just_saved = False
+    for i in range(1, steps + 1):
+        old = jax.tree.leaves(st)
+        st, m = step_fn(st, batch_for(plan, i))
+        if just_saved:   # the step right after a save: were all its input buffers donated?
+            donated.append(sum(x.is_deleted() for x in old))
+        del old
+        float(m["loss"])                                 # a real loop reads its metrics
+        jax.block_until_ready(st)                        # blocking_s counts checkpoint work only
+        just_saved = False
+        if ckpt is not None:
+            res = ckpt.maybe_save(i, st, data_state={"step": i}, metadata=meta)
+            just_saved = res.saved
+            if res.saved:
+                blocked.append(res.blocking_s)
+            else:   # calls between saves collect the finished save and apply retention
+                other += res.blocking_s
+    t_wait = time.perf_counter()
+    if ckpt is not None:
+        ckpt.close()                                     # waits for the last async save
+    final_wait = time.perf_counter() - t_wait
+    return st, {"blocked": blocked, "other": other, "loop_s": t_wait - t0, "final_wait": final_wait,
+                "donated": donated}
+
+
+def idle_async_saves(setting: Setting, folder: Path, state, n: int, meta):
+    """Async saves after a pause (host CPU idle); memory from the call until the step is committed."""
+    stalls, extra = [], []
+    with setting.checkpointer(folder, save_every=1, keep_last=1) as ckpt:
+        for i in range(1, n + 1):
+            ckpt.wait()
+            time.sleep(IDLE_PAUSE_S)
+            with PeakRSS() as mem:
+                stalls.append(ckpt.maybe_save(i, state, data_state={}, metadata=meta).blocking_s)
+                ckpt.wait()
+            extra.append(mem.extra)
+    return stalls, extra
+
+
+def summarize(name: str, setting: Setting, r: dict, nbytes: int, raw_fsync: float, raw_buffered: float,
+              loop_plain: float, saves: int) -> dict:
+    sync_s = statistics.median(x["s"] for x in r["sync"])
+    stall_s = statistics.median(r["async_loop"]["blocked"])
+    sync_stall_s = statistics.median(r["sync_loop"]["blocked"])
+    idle = statistics.median(r["idle_stalls"])
+    loop = r["async_loop"]
+    total_stall_per_save = (sum(loop["blocked"]) + loop["other"]) / len(loop["blocked"])
+    sync_rss = max(x["rss_extra"] for x in r["sync"])
+    async_rss = max(r["async_rss"])
+    return {
+        "setting": name, "compression": setting.compression, "mapped_hashing": setting.mapped_hashing,
+        "copy_before_sync_save": setting.copy_before_sync_save, "checkpoint_bytes_on_disk": r["disk_bytes"],
+        "sync_save_s": sync_s, "sync_save_all_s": [x["s"] for x in r["sync"]], "sync_save_MBps": nbytes / sync_s / 1e6,
+        "sync_vs_raw_fsync": raw_fsync / sync_s, "sync_vs_raw_buffered": raw_buffered / sync_s,
+        "sync_save_peak_rss_extra_bytes": sync_rss, "sync_save_peak_rss_x_state": sync_rss / nbytes,
+        "async_save_peak_rss_extra_bytes": async_rss, "async_save_peak_rss_x_state": async_rss / nbytes,
+        "rss_method": r["sync"][0]["rss_method"],
+        "async_stall_s": stall_s, "async_stall_all_s": r["async_loop"]["blocked"],
+        "sync_stall_in_loop_s": sync_stall_s, "sync_stall_in_loop_all_s": r["sync_loop"]["blocked"],
+        "stall_ratio": stall_s / sync_stall_s,
+        "async_stall_idle_cpu_s": idle, "async_stall_idle_cpu_all_s": r["idle_stalls"],
+        "stall_ratio_idle_cpu": idle / sync_stall_s,
+        "async_stall_incl_other_calls_s": total_stall_per_save,
+        "stall_incl_other_calls_ratio": total_stall_per_save / sync_stall_s,
+        "final_wait_s": r["async_loop"]["final_wait"],
+        "donated_after_async_save": r["async_loop"]["donated"], "donated_after_sync_save": r["sync_loop"]["donated"],
+        "loop_overhead_per_async_save_s": (r["async_loop"]["loop_s"] - loop_plain) / saves,
+        "loop_overhead_per_sync_save_s": (r["sync_loop"]["loop_s"] - loop_plain) / saves,
+    }
+
+
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temporary folder)")
     ap.add_argument("--mb", type=float, default=200.0, help="approximate TrainState size in MB")
     ap.add_argument("--recipe", default="fsdp", help="recipe whose shardings the state is saved from")
     ap.add_argument("--repeats", type=int, default=3, help="sync saves and raw writes to take the median of")
     ap.add_argument("--saves", type=int, default=3, help="saves in each training loop (async, then sync)")
     ap.add_argument("--every", type=int, default=4, help="training steps between saves")
-    ap.add_argument("--compression", choices=[c.value for c in Compression], default="zstd",
-                    help="chunk compression of the checkpoints (zstd: Orbax's default)")
+    ap.add_argument("--compression", choices=[c.value for c in Compression], default=Compression.NONE.value,
+                    help="chunk compression of the current settings (default: none, the Checkpointer's default)")
+    ap.add_argument("--compare", action="store_true",
+                    help="also measure the earlier settings (zstd, hashing with reads, a copy before sync "
+                         "saves), alternating with the current ones")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--max-stall-ratio", type=float, default=None,
                     help="exit 1 when the async stall exceeds this fraction of the sync save (e.g. 0.05)")
     args = ap.parse_args(argv)
 
+    after = Setting(args.compression, mapped_hashing=True, copy_before_sync_save=False)
+    settings = {"before": BEFORE, "after": after} if args.compare else {"after": after}
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
@@ -125,119 +310,110 @@ def main(argv=None) -> dict:
         jax.block_until_ready(state)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         meta = {"recipe": plan.recipe.to_dict(), "model": cfg.name, "seed": 0}
+        res = {name: {"sync": []} for name in settings}
 
-        raw_fsync = statistics.median(raw_write(root, nbytes, True) for _ in range(args.repeats))
-        raw_buffered = statistics.median(raw_write(root, nbytes, False) for _ in range(args.repeats))
-
-        sync_times = []
-        with Checkpointer(root / "sync", save_every=1, keep_last=1, async_save=False,
-                          compression=args.compression) as ckpt:
+        # raw writes and sync saves, alternating: raw, sync (before), sync (after), raw, sync (after),
+        # sync (before), ... (the order flips every round, so neither setting always follows a raw write)
+        raw_f, raw_b = [], []
+        ckpts = {name: s.checkpointer(root / f"sync-{name}", save_every=1, keep_last=1, async_save=False)
+                 for name, s in settings.items()}
+        try:
             for i in range(1, args.repeats + 1):
-                t0 = time.perf_counter()
-                ckpt.maybe_save(i, state, data_state={}, metadata=meta)
-                sync_times.append(time.perf_counter() - t0)
-        disk_bytes = sum(p.stat().st_size for p in (root / "sync").rglob("*") if p.is_file())
+                raw_f.append(raw_write(root, nbytes, True))
+                raw_b.append(raw_write(root, nbytes, False))
+                for name in (list(settings) if i % 2 else list(settings)[::-1]):
+                    res[name]["sync"].append(sync_save(ckpts[name], i, state, meta))
+        finally:
+            for c in ckpts.values():
+                c.close()
+        for name in settings:
+            res[name]["disk_bytes"] = sum(p.stat().st_size for p in (root / f"sync-{name}").rglob("*")
+                                          if p.is_file())
+        raw_fsync, raw_buffered = statistics.median(raw_f), statistics.median(raw_b)
 
-        # the same training loop three times: without saves, with async saves, with sync saves
+        # the same training loop: without saves, then with async saves, then with sync saves
         steps = args.saves * args.every
-
-        def loop(mode):
-            blocked, other, donated = [], 0.0, []
-            ckpt = None if mode == "plain" else Checkpointer(
-                root / f"{mode}-loop", save_every=args.every, keep_last=1, async_save=mode == "async",
-                compression=args.compression)
-            st = state_box[0]
-            t0 = time.perf_counter()
-            just_saved = False
-            for i in range(1, steps + 1):
-                old = jax.tree.leaves(st)
-                st, m = step_fn(st, batch_for(plan, i))
-                if just_saved:   # the step right after a save: were all its input buffers donated?
-                    donated.append(sum(x.is_deleted() for x in old))
-                del old
-                float(m["loss"])                                 # a real loop reads its metrics
-                jax.block_until_ready(st)                        # blocking_s counts checkpoint work only
-                just_saved = False
-                if ckpt is not None:
-                    res = ckpt.maybe_save(i, st, data_state={"step": i}, metadata=meta)
-                    just_saved = res.saved
-                    if res.saved:
-                        blocked.append(res.blocking_s)
-                    else:   # calls between saves collect the finished save and apply retention
-                        other += res.blocking_s
-            t_wait = time.perf_counter()
-            if ckpt is not None:
-                ckpt.close()                                     # waits for the last async save
-            final_wait = time.perf_counter() - t_wait
-            state_box[0] = st
-            return blocked, other, t_wait - t0, final_wait, donated
-
-        state_box = [state]
-        _, _, loop_plain, _, _ = loop("plain")
-        stalls, other_calls, loop_async, final_wait, donated_after_async = loop("async")
-        sync_stalls, _, loop_sync, _, _ = loop("sync")
+        state, plain = run_loop(None, root / "plain", "plain", state, step_fn, plan, args, meta)
+        for mode in ("async", "sync"):
+            for name, s in settings.items():
+                state, res[name][f"{mode}_loop"] = run_loop(s, root / f"{mode}-loop-{name}", mode, state, step_fn,
+                                                            plan, args, meta)
         # async saves once the host CPU is idle (XLA:CPU's worker threads keep spinning for a few ms
         # after a step; on GPU/TPU the step does not run on the host, so this is the stall there)
-        idle_stalls = []
-        with Checkpointer(root / "idle", save_every=1, keep_last=1, compression=args.compression) as ckpt:
-            for i in range(1, args.saves + 1):
-                ckpt.wait()
-                time.sleep(IDLE_PAUSE_S)
-                idle_stalls.append(ckpt.maybe_save(i, state_box[0], data_state={}, metadata=meta).blocking_s)
-        sync_s = statistics.median(sync_times)
-        stall_s = statistics.median(stalls)
-        sync_stall_s = statistics.median(sync_stalls)
-        total_stall_per_save = (sum(stalls) + other_calls) / len(stalls)
+        for name, s in settings.items():
+            res[name]["idle_stalls"], res[name]["async_rss"] = idle_async_saves(
+                s, root / f"idle-{name}", state, args.saves, meta)
+
+        configs = {name: summarize(name, settings[name], res[name], nbytes, raw_fsync, raw_buffered,
+                                   plain["loop_s"], args.saves) for name in settings}
         out = {
             "device": f"{len(jax.devices())} x {jax.devices()[0].platform}", "cpu_cores": os.cpu_count(),
-            "recipe": plan.recipe.name, "compression": args.compression, "layers": cfg.n_layers,
-            "params": plan.abstract.num_params, "state_bytes": nbytes, "checkpoint_bytes_on_disk": disk_bytes,
-            "raw_fsync_s": raw_fsync, "raw_fsync_MBps": nbytes / raw_fsync / 1e6,
+            "load_avg_1min": os.getloadavg()[0], "recipe": plan.recipe.name, "layers": cfg.n_layers,
+            "params": plan.abstract.num_params, "state_bytes": nbytes,
+            "raw_fsync_s": raw_fsync, "raw_fsync_all_s": raw_f, "raw_fsync_MBps": nbytes / raw_fsync / 1e6,
             "raw_buffered_s": raw_buffered, "raw_buffered_MBps": nbytes / raw_buffered / 1e6,
-            "sync_save_s": sync_s, "sync_save_all_s": sync_times, "sync_save_MBps": nbytes / sync_s / 1e6,
-            "sync_vs_raw_fsync": raw_fsync / sync_s, "sync_vs_raw_buffered": raw_buffered / sync_s,
-            "async_stall_s": stall_s, "async_stall_all_s": stalls,
-            "sync_stall_in_loop_s": sync_stall_s, "sync_stall_in_loop_all_s": sync_stalls,
-            "stall_ratio": stall_s / sync_stall_s,
-            "async_stall_idle_cpu_s": statistics.median(idle_stalls), "async_stall_idle_cpu_all_s": idle_stalls,
-            "stall_ratio_idle_cpu": statistics.median(idle_stalls) / sync_stall_s,
-            "async_stall_incl_other_calls_s": total_stall_per_save,
-            "stall_incl_other_calls_ratio": total_stall_per_save / sync_stall_s, "final_wait_s": final_wait,
-            "step_s": loop_plain / steps, "state_buffers": len(jax.tree.leaves(state_box[0])),
-            "donated_after_async_save": donated_after_async,
-            "loop_overhead_per_async_save_s": (loop_async - loop_plain) / args.saves,
-            "loop_overhead_per_sync_save_s": (loop_sync - loop_plain) / args.saves,
+            "step_s": plain["loop_s"] / steps, "state_buffers": len(jax.tree.leaves(state)),
+            **configs["after"], "configs": configs,
         }
+        if args.compare:
+            b, a = configs["before"], configs["after"]
+            out["compare"] = {
+                "sync_save_speedup": b["sync_save_s"] / a["sync_save_s"],
+                "async_stall_vs_before_sync_save": a["async_stall_s"] / b["sync_stall_in_loop_s"],
+                "async_stall_idle_vs_before_sync_save": a["async_stall_idle_cpu_s"] / b["sync_stall_in_loop_s"],
+            }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
     else:
-        mb = lambda n: f"{n / 1e6:.1f} MB"  # noqa: E731
-        print(f"state {mb(out['state_bytes'])} ({out['params']:,} params, {out['layers']} layers, recipe "
-              f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores); "
-              f"on disk {mb(out['checkpoint_bytes_on_disk'])} ({out['compression']})")
-        print(f"raw write      {out['raw_fsync_s']:.3f} s  {out['raw_fsync_MBps']:.0f} MB/s (fsync)   "
-              f"{out['raw_buffered_s']:.3f} s  {out['raw_buffered_MBps']:.0f} MB/s (buffered)")
-        print(f"sync save      {out['sync_save_s']:.3f} s  {out['sync_save_MBps']:.0f} MB/s  "
-              f"= {out['sync_vs_raw_fsync']:.0%} of raw fsync speed, {out['sync_vs_raw_buffered']:.0%} of buffered")
-        print(f"stall per save in the training loop: async {out['async_stall_s'] * 1e3:.1f} ms, sync "
-              f"{out['sync_stall_in_loop_s'] * 1e3:.0f} ms -> {out['stall_ratio']:.1%} (target <= 5%)")
-        print(f"               async, all: {', '.join(f'{s * 1e3:.1f}' for s in stalls)} ms; counting every "
-              f"maybe_save call {out['async_stall_incl_other_calls_s'] * 1e3:.1f} ms per save "
-              f"= {out['stall_incl_other_calls_ratio']:.1%}")
-        print(f"               with the host CPU idle before the save (as on GPU/TPU hosts): "
-              f"{out['async_stall_idle_cpu_s'] * 1e3:.1f} ms -> {out['stall_ratio_idle_cpu']:.1%}")
-        print(f"donation       the step right after each async save donated "
-              f"{', '.join(map(str, out['donated_after_async_save'])) or '-'} of {out['state_buffers']} state "
-              f"buffers (fewer: XLA silently keeps a second copy of the state for that step)")
-        print(f"training loop  {out['step_s']:.3f} s/step; extra loop time per save: async "
-              f"{out['loop_overhead_per_async_save_s']:.3f} s, sync {out['loop_overhead_per_sync_save_s']:.3f} s "
-              f"(noisy on a shared machine; async: the writer competes with the step for CPU)")
+        report(out)
     if args.max_stall_ratio is not None and out["stall_ratio"] > args.max_stall_ratio:
         print(f"FAIL: async stall is {out['stall_ratio']:.1%} of the sync save, above {args.max_stall_ratio:.1%}")
         raise SystemExit(1)
     return out
+
+
+def report(out: dict) -> None:
+    mb = lambda n: f"{n / 1e6:.1f} MB"  # noqa: E731
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    print(f"state {mb(out['state_bytes'])} ({out['params']:,} params, {out['layers']} layers, recipe "
+          f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores, load average {out['load_avg_1min']:.1f})")
+    print(f"raw write: {out['raw_fsync_s']:.3f} s = {out['raw_fsync_MBps']:.0f} MB/s with fsync, "
+          f"{out['raw_buffered_s']:.3f} s = {out['raw_buffered_MBps']:.0f} MB/s buffered (median of "
+          f"{len(out['raw_fsync_all_s'])})")
+    configs = out["configs"]
+    rows = [
+        ("compression / on disk", lambda c: f"{c['compression']} / {mb(c['checkpoint_bytes_on_disk'])}"),
+        ("sync save", lambda c: f"{c['sync_save_s']:.3f} s = {c['sync_save_MBps']:.0f} MB/s"),
+        ("sync save / raw fsync write", lambda c: f"{c['sync_vs_raw_fsync']:.0%} (target >= 50%)"),
+        ("  all sync saves", lambda c: ", ".join(f"{s:.3f}" for s in c["sync_save_all_s"]) + " s"),
+        ("peak extra RSS, sync save", lambda c: f"{mb(c['sync_save_peak_rss_extra_bytes'])} = "
+                                                f"{c['sync_save_peak_rss_x_state']:.2f}x state"),
+        ("peak extra RSS, async save", lambda c: f"{mb(c['async_save_peak_rss_extra_bytes'])} = "
+                                                 f"{c['async_save_peak_rss_x_state']:.2f}x state (target <= 1.5x)"),
+        ("async stall in loop", lambda c: ms(c["async_stall_s"])),
+        ("  all async stalls", lambda c: ", ".join(f"{s * 1e3:.0f}" for s in c["async_stall_all_s"]) + " ms"),
+        ("sync save in loop", lambda c: ms(c["sync_stall_in_loop_s"])),
+        ("stall ratio (async / sync)", lambda c: f"{c['stall_ratio']:.1%} (target <= 5%)"),
+        ("  counting every call", lambda c: f"{ms(c['async_stall_incl_other_calls_s'])} = "
+                                            f"{c['stall_incl_other_calls_ratio']:.1%}"),
+        ("async stall, CPU idle", lambda c: f"{ms(c['async_stall_idle_cpu_s'])} = {c['stall_ratio_idle_cpu']:.1%}"),
+        ("donated after async / sync", lambda c: f"{c['donated_after_async_save']} / {c['donated_after_sync_save']}"
+                                                 f" of {out['state_buffers']}"),
+        ("loop time per save async/sync", lambda c: f"{c['loop_overhead_per_async_save_s']:+.2f} / "
+                                                    f"{c['loop_overhead_per_sync_save_s']:+.2f} s (noisy)"),
+    ]
+    names = list(configs)
+    print(f"{'':32s}" + "".join(f"{n:>44s}" for n in names))
+    for label, fmt in rows:
+        print(f"{label:32s}" + "".join(f"{fmt(configs[n]):>44s}" for n in names))
+    if "compare" in out:
+        c = out["compare"]
+        print(f"sync save {c['sync_save_speedup']:.2f}x faster; async stall (after) = "
+              f"{c['async_stall_vs_before_sync_save']:.1%} of the before sync save in the loop, "
+              f"{c['async_stall_idle_vs_before_sync_save']:.1%} with the CPU idle")
+    print(f"training loop {out['step_s']:.3f} s/step; host memory measured with {out['rss_method']}")
 
 
 if __name__ == "__main__":

@@ -60,9 +60,15 @@ class StepStatus(str, enum.Enum):
 
 
 class Compression(str, enum.Enum):
-    """How array chunks are stored: ``zstd`` (Orbax's default: small for zero-heavy states such as a
-    fresh optimizer state, ~8% smaller for trained f32 weights, costs CPU time while saving) or
-    ``none`` (raw bytes: the fastest save where CPU cores are scarce). Restore reads either."""
+    """How array chunks are stored. Restore reads either, whatever the reader's setting.
+
+    ``none`` (meshtrain's default): raw bytes. Trained f32/bf16 weights and Adam moments are close to
+    incompressible (zstd saves ~8% on them), while compressing costs CPU time on the save thread
+    (0.3-0.5 s per 200 MB on a 2-core host, competing with the training step) and one more copy of
+    the state in host memory while it is written (measured: +0.9x the state). ``zstd`` (Orbax's
+    default): worth it where disk space or bandwidth matters more than CPU, e.g. a slow network file
+    system, or checkpoints of zero-heavy states (a fresh optimizer state shrinks a lot).
+    Figures: BENCHMARKS.md, "Checkpoint benchmark"."""
 
     ZSTD = "zstd"
     NONE = "none"
