@@ -208,6 +208,49 @@ def test_bubble_from_compiled_flops(schedule, p, m, r):
     assert abs(ratio / expected - 1) <= 0.05
 
 
+def _plain_forward_flops(layers):
+    w = {"w": jnp.ones((layers, D_FLOPS, D_FLOPS))}
+    x = jnp.ones((B_FLOPS, D_FLOPS))
+
+    def plain(w, x):
+        return jnp.sum(jax.lax.scan(lambda h, wl: (_layer(wl, h, None), None), x, w, unroll=layers)[0] ** 2)
+
+    return jax.jit(plain).lower(w, x).compile().cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_1f1b_bubble_from_compiled_flops(p, m):
+    """1F1B skips the backward in warm-up, the forward in drain and the head outside the m ticks that
+    have a micro-batch: compiled FLOPs = (m+p-1)/m × (forward + recompute + backward) of the stack,
+    not the (m+2p-2)/m of running every slot of every tick."""
+    cfg = pipe.PipelineConfig(pipe.Schedule.ONE_F_ONE_B, p, m)
+    mesh = Mesh(np.array(jax.devices()[:p]), ("stage",))
+    w = {"w": jnp.ones((p, D_FLOPS, D_FLOPS))}
+    x = jnp.ones((B_FLOPS, D_FLOPS))
+
+    def head(hp, y, values, i):
+        return jnp.sum(y.astype(jnp.float32) ** 2), {}
+
+    def piped(w, x):
+        with step_context(StepContext(mesh, AxisRules.defaults())):
+            _, _, dw, _, dx = pipe.one_f_one_b(lambda wl, h, side: (_layer(wl, h, side), {}), w,
+                                               pipe.split_micro(x, m), {}, head, {}, cfg, unroll=True)
+        return dw, dx
+
+    with jax.set_mesh(mesh):
+        flops = jax.jit(piped).lower(w, x).compile().cost_analysis()["flops"] * p
+    ratio = flops / (_plain_forward_flops(p) + _stack_flops(layers=p))  # + recompute: one more forward
+    expected = 1 / (1 - cfg.bubble)  # (m + p - 1) / m
+    print(f"1f1b p={p} m={m}: compiled FLOPs ratio {ratio:.4f}, formula {expected:.4f}")
+    assert abs(ratio / expected - 1) <= 0.05
+
+
+def test_1f1b_skips_idle_work_with_conditionals(composed):
+    # forward, head and backward parts of the tick each sit in a conditional (same predicate on every device)
+    text = _composed(composed, "1f1b")[2].as_text()
+    assert len(re.findall(r"\bconditional\(", text)) >= 3
+
+
 def test_schedule_tables():
     for p, m in [(2, 4), (4, 8), (3, 5)]:
         t = pipe.schedule_table("gpipe", p, m)
@@ -223,6 +266,7 @@ def test_schedule_tables():
             assert sorted(f.backward[f.backward[:, s] >= 0, s]) == list(range(m))
         assert pipe.bubble_fraction("gpipe", p, m) == pytest.approx((p - 1) / (m + p - 1))
         assert pipe.bubble_fraction("circular", p, m, 2) == pytest.approx((p - 1) / (2 * m + p - 1))
+        assert pipe.bubble_fraction("1f1b", p, m) == pytest.approx((p - 1) / (m + p - 1))  # warm-up/drain: half ticks
     chart = pipe.timeline(pipe.schedule_table("1f1b", 2, 4))
     assert chart.shape == (2, 2 * (4 + 2)) and chart[1, 2] == "F0" and chart[1, 3] == "B0"
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from meshtrain.annotate import constrain, scan_layers
 from meshtrain.errors import ConfigError
-from meshtrain.models.moe import MoE, MoEConfig, pop_moe_stats
+from meshtrain.models.moe import MoE, MoEConfig, find_moe_stats, pop_moe_stats
 from meshtrain.parallel.attention import attention
 
 RESIDUAL = ("batch", "residual_seq", "embed")
@@ -212,7 +212,7 @@ class Decoder(nnx.Module):
         """Embedding, the ``blocks`` stack (leading ``layers`` axis) and final norm + head, for the
         pipeline schedules; ``model(tokens, positions, segment_ids)`` arguments go to ``before``."""
         return PipelineParts(stack="blocks", before=self.pipeline_before, layer=_pipeline_layer,
-                             after=self.pipeline_after)
+                             after=self.pipeline_after, sown=self.pipeline_sown)
 
     def pipeline_before(self, tokens_bt, positions_bt: Optional[jax.Array] = None,
                         segment_ids_bt: Optional[jax.Array] = None):
@@ -223,6 +223,16 @@ class Decoder(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         x_btd = constrain(jnp.take(self.embedding_vd[...], tokens_bt, axis=0), RESIDUAL)
         return x_btd, {"positions": positions_bt, "segment_ids": segment_ids_bt}
+
+    def pipeline_sown(self, values):
+        """What ``__call__`` keeps of its layers' stored values, from one micro-batch's ``values`` (the
+        blocks' ``nnx.Intermediate`` state, leading ``layers`` axis): the MoE router statistics' mean over
+        layers, for the loss (dense blocks store nothing)."""
+        found = find_moe_stats(values)
+        if found:  # per layer: the mean over the block's MoE layers (pop_moe_stats); then over layers
+            self.moe_stats = nnx.Intermediate({k: jnp.mean(jnp.mean(jnp.stack([jnp.asarray(f[k], jnp.float32)
+                                                                                for f in found]), axis=0))
+                                               for k in found[0]})
 
     def pipeline_after(self, x_btd, side):
         x_btd = self.final_norm(x_btd)

@@ -131,12 +131,10 @@ class MoE(nnx.Module):
         return constrain(y_btd.astype(x_btd.dtype), ("batch", "seq", "embed"))
 
 
-def pop_moe_stats(module) -> Optional[Dict[str, jax.Array]]:
-    """Remove every ``moe_stats`` stored in ``module`` (any depth) and return their mean per key (the
-    mean over MoE layers), or ``None`` when there are none. Call it once per forward pass."""
-    if not isinstance(module, nnx.Module):
-        return None
-    found = []
+def find_moe_stats(tree: Dict[str, Any]) -> List[Dict[str, jax.Array]]:
+    """Every ``moe_stats`` value in a pure-dict tree of ``nnx.Intermediate`` state (any depth), in order:
+    one dict of router statistics per MoE layer call."""
+    found: List[Dict[str, jax.Array]] = []
 
     def walk(node):
         for key, value in node.items():
@@ -145,7 +143,16 @@ def pop_moe_stats(module) -> Optional[Dict[str, jax.Array]]:
             elif isinstance(value, dict):
                 walk(value)
 
-    walk(nnx.to_pure_dict(nnx.pop(module, nnx.Intermediate)))
+    walk(tree)
+    return found
+
+
+def pop_moe_stats(module) -> Optional[Dict[str, jax.Array]]:
+    """Remove every ``moe_stats`` stored in ``module`` (any depth) and return their mean per key (the
+    mean over MoE layers), or ``None`` when there are none. Call it once per forward pass."""
+    if not isinstance(module, nnx.Module):
+        return None
+    found = find_moe_stats(nnx.to_pure_dict(nnx.pop(module, nnx.Intermediate)))
     if not found:
         return None
     return {k: jnp.mean(jnp.stack([jnp.asarray(s[k], jnp.float32) for s in found])) for k in found[0]}

@@ -12,14 +12,25 @@ and what runs after (head)::
                 stack="blocks",                                         # self.blocks: leading `layers` axis
                 before=lambda tokens_bt: (self.embed(tokens_bt), {}),   # the model's call args -> (x, side)
                 layer=lambda block, x_btd, side: block(x_btd),          # one layer of the stack
-                after=lambda x_btd, side: self.head(x_btd))             # -> what model(...) returns
+                after=lambda x_btd, side: self.head(x_btd),             # -> what model(...) returns
+                sown=None)                  # only if the layers store values (nnx.Intermediate), see below
 
 ``before`` takes the arguments the loss function passes to ``model(...)`` and returns the stack's
 input ``x`` (batch first) and ``side``, a pytree of batch-first arrays every layer reads (positions,
 segment ids; ``{}`` if none). The user's ``loss_fn(model, batch)`` stays as it is: under a pipeline it
 receives a stand-in model whose call runs ``before`` → the schedule → ``after`` (other attributes are
-the real model's). For Linen models wrap the stack with ``nn.scan``/``nnx.bridge`` into an NNX module
-with a leading ``layers`` axis and expose the same four parts.
+the real model's, and the real model is its child node). For Linen models wrap the stack with
+``nn.scan``/``nnx.bridge`` into an NNX module with a leading ``layers`` axis and expose the same parts.
+
+**Values the layers store** (``nnx.Intermediate``: MoE router statistics, ``Module.sow``) travel with
+their micro-batch through every schedule (a small ``(layers, ...)`` buffer passed on with the
+activations) and reach ``sown(values)`` (leaves ``(L, ...)``, the layers of one micro-batch) before
+``after``; the model stores what its own ``__call__`` would (the decoder: the mean router statistics),
+and the loss reads them as usual. The loss then runs once per micro-batch and the step sums: the
+result equals gradient accumulation over the same ``m`` micro-batches (router statistics such as the
+load-balancing loss are per micro-batch, not over the whole batch). Layers that sow without a
+``sown`` part, or that update other state in the forward pass (running batch statistics), get a
+``ConfigError`` naming the fix. Dense stacks store nothing and run exactly as before.
 
 **Schedules** (``Recipe.schedule``; ``p`` stages, ``m = Recipe.micro_batches``, ``r = Recipe.repeats``):
 
@@ -32,11 +43,18 @@ with a leading ``layers`` axis and expose the same four parts.
   interleaved order (an all-to-all over ``stage``; gradients go back the same way).
 * ``1f1b``: each tick every stage runs one forward and one backward (its own VJP, recomputing the
   stage from the stashed input), the loss and head of a micro-batch run as soon as it leaves the last
-  stage. ``m + 2p - 2`` ticks; a stage keeps only the *inputs* of the micro-batches in flight
-  (at most ``2(p-1-s)+1`` on stage ``s``) instead of all activations of all ``m``.
+  stage. ``m + 2p - 2`` ticks, but the first ``p - 1`` have no backward on any stage and the last
+  ``p - 1`` no forward, and the head has a micro-batch on ``m`` ticks only: conditionals skip that
+  work, so the stack runs ``m + p - 1`` forward and ``m + p - 1`` backward passes and the head ``m``;
+  bubble ``(p-1)/(m+p-1)`` as in gpipe. A stage keeps only the *inputs* of the micro-batches in
+  flight (at most ``2(p-1-s)+1`` on stage ``s``: a micro-batch's backward returns ``2(p-1-s)`` ticks
+  after its forward, one new forward per tick; an SPMD buffer of ``2p`` slots) instead of all
+  activations of all ``m``.
 
 Every stage computes every tick (SPMD), so the bubble shows up as extra compiled FLOPs:
-``FLOPs(pipelined stack) / FLOPs(stack without pipeline) = ticks / (r·m)``.
+``FLOPs(pipelined stack) / FLOPs(stack without pipeline) = 1 / (1 - bubble)`` (gpipe, circular:
+``ticks / (r·m)``; 1f1b: ``(m+p-1)/m`` of its forward + recompute + backward). The head runs on every
+stage (the tick takes as long as the last stage, which needs it anyway).
 """
 
 from __future__ import annotations
@@ -67,12 +85,18 @@ class PipelineParts:
       before: ``(*model_call_args) -> (x, side)``: embedding; ``x`` and every ``side`` leaf batch-first.
       layer: ``(layer_module, x, side) -> x``: one layer of the stack.
       after: ``(x, side) -> output``: head; ``output`` is what ``model(...)`` returns.
+      sown: ``(values) -> None``, needed when the layers store values with ``nnx.Intermediate`` (MoE
+        router statistics, ``Module.sow``): ``values`` is what the stack's layers stored for one
+        micro-batch (``nnx.to_pure_dict`` of the popped ``nnx.Intermediate`` state, every leaf with a
+        leading ``layers`` axis in the stack's order); store on the model what its own ``__call__``
+        would (the decoder: the mean router statistics). Called before ``after``, once per micro-batch.
     """
 
     stack: str  # attribute path, dotted for a nested module ("encoder.blocks")
     before: Callable[..., Tuple[Any, Any]]
     layer: Callable[[nnx.Module, Any, Any], Any]
     after: Callable[[Any, Any], Any]
+    sown: Optional[Callable[[Any], None]] = None
 
 
 def get_parts(model) -> PipelineParts:
@@ -152,7 +176,7 @@ class ScheduleTable:
 
     @property
     def bubble(self) -> float:
-        """Idle share of the stage-ticks (what the compiled FLOPs show as extra work)."""
+        """Idle share of the stages' compute (what the compiled FLOPs show as extra work)."""
         return bubble_fraction(self.schedule, self.stages, self.micro_batches, self.repeats)
 
 
@@ -176,11 +200,10 @@ def schedule_table(schedule: "Schedule | str", stages: int, micro_batches: int, 
 
 
 def bubble_fraction(schedule: "Schedule | str", stages: int, micro_batches: int, repeats: int = 1) -> float:
-    """Idle share of compute: gpipe ``(p-1)/(m+p-1)``, circular ``(p-1)/(r·m+p-1)``, 1f1b (every tick
-    one forward and one backward per stage) ``(2p-2)/(m+2p-2)``."""
+    """Idle share of compute: gpipe ``(p-1)/(m+p-1)``, circular ``(p-1)/(r·m+p-1)``, 1f1b
+    ``(p-1)/(m+p-1)`` (its ``m + 2p - 2`` ticks each hold a forward and a backward slot, but the
+    ``p - 1`` warm-up ticks run only forwards and the ``p - 1`` drain ticks only backwards)."""
     schedule, p, m = Schedule(schedule), stages, micro_batches
-    if schedule is Schedule.ONE_F_ONE_B:
-        return (2 * p - 2) / (m + 2 * p - 2)
     r = repeats if schedule is Schedule.CIRCULAR else 1
     return (p - 1) / (r * m + p - 1)
 
@@ -307,29 +330,55 @@ def _first(x: jax.Array, stage: int, p: int) -> jax.Array:
 
 
 def _stage_fn(layer_fn):
-    """Run one stage: scan ``layer_fn`` over the stage's ``k`` layers (remat per layer from the recipe)."""
+    """Run one stage: scan ``layer_fn(w, x, side) -> (x, values)`` over the stage's ``k`` layers (remat
+    per layer from the recipe); returns ``(x, values)`` with every values leaf ``(k, ...)``."""
 
     def run(w_k, x, side):
         def body(h, w_layer):
-            return layer_fn(w_layer, h, side), None
+            return layer_fn(w_layer, h, side)
 
-        return jax.lax.scan(remat(body), x, w_k)[0]
+        return jax.lax.scan(remat(body), x, w_k)
 
     return run
 
 
+def _mask(flags: jax.Array, x) -> jax.Array:
+    """``flags`` of shape (p,) broadcast against ``x`` (leading dim p)."""
+    return flags.reshape(flags.shape + (1,) * (x.ndim - 1))
+
+
+def _floats(tree):
+    """The floating leaves of ``tree``; other leaves become ``None`` (what a VJP differentiates)."""
+    return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else None, tree)
+
+
+def _with_floats(full, floats):
+    """``full`` with its floating leaves taken from ``floats`` (a :func:`_floats` of the same structure)."""
+    return jax.tree.map(lambda f, a: a if f is None else f, floats, full, is_leaf=lambda v: v is None)
+
+
 # ---- gpipe / circular: forward ticks, autodiff runs them backwards ----------------------------
 
-def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, unroll: bool = False) -> jax.Array:
+def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, unroll: bool = False,
+              sown: bool = False):
     """The layer stack on ``m`` micro-batches through the gpipe or circular schedule.
 
     Args:
-      layer_fn: ``(one layer's params pytree, x, side) -> x``.
+      layer_fn: ``(one layer's params pytree, x, side) -> x``; with ``sown=True``
+        ``-> (x, values)``, ``values`` a pytree the layer produced (what it stored with
+        ``nnx.Intermediate``).
       stack: params pytree, every leaf with a leading ``layers`` axis (sharded on ``stage``).
       x_m: ``(m, b, ...)`` stack inputs; side_m: pytree of ``(m, b, ...)`` arrays.
       unroll: unroll the tick loop (for exact FLOP counts in tests).
-    Returns ``(m, b, ...)`` outputs in micro-batch order. Differentiable (``jax.grad`` replays the ticks).
+      sown: see ``layer_fn``; each micro-batch carries its layers' values along with its activations
+        (a ``(layers, ...)`` buffer per leaf passed on with the ``ppermute``).
+    Returns ``(m, b, ...)`` outputs in micro-batch order (with ``sown=True``: ``(outputs, values)``,
+    every values leaf ``(m, L, ...)``: micro-batch, layer in stack order). Differentiable
+    (``jax.grad`` replays the ticks).
     """
+    if not sown:
+        plain = lambda w, x, side: (layer_fn(w, x, side), {})  # noqa: E731
+        return run_stack(plain, stack, x_m, side_m, cfg, unroll=unroll, sown=True)[0]
     p, m = cfg.stages, cfg.micro_batches
     r = cfg.repeats if cfg.schedule is Schedule.CIRCULAR else 1
     table = schedule_table(cfg.schedule, p, m, r)
@@ -342,24 +391,41 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
         return stage_fn(w_g, x, side)
 
     run = jax.vmap(stage, spmd_axis_name=STAGE)
-    first = (jnp.arange(p) == 0).reshape((p,) + (1,) * (x_m.ndim - 1))
+    first = jnp.arange(p) == 0
+    stages = jnp.arange(p)
     state0 = _on_stage(jnp.zeros((p,) + x_m.shape[1:], x_m.dtype))
     ring0 = _on_stage(jnp.zeros((p,) + x_m.shape, x_m.dtype))  # stage 0's slots: what came back round the ring
+    # A micro-batch's layer values travel with it: (group r, stage p, layer k, ...) = the stack's order.
+    _, v_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0], w), 0, x_m[0],
+                                jax.tree.map(lambda a: a[0], side_m))
+
+    def v_zeros(lead):
+        return jax.tree.map(lambda a: _on_stage(jnp.zeros(lead + (r, p) + a.shape, a.dtype)), v_shape)
+
+    put_v = jax.vmap(lambda buf, g, s, v: buf.at[g, s].set(v))  # each stage writes its group's layers
 
     def tick(carry, t):
-        state, ring = carry
+        state, ring, vals, vring = carry
+        new = t < m
         fresh = jax.lax.dynamic_index_in_dim(x_m, jnp.minimum(t, m - 1), 0, keepdims=True)
         back = jax.lax.dynamic_index_in_dim(ring, t % m, 1, keepdims=False)
-        state = jnp.where(first, jnp.where(t < m, fresh, back), state)
-        out = run(w, grp[t], _on_stage(state), _pick(side_m, fwd[t]))
+        state = jnp.where(_mask(first, state), jnp.where(new, fresh, back), state)
+        vals = jax.tree.map(lambda v, vr: jnp.where(_mask(first, v), jnp.where(
+            new, jnp.zeros_like(v), jax.lax.dynamic_index_in_dim(vr, t % m, 1, keepdims=False)), v), vals, vring)
+        out, v_out = run(w, grp[t], _on_stage(state), _pick(side_m, fwd[t]))
         state = _shift(out, 1)  # stage s -> s+1; the last stage's output lands on stage 0
+        vals = jax.tree.map(lambda buf, v: _shift(put_v(buf, jnp.maximum(grp[t], 0), stages, v), 1), vals, v_out)
         slot = jnp.maximum(t - (p - 1), 0) % m  # early ticks write garbage that a valid tick overwrites
         ring = _on_stage(jax.lax.dynamic_update_index_in_dim(ring, state, slot, 1))
-        return (state, ring), None
+        vring = jax.tree.map(lambda buf, v: _on_stage(jax.lax.dynamic_update_index_in_dim(buf, v, slot, 1)),
+                             vring, vals)
+        return (state, ring, vals, vring), None
 
     ticks = jnp.arange(table.ticks)
-    (_, ring), _ = jax.lax.scan(tick, (state0, ring0), ticks, unroll=table.ticks if unroll else 1)
-    return _first(ring, 0, p)
+    carry0 = (state0, ring0, v_zeros((p,)), v_zeros((p, m)))
+    (_, ring, _, vring), _ = jax.lax.scan(tick, carry0, ticks, unroll=table.ticks if unroll else 1)
+    values = jax.tree.map(lambda a: _first(a, 0, p).reshape((m, -1) + a.shape[5:]), vring)  # (m, r·p·k, ...)
+    return _first(ring, 0, p), values
 
 
 # ---- 1f1b: one forward and one backward per stage per tick, explicit per-stage VJP -------------
@@ -368,11 +434,17 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
                 *, unroll: bool = False):
     """The 1F1B schedule with the backward written out per stage.
 
-    ``head_loss(head_params, y_b, i) -> (loss_sum, aux)`` runs after the last stage on micro-batch ``i``
-    (``aux`` a pytree of sums). Returns ``(loss_sum, aux_sum, d_stack, d_head_params, dx_m)``:
-    gradients (f32) for ``stack`` and ``head_params`` and the cotangent of ``x_m`` (for the
-    embedding's VJP). A stage stashes only its *input* per micro-batch in flight and recomputes its
-    layers in the backward.
+    ``layer_fn(w, x, side) -> (x, values)`` (``values``: what the layer stored, a pytree; ``{}`` for
+    none). ``head_loss(head_params, y_b, values_L, i) -> (loss_sum, aux)`` runs after the last stage on
+    micro-batch ``i`` with its layers' values (leaves ``(L, ...)``) (``aux`` a pytree of sums). Returns
+    ``(loss_sum, aux_sum, d_stack, d_head_params, dx_m)``: gradients (f32) for ``stack`` and
+    ``head_params`` and the cotangent of ``x_m`` (for the embedding's VJP). A stage stashes only its
+    *input* per micro-batch in flight and recomputes its layers in the backward; the loss's cotangent
+    of a micro-batch's layer values (e.g. the router losses) joins that backward.
+
+    Ticks ``0 .. p-2`` (warm-up) run only forwards, ticks ``m+p-1 ..`` (drain) only backwards, and the
+    head runs on the ``m`` ticks in between, where a micro-batch leaves the last stage: compiled work
+    ``(m+p-1)·(forward + backward) + m·head`` per stage.
     """
     p, m = cfg.stages, cfg.micro_batches
     table = schedule_table(Schedule.ONE_F_ONE_B, p, m)
@@ -381,63 +453,105 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     w = jax.tree.map(lambda a: _stage_groups(a, p, 1)[:, 0], stack)
     stage_fn = _stage_fn(layer_fn)
 
-    def stage_bwd(w_s, x, side, ct):
-        _, vjp = jax.vjp(lambda ww, xx: stage_fn(ww, xx, side), w_s, x)
-        return vjp(ct)
+    def stage_bwd(w_s, x, side, ct, ct_v):
+        _, vjp = jax.vjp(lambda ww, xx: (lambda y, v: (y, _floats(v)))(*stage_fn(ww, xx, side)), w_s, x)
+        return vjp((ct, ct_v))
 
     run_f = jax.vmap(stage_fn, spmd_axis_name=STAGE)
     run_b = jax.vmap(stage_bwd, spmd_axis_name=STAGE)
     stash_put = jax.vmap(lambda buf, i, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0))
     stash_get = jax.vmap(lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False))
-    shape = lambda a: (p,) + (1,) * (a.ndim - 1)  # noqa: E731
-    first = (jnp.arange(p) == 0)
-    last = (jnp.arange(p) == p - 1)
+    put_v = jax.vmap(lambda buf, s, v: buf.at[s].set(v))  # stage s writes its layers' values
+    get_v = jax.vmap(lambda j, s, buf: buf[j, s], in_axes=(0, 0, None))  # stage s reads mb j's cotangents
+    first = jnp.arange(p) == 0
+    last = jnp.arange(p) == p - 1
+    stages = jnp.arange(p)
     f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)  # noqa: E731
 
-    y_shape = jax.eval_shape(lambda ww, xx, ss: stage_fn(ww, xx, ss), jax.tree.map(lambda a: a[0], w), x_m[0],
-                             jax.tree.map(lambda a: a[0], side_m))
-    (_, aux_shape) = jax.eval_shape(head_loss, head_params, jnp.zeros(y_shape.shape, y_shape.dtype), 0)
+    y_shape, v_shape = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], w), x_m[0],
+                                      jax.tree.map(lambda a: a[0], side_m))  # values leaves (k, ...)
+    layers = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731  (p, k, ...) -> (L, ...)
+    v_l = jax.tree.map(lambda a: jax.ShapeDtypeStruct((p * a.shape[0],) + a.shape[1:], a.dtype), v_shape)
+    (_, aux_shape) = jax.eval_shape(head_loss, head_params, jnp.zeros(y_shape.shape, y_shape.dtype), v_l, 0)
     carry0 = dict(
         fstate=_on_stage(jnp.zeros((p,) + x_m.shape[1:], x_m.dtype)),
+        vals=jax.tree.map(lambda a: _on_stage(jnp.zeros((p, p) + a.shape, a.dtype)), v_shape),  # travel with fstate
         bstate=_on_stage(jnp.zeros((p,) + y_shape.shape, y_shape.dtype)),
         stash=_on_stage(jnp.zeros((p, slots + 1) + x_m.shape[1:], x_m.dtype)),  # + a slot for idle ticks
+        dv=jax.tree.map(lambda a: jnp.zeros((m, p) + a.shape, jnp.float32), _floats(v_shape)),  # loss -> values
         dx=_on_stage(jnp.zeros((p,) + x_m.shape, jnp.float32)),
         dw=jax.tree.map(_on_stage, f32(w)),
         dhead=f32(head_params),
         loss=jnp.zeros((), jnp.float32),
         aux=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
     )
+    add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
 
-    def tick(c, t):
-        fmb, bmb = fwd[t], bwd[t]
+    def f_part(c, t):
+        c = dict(c)
+        fmb = fwd[t]
         fresh = jax.lax.dynamic_index_in_dim(x_m, jnp.clip(t, 0, m - 1), 0, keepdims=True)
-        fin = jnp.where(first.reshape(shape(c["fstate"])), fresh, c["fstate"])
-        stash = _on_stage(stash_put(c["stash"], jnp.where(fmb >= 0, fmb % slots, slots), fin))
-        fout = _on_stage(run_f(w, fin, _pick(side_m, fmb)))
-        # head and loss of the micro-batch leaving the last stage this tick
-        i = t - (p - 1)
-        ok = (i >= 0) & (i < m)
-        (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y: head_loss(hp, y, jnp.clip(i, 0, m - 1)), head_params,
-                                       _first(fout, p - 1, p), has_aux=True)
-        dhead_i, dy = vjp(jnp.where(ok, 1.0, 0.0).astype(loss_i.dtype))
-        # backward: the last stage starts from dy, the others from what their right neighbour sent
-        bvalid = (bmb >= 0).reshape(shape(c["bstate"]))
-        ct = jnp.where(last.reshape(shape(c["bstate"])), dy.astype(c["bstate"].dtype)[None], c["bstate"])
-        ct = jnp.where(bvalid, ct, jnp.zeros_like(ct))  # idle ticks get a zero cotangent: no gradient
-        dw_t, dx_t = run_b(w, stash_get(stash, jnp.maximum(bmb, 0) % slots), _pick(side_m, bmb), ct)
-        dx = _on_stage(jax.vmap(lambda buf, j, v: buf.at[j].add(v))(c["dx"], jnp.maximum(bmb, 0),
-                                                                   dx_t.astype(jnp.float32)))
-        add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
-        out = dict(
-            fstate=_shift(fout, 1), bstate=_shift(dx_t, -1), stash=stash, dx=dx,
-            dw=jax.tree.map(lambda a, b: _on_stage(add(a, b)), c["dw"], dw_t),
-            dhead=jax.tree.map(add, c["dhead"], dhead_i),
-            loss=c["loss"] + jnp.where(ok, loss_i, 0.0).astype(jnp.float32),
-            aux=jax.tree.map(lambda a, b: a + jnp.where(ok, b, 0).astype(jnp.float32), c["aux"], aux_i),
-        )
-        return out, None
+        fin = jnp.where(_mask(first, c["fstate"]), fresh, c["fstate"])
+        c["stash"] = _on_stage(stash_put(c["stash"], jnp.where(fmb >= 0, fmb % slots, slots), fin))
+        fout, v_out = run_f(w, fin, _pick(side_m, fmb))
+        fout = _on_stage(fout)
+        vals = jax.tree.map(lambda buf, v: put_v(jnp.where(_mask(first, buf), jnp.zeros_like(buf), buf), stages, v),
+                            c["vals"], v_out)
+        c["fstate"], c["vals"] = _shift(fout, 1), jax.tree.map(lambda a: _shift(a, 1), vals)
+        return c, fout, vals
 
-    c, _ = jax.lax.scan(tick, carry0, jnp.arange(table.ticks), unroll=table.ticks if unroll else 1)
+    def h_part(c, t, fout, vals):
+        # head and loss of micro-batch i, leaving the last stage this tick (warm-up and drain have none)
+        c = dict(c)
+        i = t - (p - 1)
+        v_i = jax.tree.map(lambda a: layers(_first(a, p - 1, p)), vals)
+        (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y, vf: head_loss(hp, y, _with_floats(v_i, vf), i), head_params,
+                                       _first(fout, p - 1, p), _floats(v_i), has_aux=True)
+        dhead_i, dy, dv_i = vjp(jnp.ones((), loss_i.dtype))
+        c["dv"] = jax.tree.map(lambda buf, d: jax.lax.dynamic_update_index_in_dim(
+            buf, d.reshape(buf.shape[1:]).astype(jnp.float32), i, 0), c["dv"], dv_i)
+        c["dhead"] = jax.tree.map(add, c["dhead"], dhead_i)
+        c["loss"] = c["loss"] + loss_i.astype(jnp.float32)
+        c["aux"] = jax.tree.map(add, c["aux"], aux_i)
+        return c, dy
+
+    def b_part(c, t, dy):
+        # backward: the last stage starts from dy, the others from what their right neighbour sent
+        c = dict(c)
+        bmb = bwd[t]
+        bvalid = bmb >= 0
+        ct = jnp.where(_mask(last, c["bstate"]), dy.astype(c["bstate"].dtype)[None], c["bstate"])
+        ct = jnp.where(_mask(bvalid, ct), ct, jnp.zeros_like(ct))  # idle ticks get a zero cotangent: no gradient
+        ct_v = jax.tree.map(lambda buf, a: jnp.where(_mask(bvalid, buf), buf, 0).astype(a.dtype),
+                            jax.tree.map(lambda buf: get_v(jnp.maximum(bmb, 0), stages, buf), c["dv"]),
+                            _floats(v_shape))
+        dw_t, dx_t = run_b(w, stash_get(c["stash"], jnp.maximum(bmb, 0) % slots), _pick(side_m, bmb), ct, ct_v)
+        c["dx"] = _on_stage(jax.vmap(lambda buf, j, v: buf.at[j].add(v))(c["dx"], jnp.maximum(bmb, 0),
+                                                                         dx_t.astype(jnp.float32)))
+        c["bstate"] = _shift(dx_t, -1)
+        c["dw"] = jax.tree.map(lambda a, b: _on_stage(add(a, b)), c["dw"], dw_t)
+        return c
+
+    no_dy = jnp.zeros(y_shape.shape, y_shape.dtype)
+    no_f = (_on_stage(jnp.zeros((p,) + y_shape.shape, y_shape.dtype)), carry0["vals"])
+
+    def tick(c, t, static=None):
+        # Warm-up ticks (t < p-1) have no backward anywhere, drain ticks (t >= m+p-1) no forward, and
+        # the head has a micro-batch only in between: conditionals (the predicate is the same on every
+        # device) skip that work. ``static``: a Python tick number (unrolled: plain code, exact FLOPs).
+        when = lambda lo, hi: (lo <= static < hi) if static is not None else (t >= lo) & (t < hi)  # noqa: E731
+        cond = lambda pred, yes, no, *ops: (yes if pred else no)(*ops) if static is not None \
+            else jax.lax.cond(pred, yes, no, *ops)  # noqa: E731
+        c, fout, vals = cond(when(0, m + p - 1), f_part, lambda c, t: (dict(c),) + no_f, c, t)
+        c, dy = cond(when(p - 1, m + p - 1), h_part, lambda c, t, f, v: (dict(c), no_dy), c, t, fout, vals)
+        return cond(when(p - 1, table.ticks), b_part, lambda c, t, dy: dict(c), c, t, dy)
+
+    if unroll:
+        c = carry0
+        for t in range(table.ticks):
+            c = tick(c, jnp.asarray(t), static=t)
+    else:
+        c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), carry0, jnp.arange(table.ticks))
     d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), c["dw"])  # (p, k, ...) -> (L, ...)
     return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, p)
 
@@ -450,19 +564,24 @@ class _Captured(Exception):
         self.call_args, self.call_kwargs = args, kwargs
 
 
-class StandIn:
+class StandIn(nnx.Module):
     """What ``loss_fn`` receives under a pipeline: calling it runs ``call`` (the pipelined model);
-    every other attribute is the real model's."""
+    every other attribute is the real model's. The real model is also its child node, so what
+    walks the model's state (``nnx.pop(model, nnx.Intermediate)``,
+    :func:`meshtrain.models.moe.pop_moe_stats`) finds the values ``PipelineParts.sown`` stored."""
 
     def __init__(self, model, call):
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_call", call)
+        self._pipeline_model = model
+        self._pipeline_call = call
 
     def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
+        return self._pipeline_call(*args, **kwargs)
 
     def __getattr__(self, name):
-        return getattr(self._model, name)
+        model = vars(self).get("_pipeline_model")
+        if model is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(model, name)
 
 
 def _capture(loss_fn, model, batch) -> Tuple[tuple, dict]:
@@ -479,24 +598,102 @@ def _capture(loss_fn, model, batch) -> Tuple[tuple, dict]:
                       f"model's layer stack inside that call")
 
 
+def _path(keypath) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+
+
 def _stack_io(model, parts: PipelineParts):
+    """``layer_fn(w, x, side) -> (x, values)`` for one layer of the stack (``values``: what the layer
+    stored with ``nnx.Intermediate``, a pure dict) and the stack's state. ``ConfigError`` when a layer
+    changes other state (running statistics), which the schedules do not carry."""
     gd, stack = nnx.split(stack_module(model, parts.stack))
-    return (lambda w, x, side: parts.layer(nnx.merge(gd, w), x, side)), stack
+
+    def raw(block):  # {path: (variable type, array)} of the layer's state
+        return {k: (type(v), v.get_value() if isinstance(v, nnx.Variable) else v)
+                for k, v in nnx.to_flat_state(nnx.state(block))}
+
+    def layer_fn(w, x, side):
+        block = nnx.merge(gd, w)
+        before = raw(block)
+        y = parts.layer(block, x, side)
+        values = nnx.to_pure_dict(nnx.pop(block, nnx.Intermediate))
+        for key, (kind, value) in raw(block).items():
+            if issubclass(kind, nnx.RngState):  # dropout counters: not carried (see README, known limits)
+                continue
+            if key not in before or value is not before[key][1]:
+                raise ConfigError(
+                    f"a layer of {type(model).__name__}.{parts.stack} changes its state {'/'.join(map(str, key))} "
+                    f"({kind.__name__}) in the forward pass (e.g. running batch statistics); a pipeline carries "
+                    f"only parameters and values stored with nnx.Intermediate through its schedule: store such values "
+                    f"with nnx.Intermediate and apply them in PipelineParts.sown, use a layer without running "
+                    f"statistics, or pick a recipe without the 'pp' strategy")
+        return y, values
+
+    return layer_fn, stack
 
 
-def pipelined_loss(model, loss_fn, batch, cfg: PipelineConfig):
+def _store_values(parts: PipelineParts, model, values) -> None:
+    """Hand one micro-batch's layer values to ``parts.sown`` (``ConfigError`` when the model has none)."""
+    if not jax.tree.leaves(values):
+        return
+    if parts.sown is None:
+        paths = sorted({_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(values)[0]})
+        raise ConfigError(
+            f"the layers of {type(model).__name__}.{parts.stack} store values with nnx.Intermediate "
+            f"({', '.join(paths)}) "
+            f"that a pipeline would drop: add sown=<function(values)> to {type(model).__name__}.pipeline_parts()'s "
+            f"PipelineParts to store what the model's own __call__ keeps of them (values: the layers' nnx.Intermediate "
+            f"state of one micro-batch as a pure dict, leading `layers` axis; see meshtrain.models.decoder), or stop "
+            f"storing them in the layer")
+    parts.sown(values)
+
+
+def pipelined_loss(model, loss_fn, batch, cfg: PipelineConfig, *, split_batch=None, unpack=None):
     """``loss_fn(model, batch)`` with the model's layer stack run through the gpipe / circular schedule
-    (differentiate it as usual; autodiff replays the ticks)."""
+    (differentiate it as usual; autodiff replays the ticks).
+
+    When the layers store values (``nnx.Intermediate``, e.g. MoE router statistics) the loss runs per
+    micro-batch, as gradient accumulation over the same micro-batches would: ``loss_fn`` on
+    ``split_batch()[i]`` with the model holding micro-batch ``i``'s values (``PipelineParts.sown``);
+    ``unpack(loss_fn output) -> (loss_sum, weight, metrics)`` and the sums are returned as one
+    ``(loss_sum, weight, metrics)``. Otherwise ``loss_fn`` runs once on the whole batch.
+    """
     parts = get_parts(model)
     layer_fn, stack = _stack_io(model, parts)
     m = cfg.micro_batches
+    kept = {}
 
     def call(*args, **kwargs):
         x, side = parts.before(*args, **kwargs)
-        y_m = run_stack(layer_fn, stack, split_micro(x, m), jax.tree.map(lambda a: split_micro(a, m), side), cfg)
+        side_m = jax.tree.map(lambda a: split_micro(a, m), side)
+        y_m, values_m = run_stack(layer_fn, stack, split_micro(x, m), side_m, cfg, sown=True)
+        if jax.tree.leaves(values_m):
+            kept.update(y_m=y_m, side_m=side_m, values_m=values_m)
         return parts.after(merge_micro(y_m), side)
 
-    return loss_fn(StandIn(model, call), batch)
+    out = loss_fn(StandIn(model, call), batch)
+    if not kept:
+        return out
+    if parts.sown is None:  # names what to add
+        _store_values(parts, model, kept["values_m"])
+    if split_batch is None or unpack is None:
+        raise ConfigError("pipelined_loss: the layers store values (nnx.Intermediate); pass split_batch and unpack "
+                          "so that the loss runs per micro-batch")
+    graphdef, state = nnx.split(model)
+
+    def one(xs):
+        y, side, values, b = xs
+        fresh = nnx.merge(graphdef, state)  # the map body's own copy (nnx refuses mutation across traces)
+        pp = get_parts(fresh)
+
+        def call_one(*args, **kwargs):
+            _store_values(pp, fresh, values)
+            return pp.after(y, side)
+
+        return unpack(loss_fn(StandIn(fresh, call_one), b))
+
+    total, weight, metrics = jax.lax.map(one, (kept["y_m"], kept["side_m"], kept["values_m"], split_batch()))
+    return jnp.sum(total), jnp.sum(weight), {k: jnp.sum(v) for k, v in metrics.items()}
 
 
 def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: PipelineConfig, unpack):
@@ -505,7 +702,8 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
     ``build(params) -> model``; ``batch_m`` the batch cut into micro-batches (leading ``m``);
     ``unpack(loss_fn output) -> (loss_sum, weight, metrics)``. Returns
     ``(loss_sum, weight, metrics, grads)``. Embedding (``before``) gradients come from one VJP after
-    the schedule; head and loss run per micro-batch inside it.
+    the schedule; head and loss run per micro-batch inside it, with the values the layers stored for
+    that micro-batch (``PipelineParts.sown``).
     """
     parts = get_parts(build(params))
     name = parts.stack
@@ -531,12 +729,17 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
     layer_fn, _ = _stack_io(model0, parts)
     stack_state = nnx.state(stack_module(model0, name))
 
-    def head_loss(rest_, y_b, i):
+    def head_loss(rest_, y_b, values, i):
         model = model_of(rest_)
         pp = get_parts(model)
         side_i = jax.tree.map(lambda a: a[i], side_m)
         b_i = jax.tree.map(lambda a: a[i], batch_m)
-        total, weight, metrics = unpack(loss_fn(StandIn(model, lambda *a, **k: pp.after(y_b, side_i)), b_i))
+
+        def call(*args, **kwargs):
+            _store_values(pp, model, values)
+            return pp.after(y_b, side_i)
+
+        total, weight, metrics = unpack(loss_fn(StandIn(model, call), b_i))
         return total, (weight, metrics)
 
     loss, (weight, metrics), d_stack, d_rest, dx_m = one_f_one_b(layer_fn, stack_state, x_m, side_m, head_loss,

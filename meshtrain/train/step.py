@@ -204,7 +204,10 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
         if pipeline is None:
             out = loss_fn(model, batch)
         else:  # gpipe / circular: the stack runs through the schedule inside model(...), autodiff replays it
-            out = pipe.pipelined_loss(model, loss_fn, batch, pipeline)
+            # (layers that store values, e.g. MoE router statistics: the loss runs per micro-batch)
+            out = pipe.pipelined_loss(model, loss_fn, batch, pipeline,
+                                      split_batch=lambda: _split_batch(batch, plan, pipeline.micro_batches),
+                                      unpack=lambda o: unpack_loss(o, loss_fn))
         total, weight, metrics = unpack_loss(out, loss_fn)
         # Values a layer stored for the loss (MoE router statistics) are per call, not state: a loss
         # that did not pop them must not turn them into a model-state leaf the plan never saw.
