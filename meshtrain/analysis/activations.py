@@ -145,6 +145,24 @@ class ActivationModel:
                     for t in self.tensors if not t.is_weight and "L" in dict(t.exponents))
         return int(total / cfg.n_layers)
 
+    def tensor_bytes_per_device(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit(),
+                                *, dims: Tuple[str, ...] = ("B", "T", "V"), dtype: str = "float32",
+                                stacked: "bool | None" = None, per_layer: bool = False) -> int:
+        """Bytes of the saved ``dtype`` tensors over exactly ``dims`` (plus ``L`` for the stacked ones) on one
+        device for one micro-batch, e.g. the f32 logits ``(B, T, V)`` or the residual stream ``(B, T, d)``.
+        ``stacked``: only the per-layer (``True``) or only the unstacked (``False``) ones; ``per_layer``: the
+        stacked ones divided by ``L``."""
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+        total = 0.0
+        for t in self.tensors:
+            ex = dict(t.exponents)
+            is_stacked = "L" in ex
+            if t.is_weight or t.dtype != str(np.dtype(dtype)) or set(ex) - {"L"} != set(dims) or \
+                    (stacked is not None and is_stacked != stacked) or (per_layer and not is_stacked):
+                continue
+            total += t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
+        return int(total / cfg.n_layers) if per_layer else int(total)
+
     def describe(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit()) -> List[dict]:
         """Rows ``{formula, dtype, count, bytes_per_device}`` for the saved non-weight tensors, largest first."""
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)

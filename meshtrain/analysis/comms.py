@@ -28,6 +28,11 @@ reduce-scatter (result ``X/t``) + all-gather (``X``) and the backward re-gathers
 reduction (its output is never read by the backward). Vocabulary-parallel
 embedding (forward) and head (backward) add one each, and the loss 3 small ``b·T`` f32 reductions.
 
+Pipelines (``pp`` recipes): the per-layer collectives above follow the ``m·L/(p·(1 − bubble))``
+layer passes one device makes (not ``L·m``), a stage's layer weights are gathered and their
+gradients reduced every tick with work, and :func:`_pipeline_transfers` adds the stage hand-offs
+(collective-permutes of one micro-batch's activations and cotangents) and broadcasts over ``stage``.
+
 Backends: XLA:GPU/TPU emit the above. XLA:CPU (measured, jax 0.10) has no reduce-scatter (it
 all-reduces the full tensor and slices) and does not reassociate all-reduces: the backward
 all-reduces q, k, v and gate, up input-gradient partials separately (5 per layer instead of 2).
@@ -46,6 +51,7 @@ import numpy as np
 from meshtrain.analysis.collectives import axes_key, wire_bytes
 from meshtrain.analysis.context_comms import context_collectives
 from meshtrain.analysis.layout import layout_of
+from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.moe import capacity_for
 from meshtrain.recipes import Remat
 
@@ -129,6 +135,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             out.append(CollectiveEstimate(kind, axes, float(nbytes), int(executions), lay.size(axes), what, overlap,
                                           phase))
 
+    pipe = pipeline_shape(plan)
     for leaf in plan.group("params"):
         elems = math.prod(leaf.shape)
         p = np.dtype(leaf.dtype).itemsize
@@ -141,32 +148,44 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         per = (cfg.n_layers if cfg is not None else max(int(leaf.shape[0]), 1)) if layer else 1
         lookup = (cfg is not None and tuple(leaf.logical_axes) == ("vocab", "embed") and not cfg.tie_embeddings
                   and "embedding" in leaf.path)
+        runs, op_t = per * m, t
+        if pipe is not None:
+            # Each device gathers its stage's layers and reduces their gradients every tick with work
+            # (measured: XLA keeps the reductions inside the tick loop); the rest runs once a step (gpipe: the
+            # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch).
+            if layer:
+                runs = pipe.layer_runs(per)
+                op_t = t // sizes.get("stage", 1) if "stage" in s else t  # one layer's weights: not split by stage
+            else:
+                runs = m if pipe.one_f_one_b else 1
+        reduce_runs = runs
         if f:
-            add("all-gather", f, elems * c / t / per, per * m, f"FSDP forward gather {leaf.path}", phase=Phase.FORWARD)
+            add("all-gather", f, elems * c / op_t / per, runs, f"FSDP forward gather {leaf.path}", phase=Phase.FORWARD)
             if not lookup:
-                add("all-gather", f, elems * c / t / per, per * m, f"FSDP backward re-gather {leaf.path}")
-        g_full = elems * p / t / per
+                add("all-gather", f, elems * c / op_t / per, runs, f"FSDP backward re-gather {leaf.path}")
+        g_full = elems * p / op_t / per
         if f:
             if backend is Backend.CPU:
-                add("all-reduce", f, g_full, per * m, f"grad reduce (as all-reduce) {leaf.path}")
+                add("all-reduce", f, g_full, runs, f"grad reduce (as all-reduce) {leaf.path}")
             else:
-                add("reduce-scatter", f, g_full / lay.size(f), per * m, f"grad reduce-scatter {leaf.path}")
+                add("reduce-scatter", f, g_full / lay.size(f), runs, f"grad reduce-scatter {leaf.path}")
         g_shard = g_full / lay.size(f)
         z = set(live(_zero_axes(plan, leaf.path))) & r
         if z:
             if backend is Backend.CPU:
-                add("all-reduce", r, g_shard, per * m, f"grad all-reduce {leaf.path}")
+                add("all-reduce", r, g_shard, reduce_runs, f"grad all-reduce {leaf.path}")
             else:
-                add("reduce-scatter", z, g_shard / lay.size(z), per * m, f"ZeRO-1 grad reduce-scatter {leaf.path}")
-                add("all-reduce", r - z, g_shard / lay.size(z), per * m, f"grad all-reduce {leaf.path}")
+                add("reduce-scatter", z, g_shard / lay.size(z), reduce_runs, f"ZeRO-1 grad reduce-scatter {leaf.path}")
+                add("all-reduce", r - z, g_shard / lay.size(z), reduce_runs, f"grad all-reduce {leaf.path}")
             add("all-gather", z, elems * p / lay.size(s) / per, per, f"ZeRO-1 updated-param gather {leaf.path}",
                 Overlap.EXPOSED, Phase.UPDATE)
         elif r:
-            add("all-reduce", r, g_shard, per * m, f"grad all-reduce {leaf.path}")
+            add("all-reduce", r, g_shard, reduce_runs, f"grad all-reduce {leaf.path}")
 
     if cfg is not None:
         _tensor_parallel(plan, cfg, lay, backend, c, add)
         _expert_parallel(plan, cfg, lay, backend, c, add)
+        _pipeline_transfers(plan, cfg, lay, c, out)
         for row in context_collectives(plan, cfg, backend.value):  # attention kinds over the context axes
             hidden = row["kind"] in ("collective-permute", "all-gather")
             add(row["kind"], row["axes"], row["bytes"], row["executions"], row["what"],
@@ -223,15 +242,70 @@ def _expert_parallel(plan, cfg, lay, backend, c, add) -> None:
     if not axes:
         return
     x = moe_exchange_bytes(plan, cfg, backend)
-    L, m = cfg.n_layers, lay.micro_batches
+    m = lay.micro_batches
+    runs, rerun = layer_runs(plan, cfg)
     per = x["ops_per_layer_step"] // m
-    add(x["kind"], axes, x["per_op"], (per // 2) * L * m, "MoE token dispatch + combine (forward)",
+    add(x["kind"], axes, x["per_op"], (per // 2) * runs, "MoE token dispatch + combine (forward)",
         Overlap.EXPOSED, Phase.FORWARD)
-    add(x["kind"], axes, x["per_op"], (per - per // 2) * L * m, "MoE token dispatch + combine (backward)",
-        Overlap.EXPOSED, Phase.BACKWARD)
+    add(x["kind"], axes, x["per_op"], (per - per // 2) * runs + 2 * rerun, "MoE token dispatch + combine (backward"
+        + (", 1f1b's recomputed stage forward)" if rerun else ")"), Overlap.EXPOSED, Phase.BACKWARD)
     if x["ids_per_layer_step"]:
-        add(x["kind"], axes, x["ids_per_layer_step"] / m, L * m, "MoE expert ids (dropless exchange)",
+        add(x["kind"], axes, x["ids_per_layer_step"] / m, runs + rerun, "MoE expert ids (dropless exchange)",
             Overlap.EXPOSED, Phase.FORWARD)
+
+
+def layer_runs(plan, cfg) -> Tuple[float, float]:
+    """``(layer passes, re-run forward passes)`` one device makes per step, which the per-layer
+    collectives (TP, MoE exchange) follow: ``L·m`` without a pipeline; under one
+    (:class:`~meshtrain.analysis.pipeline.PipelineShape`) ``m·L/(p·(1 - bubble))`` (every stage
+    computes on every tick with work), and 1f1b re-runs each stage's forward in its VJP (the second
+    number)."""
+    pipe = pipeline_shape(plan)
+    if pipe is None:
+        return float(cfg.n_layers * plan.recipe.micro_batches), 0.0
+    runs = pipe.layer_runs(cfg.n_layers)
+    return runs, (runs if pipe.one_f_one_b else 0.0)
+
+
+def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
+    """Traffic of a pipeline over ``stage`` (``x = b·T·d·c``, one micro-batch's stage input on one
+    device), as XLA emits it for :mod:`meshtrain.parallel.pipeline` (matched against the compiled HLO
+    on XLA:CPU in tests/test_planner_moe_pp.py), per stage tick with work (``n = r·m/(1 - bubble)``):
+
+    * each stage hands ``x`` to the next stage and (backward) a cotangent ``x`` to the previous one:
+      ``n`` collective-permutes each way; gpipe / circular add a third per tick (autodiff's replay of
+      the stage-0 injection); on the critical path (the next tick needs them);
+    * an all-reduce of ``x`` over ``stage`` per tick (the masked sum that hands the last stage's
+      output to every stage; 1f1b: on the ``m`` ticks that run the head), and once per step one of
+      ``m·x`` (the stack's output; 1f1b: the f32 input cotangents);
+    * circular: the stage's layer weights ``W`` move into the interleaved order (an all-to-all of
+      ``W``) and their gradients back (another)."""
+    pipe = pipeline_shape(plan)
+    p = lay.sizes.get("stage", 1)
+    if pipe is None or p <= 1:
+        return
+    m = pipe.micro_batches
+    b = plan.batch.batch_size // (lay.batch_split * m)
+    x = float(b * (plan.batch.seq_len // max(lay.context, lay.sequence, 1)) * cfg.d_model * c)
+    n = round(pipe.stage_ticks)
+    crit = Overlap.EXPOSED
+
+    def put(kind, nbytes, executions, group, what, phase):
+        out.append(CollectiveEstimate(kind, ("stage",), float(nbytes), int(executions), group, what, crit, phase))
+
+    put("collective-permute", x, n, 2, "pipeline: stage output to the next stage (every tick)", Phase.FORWARD)
+    put("collective-permute", x, n * (1 if pipe.one_f_one_b else 2), 2,
+        "pipeline: input cotangent to the previous stage (every tick)"
+        + ("" if pipe.one_f_one_b else " + the replayed stage-0 injection"), Phase.BACKWARD)
+    put("all-reduce", x, m if pipe.one_f_one_b else n, p, "pipeline: last stage's output to every stage "
+        + ("(the head's input, m ticks)" if pipe.one_f_one_b else "(every tick)"), Phase.FORWARD)
+    put("all-reduce", m * x * (4 / c if pipe.one_f_one_b else 1), 1, p,
+        "pipeline: " + ("f32 input cotangents of the m micro-batches" if pipe.one_f_one_b
+                        else "the stack's output of the m micro-batches"), Phase.BACKWARD)
+    if pipe.repeats > 1:
+        w = sum(l.bytes_per_device for l in plan.group("params") if l.logical_axes and l.logical_axes[0] == "layers")
+        put("all-to-all", w, 1, p, "circular: layer weights into the interleaved order", Phase.FORWARD)
+        put("all-to-all", w, 1, p, "circular: their gradients back to the layer order", Phase.BACKWARD)
 
 
 def _zero_axes(plan, param_path: str) -> Tuple[str, ...]:
@@ -255,29 +329,31 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
     x = b * T * cfg.d_model * c
     axes = lay.tensor_axes
     sp = lay.sequence > 1
-    L = cfg.n_layers
+    runs, rerun = layer_runs(plan, cfg)  # L·m, or the pipeline's layer passes per device
     # remat=full re-runs the forward's collectives in the backward, except the last one of a layer:
     # the MLP-down reduction only produces the layer's output, which the backward never reads, so XLA
     # drops it (measured on XLA:CPU and XLA:TPU: 5 TP all-reduces per layer, not 6).
     full = plan.recipe.remat is Remat.FULL
     recompute, regather = (1, 2) if full else (0, 0)
+    fwd_again = 2 * rerun  # 1f1b: each stage's VJP re-runs its forward (2 forward reductions per layer)
     crit, fwd, bwd = Overlap.EXPOSED, Phase.FORWARD, Phase.BACKWARD
     bwd_ar = 5 if backend is Backend.CPU else 2
     if not sp:
-        add("all-reduce", axes, x, 2 * L * m, "TP forward all-reduce (attention out, MLP down)", crit, fwd)
-        add("all-reduce", axes, x, (bwd_ar + recompute) * L * m, "TP backward all-reduce (input gradients"
+        add("all-reduce", axes, x, 2 * runs, "TP forward all-reduce (attention out, MLP down)", crit, fwd)
+        add("all-reduce", axes, x, (bwd_ar + recompute) * runs + fwd_again, "TP backward all-reduce (input gradients"
             + (", recomputed forward)" if recompute else ")"), crit, bwd)
     else:
-        add("all-gather", axes, x, 2 * L * m, "SP forward all-gather (b,T,d) before column-parallel", crit, fwd)
-        add("all-gather", axes, x, (4 + regather) * L * m, "SP backward all-gathers (re-gather inputs, "
+        add("all-gather", axes, x, 2 * runs, "SP forward all-gather (b,T,d) before column-parallel", crit, fwd)
+        add("all-gather", axes, x, (4 + regather) * runs + fwd_again, "SP backward all-gathers (re-gather inputs, "
             "reduce-scatter transposes)", crit, bwd)
         if backend is Backend.CPU:
-            add("all-reduce", axes, x, 2 * L * m, "SP forward reduce-scatter (as all-reduce)", crit, fwd)
-            add("all-reduce", axes, x, (bwd_ar + recompute) * L * m, "SP backward reduce-scatter (as all-reduce)",
-                crit, bwd)
+            add("all-reduce", axes, x, 2 * runs, "SP forward reduce-scatter (as all-reduce)", crit, fwd)
+            add("all-reduce", axes, x, (bwd_ar + recompute) * runs + fwd_again,
+                "SP backward reduce-scatter (as all-reduce)", crit, bwd)
         else:
-            add("reduce-scatter", axes, x / t, 2 * L * m, "SP forward reduce-scatter after row-parallel", crit, fwd)
-            add("reduce-scatter", axes, x / t, (2 + recompute) * L * m, "SP backward reduce-scatter", crit, bwd)
+            add("reduce-scatter", axes, x / t, 2 * runs, "SP forward reduce-scatter after row-parallel", crit, fwd)
+            add("reduce-scatter", axes, x / t, (2 + recompute) * runs + fwd_again, "SP backward reduce-scatter",
+                crit, bwd)
     if lay.vocab_axes == axes:
         kind, nbytes = ("reduce-scatter", x / t) if sp and backend is not Backend.CPU else ("all-reduce", x)
         add(kind, axes, nbytes, m, "vocab-parallel embedding lookup", crit, fwd)

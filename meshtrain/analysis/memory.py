@@ -19,6 +19,47 @@ Components (bytes per device; ``P`` = parameter bytes per device from the plan):
   rematerialised (its intermediates and their cotangents), plus the f32 gradient of the logits
   ``4·b·T·V/t`` (``b`` sequences per device, ``t`` tensor-parallel size over the vocabulary).
 
+Mixture of experts (:func:`meshtrain.analysis.moe.moe_terms`): parameters and optimizer state are
+the plan's (expert weights ÷ ``ep`` and whatever else their shardings say); the activation formulas
+see the MoE MLP as a dense one of width ``rows·f_e + n_shared·f_e`` (``rows`` expert rows per token:
+capacity ``E·C/T``, dropless ``k``, or ``ep·k`` with expert parallelism: the receive buffer), plus
+the dispatched rows and expert outputs ``2·rows·b·T·d·c`` and the router's f32 logits and
+probabilities ``2·b·T·E·4`` per layer (not with ``remat=full``); the working set adds one layer's
+expert weights as the expert kernel gathers them over FSDP, and their gradient (``2c`` per element).
+
+Pipelines (``pp`` recipes; :class:`meshtrain.analysis.pipeline.PipelineShape`, ``p`` stages, ``m``
+micro-batches, ``x = b·T·d·c`` one micro-batch's stage input, ``a`` one layer's saved activations):
+
+* gpipe / circular: ``ticks·L/(p·r)·a`` (every tick's residuals) + ``m ×`` (what lies outside the
+  stack + the ring of stage outputs ``x``) + ``ticks·W_stage·c/r`` (the layer group each tick
+  indexes, kept for the backward; measured on XLA:CPU); gradients ``P`` (no accumulation loop);
+  the logits gradient over the whole per-device batch (the head runs after the schedule);
+* 1f1b: a ``2p``-slot stash of ``x`` + one micro-batch outside the stack + ``m`` embedding outputs;
+  the working set adds one stage's VJP ``(L/p)·a``, the f32 input cotangents ``4·m·x/c`` and the tick's
+  f32 weight gradient and accumulator ``2·4 B·W_stage``; gradients are f32 accumulators (4 B per
+  element).
+
+Against XLA on 8 CPU devices (tests/test_planner_moe_pp.py): the `small` model's pipelines within
+−7 %..+16 % of the compiled peak, dropless expert parallelism +2 %.
+
+XLA:TPU (``backend="tpu"``, or a plan on TPU devices; non-pipeline steps whose compute dtype is narrower
+than the parameters'): XLA:TPU fuses f32 upcasts into their consumers, so
+
+* gradients take the compute dtype (``c`` bytes per element at the gradient's sharding): the backward's
+  bf16 gradients are reduced and upcast inside the optimizer update, never stored in f32;
+* the saved logits are the compute-dtype ones (not the f32 upcast), and no f32 copy of the residual
+  stream ``(b, T, d)`` is saved or kept in a layer's working set (the norms upcast on the fly);
+* the saved residual stream of the layers is counted twice (the backward loop reads a copy of the
+  forward loop's stack: ≈ ``b·T·d·c`` per layer more than the traced residuals, measured at 4 and 32 layers);
+* temporaries are ``max(one layer's working set, f32 logits gradient)``: the head's backward (and its
+  optimizer update) finishes before the layers' backward starts.
+
+Against XLA:TPU's memory analysis (tests/test_planner_tpu_memory.py: Llama-3-8B shapes, 4 layers, batch
+8 × 4096, bf16 compute, remat full, v5p:2x2x2): dp +4.0 %, fsdp −7.1 %, zero1 −0.9 %, zero2 −2.6 %,
+hsdp +8.5 %, tp +4.8 %, fsdp_tp +6.0 %, fsdp_tp_sp +2.8 % (the CPU-calibrated formulas: +18 % .. +57 %);
+with all 32 layers tp +2.1 %, fsdp −8.8 %, fsdp_tp −2.4 %, hsdp −5.3 %, zero1 −3.0 %. The CPU formulas
+are unchanged (``backend`` ``"cpu"`` or ``"gpu"``, or an ``AbstractMesh`` with no backend given).
+
 Peak = sum of the components: parameters and optimizer state are live throughout, gradients and
 the saved activations of all layers coexist at the start of the backward pass, where one layer's
 working set is added. Measured peak (``MeasuredMemory.peak``) is XLA's buffer assignment:
@@ -64,6 +105,8 @@ from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, ProgramCost, default_loss,  # noqa: F401
                                          has_analytic_model, local_rows, program_cost, working_weight_bytes)
 from meshtrain.analysis.layout import layout_of
+from meshtrain.analysis.moe import moe_terms
+from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
 from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.train.step import gradient_shardings
@@ -120,13 +163,17 @@ class MemoryEstimate:
                 "components": {c.value: {"bytes": b, "formula": f.get(c, "")} for c, b in self.components}}
 
 
-def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost] = None) -> MemoryEstimate:
+def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost] = None,
+                    backend=None) -> MemoryEstimate:
     """Per-device memory of ``make_train_step(plan, loss_fn=loss_fn)``.
 
     A decoder ``cfg`` (``DecoderConfig``) uses the analytic formulas (``plan`` may live on an
     ``AbstractMesh``). Any other ``cfg`` (or ``None``: a user model) is measured on the step's program
     with ``loss_fn`` (default: the built-in loss of a built-in config), see the module docstring;
     ``cost`` reuses a :func:`~meshtrain.analysis.compiled.program_cost` already computed.
+    ``backend``: whose buffer choices to model (``"tpu"``, ``"gpu"``, ``"cpu"`` or a
+    :class:`~meshtrain.analysis.comms.Backend`); default: the platform of the plan's devices on a
+    ``Mesh``, XLA:CPU's on an ``AbstractMesh`` (see "XLA:TPU" in the module docstring).
     """
     if plan.batch is None:
         raise ValueError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
@@ -138,35 +185,114 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
     per = plan.per_device_bytes()
     params = plan.group("params")
     elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params)
-    grads = gradient_bytes(plan) + (4 * elems if lay.micro_batches > 1 else 0)
+    pipe = pipeline_shape(plan)
+    moe = moe_terms(plan, cfg)
+    acfg = moe.activation_config(cfg) if moe is not None else cfg  # MoE: the dense-equivalent MLP width
     weight_fraction = 0.0
     total_param_bytes = sum(l.bytes_total for l in params)
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
         weight_fraction = per["params"] / total_param_bytes
     attention = plan.recipe.attention
-    model = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, attention)
-    acts = model.bytes_per_device(cfg, B, T, split, weight_fraction=weight_fraction)
+    remat = plan.recipe.remat
+    L = cfg.n_layers
+    model = saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention)
     none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention)
-    layer = none.layer_bytes_per_device(cfg, B, T, split)
+    moe_saved = moe.saved_extra_per_layer if moe is not None and remat is not Remat.FULL else 0
+    layer_saved = model.layer_bytes_per_device(acfg, B, T, split) + moe_saved
+    tensors = model.bytes_per_device(acfg, B, T, split) + L * moe_saved
+    wcfg = moe.weight_config(cfg) if moe is not None else cfg  # MoE: every expert's weights are cast
+    casts = model.bytes_per_device(wcfg, B, T, split, weight_fraction=weight_fraction) - \
+        model.bytes_per_device(wcfg, B, T, split)  # compute-dtype copies of the weights the backward keeps
+    layer = none.layer_bytes_per_device(acfg, B, T, split)
+    if moe is not None:
+        layer += moe.saved_extra_per_layer + moe.gathered_per_layer
     b_loc = B // (split.batch * split.micro_batches)
+    c = np.dtype(lay.compute_dtype).itemsize
+    t_loc = T // max(lay.context, lay.sequence, 1)
+    grads = gradient_bytes(plan)
+    extra_temp, logits_rows, acc = 0, b_loc, ""
+    tpu = pipe is None and backend_name(plan, backend) == "tpu" and c < np.dtype(lay.param_dtype).itemsize
+    if tpu:
+        # XLA:TPU fuses f32 upcasts into their consumers: it keeps the backward's compute-dtype gradients
+        # (upcast in the reduction and optimizer update), the compute-dtype logits (upcast in the softmax)
+        # and no f32 copy of the residual stream (upcast in the norms); it keeps the saved residual stream of
+        # the layers twice (the backward loop reads a copy of the forward loop's stack)
+        grads = gradient_bytes(plan, itemsize=c)
+        btd = dict(dims=("B", "T", "d"))
+        tensors += (model.tensor_bytes_per_device(acfg, B, T, split, dtype=lay.compute_dtype, stacked=True, **btd)
+                    - model.tensor_bytes_per_device(acfg, B, T, split) * (4 - c) // 4
+                    - model.tensor_bytes_per_device(acfg, B, T, split, **btd))
+        layer -= none.tensor_bytes_per_device(acfg, B, T, split, per_layer=True, **btd)
+    if pipe is None:
+        acts = tensors + casts
+        if lay.micro_batches > 1:
+            grads += 4 * elems
+            acc = " + f32 accumulator 4 B × elements per device (micro-batches)"
+    else:
+        m, p = pipe.micro_batches, pipe.stages
+        x = b_loc * t_loc * cfg.d_model * c  # one micro-batch's stage input on one device
+        rest = tensors - L * layer_saved  # embedding output, final norm, logits: outside the stack
+        stack = pipe.stage_activation_bytes(L, layer_saved, x)
+        stage_w = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params
+                      if l.logical_axes and l.logical_axes[0] == "layers")  # the stage's layer-weight elements
+        if pipe.one_f_one_b:
+            acts = stack + rest + m * x + casts  # stash + one micro-batch's head + the embedding outputs
+            # a stage's VJP + the f32 input cotangents + the tick's f32 weight gradient and the new accumulator
+            extra_temp = (L // p) * layer_saved + 4 * m * x // c + 2 * 4 * stage_w
+            if 4 * elems > grads:
+                grads, acc = 4 * elems, " (1f1b: f32 accumulators, 4 B × elements per device)"
+        else:
+            # head on the whole batch + the ring of stage outputs; each tick also keeps the layer group it
+            # indexed (a residual of the tick loop, measured on XLA:CPU)
+            acts = stack + m * (rest + x) + casts + pipe.ticks * stage_w * c / pipe.repeats
+            logits_rows = b_loc * m
     vocab_split = lay.size(lay.vocab_axes)
-    logits_grad = 4 * b_loc * (T // lay.context) * cfg.vocab_size // vocab_split
+    logits_grad = 4 * logits_rows * (T // lay.context) * cfg.vocab_size // vocab_split
     blocks = attention_working_set(plan, cfg, b_loc)
     comps = ((Component.PARAMS, per["params"]), (Component.GRADIENTS, grads), (Component.OPTIMIZER, per["optimizer"]),
-             (Component.ACTIVATIONS, acts), (Component.TEMPORARIES, layer + logits_grad + blocks),
+             (Component.ACTIVATIONS, int(acts)),
+             (Component.TEMPORARIES, int((max(layer + blocks, logits_grad) if tpu else layer + logits_grad + blocks)
+                                         + extra_temp)),
              (Component.BATCH, per["batch"]))
-    remat = plan.recipe.remat.value
+    act_formula = (f"saved tensors under remat={remat.value}, {lay.compute_dtype}, b={b_loc} per device "
+                   f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"
+                   + (f", ÷{lay.context} on the sequence (context, attention {attention.value})"
+                      if lay.context > 1 else ""))
+    temp_formula = ("one layer with remat=none (backward working set) + f32 logits gradient 4·b·T·V/t"
+                    + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
+    params_formula = "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"
+    if tpu:
+        temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
+                        "XLA:TPU finishes the head's backward before the layers'"
+                        + (" + attention score blocks 4 × 4 B·b·n·bq·bk" if blocks else ""))
+        act_formula += "; XLA:TPU: logits in the compute dtype, no f32 copy of the residual stream"
+    if moe is not None:
+        params_formula += (f"; expert weights {moe.expert_bytes_per_device:,} B per device of "
+                           f"{moe.expert_bytes_total:,} (÷{moe.ep} expert-parallel and the other shardings)")
+        act_formula += (f"; MoE: MLP width → rows·f_e + shared = {moe.d_ff_equivalent} ({moe.rows:.3g} expert rows "
+                        f"per token), + dispatched rows, expert outputs and f32 router logits/probabilities "
+                        f"{moe.saved_extra_per_layer:,} B per layer")
+        temp_formula += (" + the layer's MoE buffers" + (f" + its expert weights gathered over FSDP and their "
+                                                          f"gradient {moe.gathered_per_layer:,} B"
+                                                          if moe.gathered_per_layer else ""))
+    if pipe is not None:
+        if pipe.one_f_one_b:
+            act_formula += (f"; pipeline {pipe.describe()}: stash of 2p stage inputs 2·{p}·x + one micro-batch "
+                            f"outside the stack + m embedding outputs (x = b·T·d·c = {x:,} B)")
+            temp_formula += (f" + one stage's VJP (L/p = {L // p} layers saved) + f32 input cotangents 4·m·x/c "
+                             f"+ the tick's f32 weight gradient and accumulator 2·4 B·W_stage")
+        else:
+            act_formula += (f"; pipeline {pipe.describe()}: every tick's stage residuals ticks·L/(p·r)·a_layer "
+                            f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B) + the layer group "
+                            f"each tick indexes ticks·W_stage·c/r")
+            temp_formula += "; logits gradient over the whole batch (b·m rows: the head runs after the schedule)"
     formulas = (
-        (Component.PARAMS, "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"),
-        (Component.GRADIENTS, "= parameters (same shardings and dtype)"
-         + (" + f32 accumulator 4 B × elements per device (micro-batches)" if lay.micro_batches > 1 else "")),
+        (Component.PARAMS, params_formula),
+        (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
+                               "optimizer update)" if tpu else "= parameters (same shardings and dtype)") + acc),
         (Component.OPTIMIZER, "Σ optimizer-state leaves ÷ shards (plan)"),
-        (Component.ACTIVATIONS, f"saved tensors under remat={remat}, {lay.compute_dtype}, b={b_loc} per device "
-                                f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"
-                                + (f", ÷{lay.context} on the sequence (context, attention {attention.value})"
-                                   if lay.context > 1 else "")),
-        (Component.TEMPORARIES, "one layer with remat=none (backward working set) + f32 logits gradient 4·b·T·V/t"
-                                + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else "")),
+        (Component.ACTIVATIONS, act_formula),
+        (Component.TEMPORARIES, temp_formula),
         (Component.BATCH, "input arrays (plan)"),
     )
     return MemoryEstimate(comps, formulas)
@@ -223,10 +349,23 @@ _GRAD_FORMULA = ("Σ parameter elements × dtype bytes ÷ the shards of the grad
                  "the optimizer state's under zero2)")
 
 
-def gradient_bytes(plan) -> int:
+def backend_name(plan, backend=None) -> str:
+    """``"tpu"``, ``"gpu"`` or ``"cpu"``: ``backend`` if given (a string or a ``Backend``), else the platform
+    of the plan's devices (a ``Mesh``), else ``"cpu"`` (an ``AbstractMesh``)."""
+    if backend is not None:
+        name = str(getattr(backend, "value", backend)).lower()
+    elif isinstance(plan.mesh, jax.sharding.Mesh):
+        name = getattr(plan.mesh.devices.flat[0], "platform", "cpu")
+    else:  # an AbstractMesh: no devices to ask
+        name = "cpu"
+    return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
+def gradient_bytes(plan, itemsize: Optional[int] = None) -> int:
     """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
     keeps its gradient in (:func:`meshtrain.train.step.gradient_shardings`: the parameter's own, or its
-    optimizer state's under ``zero2``)."""
+    optimizer state's under ``zero2``). ``itemsize``: bytes per element instead of the parameter's dtype
+    (floating-point leaves only)."""
     sizes = plan.mesh_sizes
     total = 0
     for sharding, leaf in zip(jax.tree.leaves(gradient_shardings(plan)), jax.tree.leaves(plan.abstract.params)):
@@ -234,7 +373,10 @@ def gradient_bytes(plan) -> int:
         for entry in sharding.spec:
             for axis in (entry if isinstance(entry, tuple) else (entry,)):
                 shards *= sizes.get(axis, 1) if axis else 1
-        total += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize // shards
+        size = np.dtype(leaf.dtype).itemsize
+        if itemsize is not None and jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
+            size = itemsize
+        total += int(np.prod(leaf.shape)) * size // shards
     return total
 
 

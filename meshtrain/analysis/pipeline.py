@@ -3,8 +3,9 @@ stage, point-to-point bytes per step. Formulas (per device; ``p`` stages, ``m`` 
 repeats, ``b = B / (dp·m)`` rows of a micro-batch on one device, ``T`` tokens, ``d`` model width,
 ``w`` bytes per activation element):
 
-* bubble: gpipe ``(p-1)/(m+p-1)``, circular ``(p-1)/(r·m+p-1)``, 1f1b ``(2p-2)/(m+2p-2)`` (every tick
-  runs one forward and one backward on every stage, so warm-up and drain are two ticks per stage);
+* bubble: gpipe ``(p-1)/(m+p-1)``, circular ``(p-1)/(r·m+p-1)``, 1f1b ``(p-1)/(m+p-1)`` (its ``m+2p-2``
+  ticks hold a forward and a backward slot, but conditionals skip the backward on the ``p-1``
+  warm-up ticks and the forward on the ``p-1`` drain ticks);
 * stage input of one micro-batch ``x = b·T·d·w``; one layer's saved activations (remat none)
   ``a = b·T·(4d + 2(n+k)h + 3f + n·T)·w / tensor`` (norm inputs, q/k/v, scores, MLP gate/up/product;
   remat full: ``a = x``);
@@ -112,3 +113,70 @@ def pipeline_lines(summary: Optional[Dict[str, object]]) -> List[str]:
     if s.get("warning"):
         lines.append(f"  warning: {s['warning']}")
     return lines
+
+
+# ---- helpers for the memory and step-time estimates (analysis.memory, analysis.steptime, comms) ----
+
+class PipelineShape:
+    """What the estimates need to know about a pipelined plan: ``p`` stages, ``m`` micro-batches, ``r``
+    repeats (circular; 1 otherwise), the schedule, its ticks and its bubble
+    (:func:`~meshtrain.parallel.pipeline.bubble_fraction`). Every stage computes on every tick that has
+    work anywhere (SPMD), so the stack's compiled work is ``1 / (1 - bubble)`` of the work without a
+    pipeline: ``m / (1 - bubble)`` stage passes per device per direction (gpipe ``m + p - 1``, circular
+    ``(r·m + p - 1) / r`` passes of the whole stage, 1f1b ``m + p - 1``: its warm-up ticks run no
+    backward and its drain ticks no forward)."""
+
+    def __init__(self, schedule: Schedule, stages: int, micro_batches: int, repeats: int):
+        self.schedule, self.stages, self.micro_batches = schedule, stages, micro_batches
+        self.repeats = repeats if schedule is Schedule.CIRCULAR else 1
+        self.ticks = schedule_table(schedule, stages, micro_batches, self.repeats).ticks
+        self.bubble = bubble_fraction(schedule, stages, micro_batches, self.repeats)
+
+    @property
+    def one_f_one_b(self) -> bool:
+        return self.schedule is Schedule.ONE_F_ONE_B
+
+    @property
+    def stack_factor(self) -> float:
+        """Compiled FLOPs of the layer stack ÷ its FLOPs without a pipeline: ``1 / (1 - bubble)``
+        (gpipe ``(m+p-1)/m``, circular ``(r·m+p-1)/(r·m)``, 1f1b ``(m+p-1)/m``)."""
+        return 1.0 / (1.0 - self.bubble)
+
+    @property
+    def stage_ticks(self) -> float:
+        """Ticks on which a stage runs a forward (or a backward) tick's worth of layers: ``r·m / (1 - bubble)``."""
+        return self.repeats * self.micro_batches * self.stack_factor
+
+    def layer_runs(self, n_layers: int) -> float:
+        """Layer passes one device runs per step in each direction: ``m·L / (p·(1 - bubble))``."""
+        return self.stage_ticks * n_layers / (self.stages * self.repeats)
+
+    def stage_activation_bytes(self, n_layers: int, layer_bytes: float, stage_input_bytes: float) -> float:
+        """Saved activations of the stack on one device: gpipe / circular keep every forward tick's
+        residuals (``ticks · L/(p·r) · a``; ticks on padding keep theirs too); 1f1b stashes the stage
+        inputs of the micro-batches in flight (a ``2p``-slot buffer of ``x``)."""
+        if self.one_f_one_b:
+            return 2 * self.stages * stage_input_bytes
+        return self.layer_runs(n_layers) * layer_bytes
+
+    def describe(self) -> str:
+        return (f"{self.schedule.value}, p={self.stages}, m={self.micro_batches}"
+                + (f", r={self.repeats}" if self.schedule is Schedule.CIRCULAR else "")
+                + f", {self.ticks} ticks, bubble {self.bubble:.0%}")
+
+
+def pipeline_shape(plan) -> Optional[PipelineShape]:
+    """The :class:`PipelineShape` of a plan whose recipe has the ``pp`` strategy (``None`` otherwise).
+    One stage still runs the schedule (the train step does): gpipe then keeps all ``m`` micro-batches."""
+    if not is_pipelined(plan):
+        return None
+    pc = config_for(plan.recipe, plan.mesh_sizes)
+    return PipelineShape(pc.schedule, pc.stages, pc.micro_batches, pc.repeats)
+
+
+def pipeline_problem(plan, cfg) -> Optional[str]:
+    """What the train step would refuse for this pipelined plan (``None`` when it would run, or for
+    a plan without a pipeline): too few micro-batches, layers not divisible into the stage groups."""
+    if not is_pipelined(plan):
+        return None
+    return _problem(config_for(plan.recipe, plan.mesh_sizes), cfg, plan)

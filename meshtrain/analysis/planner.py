@@ -11,8 +11,17 @@ Example::
 
 Everything is analytic (an ``AbstractMesh`` when the devices do not exist), so a 256-chip search
 takes seconds on a laptop. Warnings follow the usual rules: tensor parallelism beyond the fast-link
-domain, too few tokens per device for FSDP to hide its all-gathers, and head counts not divisible
-by ``tensor × context``.
+domain, too few tokens per device for FSDP to hide its all-gathers, head counts not divisible
+by ``tensor × context``, expert parallelism across the slow links, a pipeline bubble above 25 %.
+
+Mixture-of-experts models are estimated with their expert weights as the plan shards them, active
+FLOPs and the token all-to-all (the ``ep`` recipes' ``expert`` axis is searched like any other);
+pipelines (``pp`` recipes, ``stage`` > 1) with each of ``PlanRequest.schedules`` (circular with 2
+repeats) and ``m >= p`` micro-batches, their memory per schedule, the bubble in the step time and the
+stage hand-offs. ``PlanRequest.slices`` models several TPU slices or GPU nodes: axes spanning more
+than ``devices / slices`` use the slow links, so ``stage`` (outermost) or ``data`` may cross the DCN.
+``AutoResult.why`` says why the winner beat the runner-up and, when it uses neither, the best
+expert-parallel (MoE) and pipelined layouts and what they lose on, or why none was usable.
 """
 
 from __future__ import annotations
@@ -22,12 +31,15 @@ import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from meshtrain.analysis.comms import expert_axes
 from meshtrain.analysis.hardware import Hardware, get_hardware
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
-from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, estimate_step_time
+from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
+from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.recipes import BUILTIN_RECIPES, Recipe, Remat
+from meshtrain.parallel.pipeline import bubble_warning, config_for
+from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule
 
 AUTO_REMATS = (Remat.NONE, Remat.DOTS_NO_BATCH, Remat.FULL)
 
@@ -54,9 +66,25 @@ class PlanRequest:
     param_dtype: Optional[str] = None
     max_micro_batches: int = 16
     micro_batches: Tuple[int, ...] = ()
+    #: slices (TPU) or nodes (GPU) the devices span: the fast-link domain is at most ``num_devices / slices``
+    #: devices, so mesh axes spanning more cross the slow links (DCN / InfiniBand); 1 = the chip's own domain
+    slices: int = 1
+    #: attention kind for the recipes whose own is ``dense`` (e.g. ``flash`` for long sequences); None: the recipe's
+    attention: Optional[str] = None
+    #: pipeline schedules tried for the ``pp`` recipes (circular with 2 repeats where the layers divide)
+    schedules: Tuple[str, ...] = ("gpipe", "1f1b", "circular")
 
     def hw(self) -> Hardware:
-        return get_hardware(self.hardware, num_devices=self.num_devices)
+        hw = get_hardware(self.hardware, num_devices=self.num_devices)
+        if self.slices > 1:
+            if self.num_devices % self.slices:
+                raise ConfigError(f"{self.num_devices} devices do not split into {self.slices} slices/nodes; pick a "
+                                  f"--slices that divides --devices")
+            domain = min(hw.fast_domain, self.num_devices // self.slices)
+            hw = dataclasses.replace(hw, fast_domain=domain, sources={
+                **hw.sources, "fast_domain": f"{self.num_devices} devices in {self.slices} slices/nodes → "
+                                            f"{domain} per fast-link domain (plan request)"})
+        return hw
 
     @property
     def global_batch(self) -> int:
@@ -66,9 +94,12 @@ class PlanRequest:
     def tokens_seq(self) -> int:
         return self.seq_len or self.model.max_seq_len
 
-    def dtypes(self, recipe: Recipe) -> Dict[str, str]:
+    def dtypes(self, recipe: Recipe) -> Dict[str, object]:
         compute = self.compute_dtype or ("bfloat16" if self.hw().name != "cpu" else recipe.compute_dtype)
-        return {"compute_dtype": compute, "param_dtype": self.param_dtype or recipe.param_dtype}
+        out: Dict[str, object] = {"compute_dtype": compute, "param_dtype": self.param_dtype or recipe.param_dtype}
+        if self.attention and recipe.attention is AttentionKind.DENSE:
+            out["attention"] = AttentionKind(self.attention)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +119,27 @@ class Candidate:
     def label(self) -> str:
         mesh = ",".join(f"{a}={s}" for a, s in self.mesh_sizes if s > 1) or "1 device"
         r = self.recipe
-        return f"{r.name}[{mesh}] remat={r.remat.value} micro={r.micro_batches}"
+        pp = ""
+        if self.plan is not None and is_pipelined(self.plan):
+            pp = f" {r.schedule.value}" + (f"×{r.repeats}" if r.schedule is Schedule.CIRCULAR else "")
+        return f"{r.name}[{mesh}] remat={r.remat.value} micro={r.micro_batches}{pp}"
 
     def summary(self) -> Dict[str, object]:
         out = {"recipe": self.recipe.name, "mesh": dict(self.mesh_sizes), "remat": self.recipe.remat.value,
                "micro_batches": self.recipe.micro_batches, "compute_dtype": self.recipe.compute_dtype,
                "param_dtype": self.recipe.param_dtype}
+        if "pp" in self.recipe.strategies:
+            out.update(schedule=self.recipe.schedule.value, repeats=self.recipe.repeats)
+        if self.recipe.attention is not AttentionKind.DENSE:
+            out["attention"] = self.recipe.attention.value
         if self.rejected:
             out["rejected"] = self.rejected
         if self.memory is not None:
             out.update(memory_bytes=self.memory.total, fit=self.fit.value if self.fit else None)
         if self.step is not None:
             out.update(step_s=self.step.step_s, mfu=self.step.mfu, bound=self.step.bound.value)
+            if self.plan is not None and pipeline_shape(self.plan) is not None:
+                out["bubble"] = pipeline_shape(self.plan).bubble
         if self.warnings:
             out["warnings"] = list(self.warnings)
         return out
@@ -136,6 +176,15 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
         if heads and ways > 1 and heads % ways:
             out.append(f"{what} ({heads}) not divisible by tensor × context = {lay.tensor} × {ctx}: heads are "
                        f"split unevenly or replicated; pick tensor × context dividing {heads}")
+    ex = expert_axes(plan)
+    if ex and any(links.get(a) is Link.SLOW for a in ex):
+        out.append(f"expert parallelism over {'×'.join(ex)}={lay.size(ex)} crosses the slow links of {hw.name}: "
+                   f"every layer's token all-to-all (dispatch + combine, forward and backward) goes over them; keep "
+                   f"expert × inner axes ≤ {hw.fast_domain} and shard the rest with data/FSDP or a pipeline")
+    if pipeline_shape(plan) is not None:
+        bubble = bubble_warning(config_for(plan.recipe, plan.mesh_sizes))
+        if bubble:
+            out.append(bubble)
     batch = set(lay.batch_axes)
     fsdp_axes = set()
     for leaf in plan.group("params"):
@@ -191,7 +240,10 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
                                   f"× micro-batches {recipe.micro_batches}")
     except MeshtrainError as exc:
         return Candidate(recipe, sizes, rejected=f"{type(exc).__name__}: {exc}")
-    memory = estimate_memory(plan, cfg)
+    problem = pipeline_problem(plan, cfg)
+    if problem:
+        return Candidate(recipe, sizes, plan, rejected=f"pipeline: {problem}")
+    memory = estimate_memory(plan, cfg, backend=backend_of(hw))
     fit = memory.verdict(hw.hbm_bytes)
     step = estimate_step_time(plan, cfg, hw)
     warnings = tuple(rule_warnings(cfg, plan, hw, step))
@@ -227,16 +279,61 @@ class AutoResult:
                  f"per device ({w.fit.value}); {w.step.bound.value}-bound"]
         if others:
             r = others[0]
-            diffs = {"compute": r.step.compute_s - w.step.compute_s, "memory traffic": r.step.memory_s - w.step.memory_s,
-                     "exposed communication": r.step.exposed_comm_s - w.step.exposed_comm_s}
-            term = max(diffs, key=lambda k: diffs[k])
-            lines.append(f"beats the best other recipe, {r.label} ({r.step.step_s:.3g} s/step), mostly on {term} "
-                         f"({diffs[term]:+.3g} s for the runner-up)")
+            if r.step.step_s < w.step.step_s and r.fit is not w.fit:
+                lines.append(f"ranked before the best other recipe, {r.label} ({r.step.step_s:.3g} s/step): that "
+                             f"one is faster but {r.fit.value} ({r.memory.total / 2 ** 30:.1f} GiB; layouts with 10 % "
+                             f"headroom come first)")
+            elif r.step.step_s <= w.step.step_s * 1.005:
+                tie = ("ranked first for less memory" if w.memory.total < r.memory.total else
+                       "the same estimate: either will do" if w.memory.total == r.memory.total else
+                       "ranked first on its fit or step time")
+                lines.append(f"beats the best other recipe, {r.label} ({r.step.step_s:.3g} s/step): a tie within "
+                             f"0.5 %, {tie}")
+            else:
+                lines.append(f"beats the best other recipe, {r.label} ({r.step.step_s:.3g} s/step), mostly on "
+                             f"{_main_difference(w, r)}")
         better = [c for c in self.rejected if c.step is not None and c.step.step_s < w.step.step_s]
         if better:
             b = min(better, key=lambda c: c.step.step_s)
             lines.append(f"faster layouts were dropped because they do not fit, e.g. {b.label}: {b.rejected}")
+        lines += self._family_lines(w, others[0] if others else None)
         return "\n".join(lines)
+
+    def _family_lines(self, w: Candidate, runner_up: Optional[Candidate]) -> List[str]:
+        """Why the winner does or does not use expert parallelism (MoE models) or a pipeline: the best
+        layout of that family and what it loses on, or why none of it was usable."""
+        out = []
+        families = []
+        if getattr(self.request.model, "n_experts", 0):
+            families.append(("expert-parallel (expert > 1)", _expert_degree))
+        families.append(("pipelined (stage > 1)", lambda c: dict(c.mesh_sizes).get("stage", 1)))
+        for name, degree in families:
+            if degree(w) > 1:
+                continue
+            ranked = [c for c in self.ranked if degree(c) > 1]
+            if ranked:
+                b = ranked[0]
+                if b is runner_up:
+                    continue  # already named as the runner-up
+                head = (f"best {name} layout: {b.label} ({b.step.step_s:.3g} s/step, MFU {b.step.mfu:.1%}, "
+                        f"{b.memory.total / 2 ** 30:.1f} GiB)")
+                if b.step.step_s < w.step.step_s and b.fit is not w.fit:
+                    cap = self.request.hw().hbm_bytes
+                    out.append(f"{head}: faster, but {b.fit.value} ({b.memory.total / cap:.0%} of the device's "
+                               f"memory; the ranking puts layouts with 10 % headroom first)")
+                else:
+                    out.append(f"{head}: slower mostly on {_main_difference(w, b)}")
+                continue
+            tried = [c for c in self.rejected if degree(c) > 1]
+            if not tried:
+                if name.startswith("pipelined"):
+                    continue  # no pp recipe searched
+                out.append(f"no {name} layout was searched (recipes without `ep`, or the experts do not divide)")
+                continue
+            sized = [c for c in tried if c.memory is not None]
+            b = min(sized, key=lambda c: c.memory.total) if sized else tried[0]
+            out.append(f"no {name} layout is usable ({len(tried)} rejected); the closest, {b.label}: {b.rejected}")
+        return out
 
     def rejection_counts(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
@@ -261,6 +358,8 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
     seen = set()
     for base in recipes:
         for sizes in mesh_options(base, request.num_devices):
+            if "pp" in base.strategies and sizes.get("stage", 1) == 1:
+                continue  # one stage: the same layout as the recipe without pp, plus the schedule's costs
             recipe = dataclasses.replace(base, mesh=base.mesh.with_sizes(sizes))
             first = evaluate(request, recipe, abstract=abstract)
             if first.plan is None:
@@ -268,13 +367,20 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
                 continue
             dp = layout_of(first.plan).batch_split
             per_device = request.global_batch // dp
-            micros = list(request.micro_batches) or [
+            variants, micros, why_not = _pipeline_variants(request, first, per_device)
+            if why_not:
+                rejected.append(dataclasses.replace(first, rejected=why_not))
+                continue
+            micros = list(request.micro_batches) or micros or [
                 m for m in (1, 2, 4, 8, 16, 32, 64) if m <= min(per_device, request.max_micro_batches)
                 and per_device % m == 0]
-            for remat, micro in itertools.product(request.remats, micros):
-                r = recipe.with_options(remat=remat, micro_batches=micro)
+            for (schedule, repeats), remat, micro in itertools.product(variants, request.remats, micros):
+                opts = {"remat": remat, "micro_batches": micro}
+                if schedule is not None:
+                    opts.update(schedule=schedule, repeats=repeats)
+                r = recipe.with_options(**opts)
                 cand = evaluate(request, r, base_plan=first.plan)
-                key = (cand.recipe.name, cand.mesh_sizes, remat, micro)
+                key = (cand.recipe.name, cand.mesh_sizes, remat, micro, schedule, repeats)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -284,6 +390,55 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
     # Within 0.5 % of each other, prefer the layout that leaves more memory free.
     ranked.sort(key=lambda c: (order.get(c.fit, 2), round(c.step.step_s / best * 200), c.memory.total))
     return AutoResult(tuple(ranked), tuple(rejected), request)
+
+
+def _pipeline_variants(request: PlanRequest, first: Candidate, per_device: int):
+    """``([(schedule, repeats), ...], micro-batch counts, why not)`` to try for ``first``'s layout: one
+    ``(None, None)`` variant and no opinion on micro-batches without a pipeline; for a pipeline the
+    request's schedules (circular with 2 repeats where ``L`` divides into ``2p`` groups) and micro-batch
+    counts ``m >= p`` that divide the per-group batch (up to ``max(max_micro_batches, 4p)``). ``why not``:
+    the reason the layout cannot pipeline at all (else ``None``)."""
+    if not is_pipelined(first.plan):
+        return [(None, None)], [], None
+    p = first.plan.mesh_sizes.get("stage", 1)
+    L = request.model.n_layers
+    if L % p:
+        return [], [], f"pipeline: the model has {L} layers, not divisible by {p} stages"
+    limit = max(request.max_micro_batches, 4 * p)
+    micros = [m for m in (1, 2, 4, 8, 16, 32, 64, 128) if p <= m <= min(per_device, limit) and per_device % m == 0]
+    if not micros and not request.micro_batches:
+        return [], [], (f"pipeline: {p} stages need at least {p} micro-batches, but a data-parallel group has only "
+                        f"{per_device} sequences; raise --batch-size")
+    variants = []
+    for name in request.schedules:
+        schedule = Schedule(name)
+        if schedule is Schedule.CIRCULAR:
+            if L % (2 * p) == 0:
+                variants.append((schedule, 2))
+        else:
+            variants.append((schedule, 1))
+    return variants, micros, None
+
+
+def _expert_degree(c: Candidate) -> int:
+    """Devices the experts are split over in ``c`` (1 for a dense layout)."""
+    if c.plan is None:
+        rule = c.recipe.axis_rules().table("params").get("expert")
+        sizes = dict(c.mesh_sizes)
+        return math.prod(sizes.get(a, 1) for a in (rule.mesh_axes if rule else ()))
+    return math.prod(c.plan.mesh_sizes.get(a, 1) for a in expert_axes(c.plan))
+
+
+def _main_difference(w: Candidate, r: Candidate) -> str:
+    """The step-time term on which ``r`` loses most to ``w``, with its size."""
+    diffs = {"compute": r.step.compute_s - w.step.compute_s, "memory traffic": r.step.memory_s - w.step.memory_s,
+             "exposed communication": r.step.exposed_comm_s - w.step.exposed_comm_s}
+    term = max(diffs, key=lambda k: diffs[k])
+    out = f"{term} ({diffs[term]:+.3g} s for it)"
+    if term == "exposed communication" and r.step.axes:
+        worst = max(r.step.axes, key=lambda a: a.exposed_seconds)
+        out += f": {worst.axes} over {worst.link.value} links exposes {worst.exposed_seconds:.3g} s"
+    return out
 
 
 def _unknown(name: str):

@@ -13,6 +13,7 @@ step (:mod:`meshtrain.analysis.compiled`); without a loss function only the stat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, List
 
@@ -23,13 +24,13 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, def
 from meshtrain.analysis.hardware import get_hardware
 from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.analysis.layout import layout_of
-from meshtrain.analysis.memory import estimate_memory, state_memory
+from meshtrain.analysis.memory import Component, estimate_memory, state_memory
 from meshtrain.analysis.moe import moe_lines, moe_summary
-from meshtrain.analysis.pipeline import pipeline_lines, pipeline_summary
+from meshtrain.analysis.pipeline import pipeline_lines, pipeline_shape, pipeline_summary
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
 from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collectives, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.recipes import Remat
+from meshtrain.recipes import Remat, Schedule
 
 GiB = 2 ** 30
 
@@ -65,6 +66,14 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def _hardware(args, num_devices: int):
+    """``--hardware`` with ``--slices``: the fast-link domain is at most ``devices / slices`` (the slices or
+    nodes the devices span), so mesh axes spanning more use the slow links."""
+    name = getattr(args, "hardware", "cpu") or "cpu"
+    slices = getattr(args, "slices", None) or 1
+    return PlanRequest(None, num_devices, name, slices=slices).hw() if slices > 1 else name
+
+
 def analyse(plan, cfg, hardware: str, *, loss_fn=None):
     """Everything the report shows for one plan: hardware, memory, verdict, collectives, step time, warnings.
 
@@ -76,7 +85,7 @@ def analyse(plan, cfg, hardware: str, *, loss_fn=None):
     backend = backend_of(hw)
     cost, ops_source = None, f"analytic, XLA:{backend.value} choices"
     if has_analytic_model(cfg):
-        memory = estimate_memory(plan, cfg)
+        memory = estimate_memory(plan, cfg, backend=backend)
         ops = analytic_collectives(plan, cfg, backend)
         step = estimate_step_time(plan, cfg, hw, collectives=ops)
     else:
@@ -167,7 +176,7 @@ def _model_name(cfg, model_name) -> str:
 
 
 def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, object]:
-    a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu", loss_fn=loss_fn)
+    a = analyse(plan, cfg, _hardware(args, plan.num_devices), loss_fn=loss_fn)
     import jax
 
     out = plan.to_dict()
@@ -189,7 +198,7 @@ def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, 
         xla_flags=scheduling_flags(backend_of_hardware(a["hw"])))
     if a["cost"] is not None:
         out["program"] = a["cost"].to_dict()
-    pp = pipeline_summary(plan, cfg)
+    pp = _pipeline(plan, cfg, a["backend"])
     if pp is not None:
         out["pipeline"] = pp
     moe = moe_summary(plan, cfg, a["backend"])
@@ -197,6 +206,29 @@ def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, 
         out["moe"] = moe
     out.update(_check(plan, cfg, args, a))
     return _finite(out)
+
+
+def _pipeline(plan, cfg, backend):
+    """:func:`pipeline_summary` with its activation and point-to-point figures taken from the
+    estimates the memory and step-time rows use (:func:`estimate_memory`'s activations for each
+    schedule at this plan's stages and micro-batches; the stage-axis collectives of
+    :func:`analytic_collectives`), so the report shows one number for each."""
+    pp = pipeline_summary(plan, cfg)
+    if pp is None or not has_analytic_model(cfg) or plan.batch is None:
+        return pp
+    acts, wire = {}, {}
+    for schedule in Schedule:
+        r = pp["repeats"] if schedule is Schedule.CIRCULAR else 1
+        variant = dataclasses.replace(plan, recipe=plan.recipe.with_options(schedule=schedule, repeats=r))
+        acts[schedule.value] = estimate_memory(variant, cfg, backend=backend)[Component.ACTIVATIONS]
+        wire[schedule.value] = sum(o.wire_bytes_per_step for o in analytic_collectives(variant, cfg, backend)
+                                   if o.axes == ("stage",))
+    pp = {k: v for k, v in pp.items() if k != "layer_activation_bytes"}
+    pp.update(activation_bytes_per_stage=acts[pp["schedule"]], activation_bytes_per_schedule=acts,
+              p2p_bytes_per_step=wire[pp["schedule"]], p2p_bytes_per_schedule=wire,
+              figures="activations: the memory estimate's activations component per schedule; stage traffic: "
+                      "wire bytes per device of the stage-axis collectives (hand-offs, broadcasts)")
+    return pp
 
 
 def _collective_rows(a) -> List[str]:
@@ -222,7 +254,7 @@ def _flags_line(hw) -> str:
 
 
 def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name=None) -> str:
-    a = analyse(plan, cfg, getattr(args, "hardware", "cpu") or "cpu", loss_fn=loss_fn)
+    a = analyse(plan, cfg, _hardware(args, plan.num_devices), loss_fn=loss_fn)
     hw, mem, step = a["hw"], a["memory"], a["step"]
     r = plan.recipe
     lines = [plan.describe(max_rows=None)] if table else []
@@ -243,7 +275,7 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
     lines += ["", f"collectives per step ({a['ops_source']}; bytes = result per device):"]
     lines += _collective_rows(a)
     lines += moe_lines(moe_summary(plan, cfg, a["backend"]))
-    lines += pipeline_lines(pipeline_summary(plan, cfg))
+    lines += pipeline_lines(_pipeline(plan, cfg, a["backend"]))
     if step is None:
         lines += ["", "step time: unknown without the model's loss; pass --loss module:fn (a function (model, "
                       "batch) -> (loss_sum, weight[, metrics])) to estimate it from the compiled program"]
@@ -253,6 +285,7 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
                       f"{_secs(step.memory_s)}, exposed communication {_secs(step.exposed_comm_s)} "
                       f"({step.bound.value}-bound) → MFU {step.mfu:.1%} (roofline upper bound), "
                       f"{step.tokens_per_s:,.0f} {step.unit}/s"]
+        lines += _step_notes(plan, cfg, step)
     lines += ["", "warnings:" if a["warnings"] else "warnings: none"] + [f"  - {w}" for w in a["warnings"]]
     chk = _check(plan, cfg, args, a)
     if chk.get("check") in ("compile", "tpu"):
@@ -271,6 +304,23 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
     return "\n".join(lines)
 
 
+def _step_notes(plan, cfg, step) -> List[str]:
+    """What the step time counts for an MoE model (active FLOPs) and a pipeline (the bubble)."""
+    out = []
+    if step.source == ANALYTIC and getattr(cfg, "n_experts", 0):
+        out.append(f"  MFU counts active FLOPs: 6·N_active + attention, N_active = {cfg.num_active_params():,} of "
+                   f"{cfg.num_params():,} parameters (top-{cfg.experts_per_token} of {cfg.n_experts} experts"
+                   + (f" + {cfg.n_shared_experts} shared" if cfg.n_shared_experts else "") + "); executed FLOPs "
+                   f"{step.executed_flops:.3g} = {step.executed_flops / step.model_flops:.2f}× model (remat, "
+                   f"capacity padding" + (", pipeline" if pipeline_shape(plan) else "") + ")")
+    pipe = pipeline_shape(plan) if step.source == ANALYTIC else None
+    if pipe is not None:
+        out.append(f"  pipeline {pipe.describe()}: compute counts the layer stack × 1/(1 - bubble) = "
+                   f"{pipe.stack_factor:.3f} (every stage computes on every tick that has work) and the head on "
+                   f"every stage; stage hand-offs are point-to-point over `stage`, on the critical path")
+    return out
+
+
 def auto(args, cfg):
     if not has_analytic_model(cfg):
         raise ConfigError(f"--recipe auto searches with the analytic decoder formulas; {_model_name(cfg, args.model)} "
@@ -282,28 +332,39 @@ def auto(args, cfg):
     import jax
 
     n = args.devices or len(jax.devices())
+    if getattr(args, "attention", None) not in (None, "dense", "flash"):
+        raise ConfigError(f"with --recipe auto, --attention takes dense or flash (used by the recipes whose attention "
+                          f"is dense; the context-parallel recipes keep theirs), not {args.attention}")
     micro = (args.micro_batches,) if getattr(args, "micro_batches", None) else ()
+    schedule = getattr(args, "schedule", None)
     req = PlanRequest(cfg, n, getattr(args, "hardware", "cpu") or "cpu", args.batch_size, args.seq_len,
                       remats=(Remat(args.remat),) if getattr(args, "remat", None) else AUTO_REMATS,
                       compute_dtype=getattr(args, "compute_dtype", None), param_dtype=args.param_dtype,
-                      micro_batches=micro)
+                      micro_batches=micro, slices=getattr(args, "slices", None) or 1,
+                      attention=getattr(args, "attention", None),
+                      **({"schedules": (schedule,)} if schedule else {}))
     return plan_auto(req)
 
 
 def _auto_header(result) -> str:
     req = result.request
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(result.rejection_counts().items())) or "none"
+    hw = req.hw()
+    where = (f" in {req.slices} slices/nodes of {hw.fast_domain} (fast links within, slow across)"
+             if req.slices > 1 else "")
     return (f"searched {len(result.ranked) + len(result.rejected)} layouts (built-in recipes × mesh "
-            f"factorisations × remat × micro-batches) for {req.model.name} on {req.num_devices} × {req.hw().name}, "
-            f"batch {req.global_batch}×{req.tokens_seq}: {len(result.ranked)} fit, rejected {counts}")
+            f"factorisations × remat × micro-batches × pipeline schedules {'/'.join(req.schedules)}) for "
+            f"{req.model.name} on {req.num_devices} × {hw.name}{where}, batch {req.global_batch}×{req.tokens_seq}"
+            + (f", attention {req.attention} where the recipe's is dense" if req.attention else "")
+            + f": {len(result.ranked)} fit, rejected {counts}")
 
 
 def auto_text(result, args) -> str:
     top = getattr(args, "top", 8) or 8
     lines = [_auto_header(result), "",
-             f"  {'#':>2s} {'layout':64s} {'memory':>10s} {'fit':>6s} {'step':>9s} {'MFU':>6s} bound"]
+             f"  {'#':>2s} {'layout':72s} {'memory':>10s} {'fit':>6s} {'step':>9s} {'MFU':>6s} bound"]
     for i, c in enumerate(result.ranked[:top], 1):
-        lines.append(f"  {i:2d} {c.label:64s} {_gib(c.memory.total):>10s} {c.fit.value:>6s} "
+        lines.append(f"  {i:2d} {c.label:72s} {_gib(c.memory.total):>10s} {c.fit.value:>6s} "
                      f"{_secs(c.step.step_s):>9s} {c.step.mfu:6.1%} {c.step.bound.value}"
                      + (" (!)" if c.warnings else ""))
     lines += ["", "why: " + result.why.replace("\n", "\n     "), "", "winner:"]

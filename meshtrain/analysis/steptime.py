@@ -16,6 +16,16 @@ Per device (``n`` devices, ``P`` peak FLOP/s, ``W`` HBM bytes/s)::
     step     = max(compute, memory) + exposed
     MFU      = model FLOPs (6·N·tokens + attention, flops.py) / (step · n · P)
 
+Mixture of experts: ``model FLOPs`` count the *active* parameters (top-``k`` of ``E`` experts + shared
+ones, :func:`meshtrain.models.flops.matmul_params`); executed FLOPs add the capacity padding
+(``E·C/T − k`` expert rows per token computed for nothing); the token all-to-all (dispatch +
+combine, forward and backward, :func:`meshtrain.analysis.comms.moe_exchange_bytes`) is on the
+critical path over the expert axes' links. Pipelines: executed FLOPs of the layer stack ×
+``1/(1 − bubble)`` (every stage computes on every tick with work; 1f1b also re-runs each stage's
+forward in its VJP) and the head on every stage (× ``p``); the per-layer collectives follow the
+``m·L/(p·(1 − bubble))`` layer passes a device makes, and the stage hand-offs are critical-path
+collective-permutes over ``stage`` (:func:`meshtrain.analysis.comms.analytic_collectives`).
+
 ``weights`` are the compute-dtype bytes a device multiplies with (gathered over FSDP axes),
 ``r = 1`` with ``remat=full``; ``A_none`` is every layer's activations with nothing saved-away
 (written in the forward, read and written again in the backward), ``A_saved`` what the recipe's
@@ -55,10 +65,12 @@ from meshtrain.analysis.collectives import axes_key
 from meshtrain.analysis.comms import Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, default_loss, has_analytic_model,
                                          program_cost, saved_activation_bytes, working_weight_bytes)
-from meshtrain.analysis.flops import step_flops
+from meshtrain.analysis.flops import StepFlops, step_flops
 from meshtrain.analysis.hardware import Hardware, get_hardware
 from meshtrain.analysis.layout import Layout, layout_of
 from meshtrain.analysis.memory import estimate_memory
+from meshtrain.analysis.moe import moe_terms
+from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.recipes import Remat
 
 
@@ -149,15 +161,46 @@ def hbm_traffic(plan, cfg, lay: Layout) -> float:
         weights += math.prod(leaf.shape) * c / lay.size(axes - batch)
     B, T = plan.batch.batch_size, plan.batch.seq_len
     split = lay.split()
+    moe = moe_terms(plan, cfg)
+    acfg = moe.activation_config(cfg) if moe is not None else cfg
     att = plan.recipe.attention  # flash / context kinds keep no T × T scores
     a_none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att).bytes_per_device(
-        cfg, B, T, split)
+        acfg, B, T, split)
     a_saved = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att).bytes_per_device(
-        cfg, B, T, split)
+        acfg, B, T, split)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3
     per = plan.per_device_bytes()
-    return lay.micro_batches * (passes * weights + 3 * a_none + max(a_none - a_saved, 0)) + \
+    pipe = pipeline_shape(plan)
+    # a pipeline reads its stage's weights every tick with work and runs m·L/(p·(1-bubble)) layer passes
+    # (L·m without one)
+    w_runs = pipe.stage_ticks / pipe.repeats if pipe is not None else lay.micro_batches
+    a_runs = pipe.layer_runs(cfg.n_layers) / cfg.n_layers if pipe is not None else lay.micro_batches
+    return w_runs * passes * weights + a_runs * (3 * a_none + max(a_none - a_saved, 0)) + \
         3 * per["params"] + 2 * per["optimizer"]
+
+
+def executed_flops(plan, cfg, flops: StepFlops) -> Tuple[float, float]:
+    """``(executed, executed forward)`` FLOPs of one step, all devices together: :func:`step_flops`
+    plus the MoE capacity padding (expert slots computed beyond the ``k`` routed rows), and under a
+    pipeline the compiled view: the layer stack × ``1/(1 - bubble)`` (every stage computes on every
+    tick that has work; 1f1b also re-runs each stage's forward in its VJP) and the head on every
+    stage (× ``p``: it runs on the whole batch, or once per micro-batch, on every stage)."""
+    tokens = plan.batch.batch_size * plan.batch.seq_len
+    exe, fwd = flops.executed, flops.executed_forward
+    moe = moe_terms(plan, cfg)
+    if moe is not None:
+        pad = moe.padding_flops_per_token(cfg) * tokens
+        exe += pad * (4 if plan.recipe.remat is Remat.FULL else 3)
+        fwd += pad
+    pipe = pipeline_shape(plan)
+    if pipe is not None:
+        head = 2.0 * cfg.vocab_size * cfg.d_model * tokens  # forward FLOPs of the output projection
+        stack_exe, stack_fwd = exe - 3 * head, fwd - head
+        if pipe.one_f_one_b:
+            stack_exe += stack_fwd
+        exe = stack_exe * pipe.stack_factor + 3 * head * pipe.stages
+        fwd = stack_fwd * pipe.stack_factor + head * pipe.stages
+    return exe, fwd
 
 
 def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Optional[Backend] = None,
@@ -175,15 +218,16 @@ def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Option
     n = lay.num_devices
     B, T = plan.batch.batch_size, plan.batch.seq_len
     flops = step_flops(cfg, B, T, plan.recipe.remat)
-    compute = flops.executed / n / hw.peak_flops
+    executed, executed_fwd = executed_flops(plan, cfg, flops)
+    compute = executed / n / hw.peak_flops
     memory = hbm_traffic(plan, cfg, lay) / hw.hbm_bytes_per_s
     ops = collectives if collectives is not None else analytic_collectives(plan, cfg, backend)
-    fwd_share = flops.executed_forward / flops.executed if flops.executed else 0.0
+    fwd_share = executed_fwd / executed if executed else 0.0
     comm, exposed, axes = _communication(ops, lay, hw, backend, compute, fwd_share)
     step = max(compute, memory) + exposed
     mfu = flops.model / (step * n * hw.peak_flops) if step > 0 else 0.0
     return StepTimeEstimate(compute, memory, comm, exposed, step, mfu, B * T / step,
-                            flops.model, flops.executed, axes, hw.name)
+                            flops.model, executed, axes, hw.name)
 
 
 def _communication(ops, lay: Layout, hw: Hardware, backend: Backend, compute: float, fwd_share: float):
@@ -267,7 +311,8 @@ def program_step_time(plan, hardware: "Hardware | str", loss_fn, *, backend: Opt
 def fits_and_time(plan, cfg, hardware, *, loss_fn=None):
     """``(MemoryEstimate, StepTimeEstimate)`` in one call (what the planner ranks on)."""
     if has_analytic_model(cfg):
-        return estimate_memory(plan, cfg), estimate_step_time(plan, cfg, hardware)
+        hw = hardware if isinstance(hardware, Hardware) else get_hardware(hardware)
+        return estimate_memory(plan, cfg, backend=backend_of(hw)), estimate_step_time(plan, cfg, hardware)
     cost = program_cost(plan, loss_fn or default_loss(cfg, plan))
     return (estimate_memory(plan, cfg, loss_fn=loss_fn, cost=cost),
             estimate_step_time(plan, cfg, hardware, loss_fn=loss_fn, cost=cost))

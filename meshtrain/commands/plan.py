@@ -4,6 +4,7 @@ and the usual warnings. ``--recipe auto`` searches recipes × meshes × remat ×
 
     meshtrain plan --model small --recipe fsdp --devices 8
     meshtrain plan --model llama3-70b --recipe auto --devices 256 --hardware tpu-v5p
+    meshtrain plan --model llama3-405b --recipe auto --devices 512 --hardware tpu-v5p --slices 2 --batch-size 512
     meshtrain plan --model llama3-8b --recipe fsdp_tp --mesh fsdp=32,tensor=8 --devices 256 --hardware h100 --json
     meshtrain plan --model vit-tiny --recipe fsdp --batch-size 64
     meshtrain plan --model mymodels:make_mlp --batch x=64x32:float32,y=64:int32 --loss mymodels:mlp_loss
@@ -82,6 +83,10 @@ def add_parser(sub):
                    help="layer stack as one scan, unrolled, or auto (default: the recipe's)")
     p.add_argument("--hardware", default="cpu",
                    help="chip to estimate for: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
+    p.add_argument("--slices", type=int, default=None,
+                   help="TPU slices or GPU nodes the devices span (default: the chip's own fast-link domain: 8 GPUs "
+                        "per node, a TPU pod): mesh axes spanning more than devices/slices use the slow links (DCN, "
+                        "InfiniBand), e.g. --devices 512 --hardware tpu-v5p --slices 2")
     p.add_argument("--top", type=int, default=8, help="with --recipe auto: how many ranked layouts to print")
     p.add_argument("--check", choices=CHECKS, default="none",
                    help="compile: compile here and compare with XLA (≤ 8 devices); lower: lower on an "
