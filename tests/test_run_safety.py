@@ -247,10 +247,10 @@ def test_help_shows_every_default(capsys):
         main(["train", "--help"])
     text = capsys.readouterr().out
     text = text[text.index("options:"):]
-    for flag, default in (("--steps", "250"), ("--batch-size", "16"), ("--lr", "0.003"), ("--keep-last", "3"),
-                          ("--memory-check", "on"), ("--seed", "0")):
+    for flag, default in (("--steps", "250)"), ("--batch-size", "16, rounded up"), ("--lr", "0.003)"),
+                          ("--keep-last", "3)"), ("--memory-check", "on)"), ("--seed", "0)")):
         block = text[text.index("  " + flag + " "):]
-        assert f"(default: {default})" in " ".join(block[:300].split()), flag
+        assert f"(default: {default}" in " ".join(block[:300].split()), flag
 
 
 def test_ctrl_c_exits_130_naming_the_last_committed_step(tmp_path):

@@ -23,7 +23,10 @@ def add_parser(sub):
                         "stay as --mesh says (default: the outermost axes, when devices span several processes)")
     add_device_args(p)
     p.add_argument("--steps", type=int, default=d.steps, help="train until this step (with --resume: in total)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch, in sequences")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"global batch, in sequences (default: {d.batch_size}, rounded up to a multiple of the "
+                        f"recipe's data-parallel size × micro-batches when it needs one, e.g. 32 for --recipe "
+                        f"pp_fsdp --micro-batches 8 on 8 devices)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
                    help="matmul dtype (default: the recipe's)")
@@ -86,7 +89,7 @@ def config_from_args(args):
     from meshtrain.train.config import TrainConfig
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
+    values = {k: v for k, v in vars(args).items() if k in fields and not (k == "batch_size" and v is None)}
     if args.peak_tflops:
         values["peak_flops_per_device"] = args.peak_tflops * 1e12
     values["memory_check"] = args.memory_check
@@ -107,9 +110,16 @@ def decoder_memory_estimate(model_name: str):
 
     def estimate(plan):
         from meshtrain.analysis.memory import estimate_memory
+        from meshtrain.analysis.moe import moe_terms
+        from meshtrain.analysis.pipeline import pipeline_shape
 
-        est = estimate_memory(plan, cfg)
+        est = estimate_memory(plan, cfg)  # pipelines (schedule, stages, micro-batches) and MoE included
         parts = " + ".join(f"{c.value} {b / 2 ** 30:.2f} GiB" for c, b in est.components if b)
+        pipe, moe = pipeline_shape(plan), moe_terms(plan, cfg)
+        if pipe is not None:
+            parts += f"; pipeline {pipe.describe()}"
+        if moe is not None:
+            parts += f"; MoE: expert weights {moe.expert_bytes_per_device / 2 ** 30:.2f} GiB per device (ep={moe.ep})"
         return int(est.total), parts
 
     return estimate
@@ -119,5 +129,14 @@ def run(args) -> int:
     from meshtrain.train.trainer import Trainer
 
     config = config_from_args(args)
-    summary = Trainer(config, memory_estimate=decoder_memory_estimate(config.model)).run()
+    trainer = Trainer(config, memory_estimate=decoder_memory_estimate(config.model))
+    if args.batch_size is None:
+        multiple = trainer.batch_multiple()
+        if config.batch_size % multiple:
+            fitted = -(-config.batch_size // multiple) * multiple
+            print(f"meshtrain: --batch-size not given: using {fitted}, the smallest multiple of {multiple} "
+                  f"(data-parallel size × micro-batches) >= the default {config.batch_size}", flush=True)
+            config = dataclasses.replace(config, batch_size=fitted)
+            trainer = Trainer(config, memory_estimate=decoder_memory_estimate(config.model))
+    summary = trainer.run()
     return 0 if summary.steps or summary.preempted or summary.already_done else 1

@@ -10,6 +10,7 @@ or with your own model: ``Trainer(cfg, model=lambda rngs: MyModel(rngs=rngs)).ru
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import statistics
@@ -22,7 +23,7 @@ import optax
 
 from meshtrain.abstract import ModelFactory, abstract_state
 from meshtrain.annotate import PathRules
-from meshtrain.checkpoint.types import Verify
+from meshtrain.checkpoint.types import CheckpointError, Verify
 import numpy as np
 
 from meshtrain.batch_layout import BatchLayout
@@ -175,6 +176,12 @@ class Trainer:
     # -- set-up ----------------------------------------------------------------------------------
     def build_plan(self, devices=None) -> ShardingPlan:
         """The run's :class:`ShardingPlan` (recipe + overrides, mesh over the devices, batch layout)."""
+        recipe, mesh = self._recipe_and_mesh(devices)
+        tx = self.tx or default_optimizer(self.cfg, abstract_state(self.factory, annotations=self.path_rules).param_axes)
+        abstract = abstract_state(self.factory, tx, annotations=self.path_rules)
+        return make_plan(abstract, recipe, mesh, batch=self._layout())
+
+    def _recipe_and_mesh(self, devices=None):
         cfg = self.cfg
         recipe = get_recipe(cfg.recipe)
         if cfg.mesh:
@@ -185,10 +192,17 @@ class Trainer:
         recipe = recipe.with_options(**knobs) if knobs else recipe
         devices = devices if devices is not None else select_devices(cfg.devices)
         recipe = dataclasses.replace(recipe, mesh=hybrid_layout(recipe.mesh, devices, cfg.dcn))
-        mesh = recipe.mesh.build(devices)
-        tx = self.tx or default_optimizer(cfg, abstract_state(self.factory, annotations=self.path_rules).param_axes)
-        abstract = abstract_state(self.factory, tx, annotations=self.path_rules)
-        return make_plan(abstract, recipe, mesh, batch=self._layout())
+        return recipe, recipe.mesh.build(devices)
+
+    def batch_multiple(self, devices=None) -> int:
+        """The number every global batch size must be a multiple of under this config's recipe and
+        mesh: data-parallel size × micro-batches (e.g. 32 for ``pp_fsdp`` on 8 devices with 8
+        micro-batches: fsdp=4 × 8). ``meshtrain train`` rounds its default batch up to it."""
+        recipe, mesh = self._recipe_and_mesh(devices)
+        rule = recipe.axis_rules().table("activations").get("batch")
+        sizes = dict(mesh.shape)
+        dp = math.prod(sizes.get(a, 1) for a in (rule.mesh_axes if rule else ()))
+        return int(dp * recipe.micro_batches)
 
     def _layout(self) -> BatchLayout:
         cfg = self.cfg
@@ -253,7 +267,12 @@ class Trainer:
         try:
             loop.run()
         except KeyboardInterrupt:
-            loop.close(failed=True)
+            try:
+                loop.close(failed=True)
+            except CheckpointError as exc:
+                # the save in flight when Ctrl-C came did not commit; older steps are intact and the
+                # interrupt (exit 130, naming the last committed step) is what the user asked for
+                self._notice(f"the checkpoint save in flight was abandoned: {exc}")
             raise Interrupted(self._last_committed(ckpt)) from None
         except BaseException:
             loop.close(failed=True)
