@@ -112,7 +112,7 @@ class ShardingPlan:
     @property
     def data_parallel_size(self) -> int:
         """How many ways the batch dimension is split (product of the mesh axes ``batch`` maps to)."""
-        return _data_parallel_size(self.rules, self.mesh_sizes)
+        return data_parallel_size(self.rules, self.mesh_sizes)
 
     def group(self, name: str) -> List[LeafPlan]:
         return [leaf for leaf in self.leaves if leaf.group == name]
@@ -291,7 +291,8 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     return plan
 
 
-def _data_parallel_size(rules: AxisRules, mesh_sizes) -> int:
+def data_parallel_size(rules: AxisRules, mesh_sizes) -> int:
+    """Devices the batch dimension is split over (the mesh axes of the ``batch`` activation rule)."""
     rule = rules.table("activations").get("batch")
     return int(math.prod(mesh_sizes.get(a, 1) for a in (rule.mesh_axes if rule else ())))
 
@@ -299,7 +300,7 @@ def _data_parallel_size(rules: AxisRules, mesh_sizes) -> int:
 def _plan_batch(rules: AxisRules, mesh, recipe: Recipe, layout: BatchLayout):
     """LeafPlans and a pytree of NamedShardings for every batch leaf (activation rules)."""
     sizes = dict(mesh.shape)
-    dp = _data_parallel_size(rules, sizes)
+    dp = data_parallel_size(rules, sizes)
     micro = recipe.micro_batches
     plans: Dict[str, NamedSharding] = {}
     out: List[LeafPlan] = []

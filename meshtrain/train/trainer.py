@@ -10,7 +10,6 @@ or with your own model: ``Trainer(cfg, model=lambda rngs: MyModel(rngs=rngs)).ru
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import signal
 import statistics
@@ -30,7 +29,7 @@ from meshtrain.batch_layout import BatchLayout
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec, hybrid_layout, select_devices
 from meshtrain.models import DecoderConfig
-from meshtrain.plan import ShardingPlan, make_plan
+from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default_optimizer, lr_schedule
 from meshtrain.models.flops import jaxpr_flops, model_flops_per_token
@@ -199,10 +198,7 @@ class Trainer:
         mesh: data-parallel size × micro-batches (e.g. 32 for ``pp_fsdp`` on 8 devices with 8
         micro-batches: fsdp=4 × 8). ``meshtrain train`` rounds its default batch up to it."""
         recipe, mesh = self._recipe_and_mesh(devices)
-        rule = recipe.axis_rules().table("activations").get("batch")
-        sizes = dict(mesh.shape)
-        dp = math.prod(sizes.get(a, 1) for a in (rule.mesh_axes if rule else ()))
-        return int(dp * recipe.micro_batches)
+        return data_parallel_size(recipe.axis_rules(), dict(mesh.shape)) * recipe.micro_batches
 
     def _layout(self) -> BatchLayout:
         cfg = self.cfg
