@@ -21,6 +21,7 @@ import meshtrain as mt
 from meshtrain.errors import ConfigError
 from meshtrain.models.decoder import Decoder
 from meshtrain.parallel import pipeline as pipe
+from meshtrain.parallel.pipeline._loss import _stack_io
 from meshtrain.state import abstract_train_state
 
 B, T, M, STEPS = 16, 16, 4, 2
@@ -144,7 +145,7 @@ class _Stack(nnx.Module):
 
 def test_layer_state_updates_name_the_fix():
     model = _Stack(nnx.Rngs(0))
-    layer_fn, stack = pipe._stack_io(model, pipe.get_parts(model))
+    layer_fn, stack = _stack_io(model, pipe.get_parts(model))
     one = jax.tree.map(lambda a: a[0], stack)
     with pytest.raises(ConfigError, match=r"a layer of _Stack.blocks changes its state mean \(BatchStat\).*"
                                           r"nnx.Intermediate.*without the 'pp' strategy"):

@@ -34,6 +34,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.moe import moe_loss_terms, pop_moe_stats
 from meshtrain.parallel import pipeline as pipe
 from meshtrain.plan import ShardingPlan
+from meshtrain.recipes import Schedule
 from meshtrain.state import TrainState, state_shardings
 
 #: ``loss_fn(model, batch) -> (loss_sum, weight)`` or ``(loss_sum, weight, {name: scalar sum})``.
@@ -215,7 +216,7 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
         _, _, new_model_state = nnx.split(model, nnx.Param, ...)
         return total, (weight, metrics, nnx.to_pure_dict(new_model_state))
 
-    if pipeline is None or pipeline.schedule is not pipe.Schedule.ONE_F_ONE_B:
+    if pipeline is None or pipeline.schedule is not Schedule.ONE_F_ONE_B:
         return jax.value_and_grad(summed, has_aux=True)
 
     def one_f_one_b(params, model_state, batch):

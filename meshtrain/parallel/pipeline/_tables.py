@@ -1,0 +1,142 @@
+"""Schedule tables (which stage runs which micro-batch at each tick), bubbles, timelines, and the
+:class:`PipelineConfig` a recipe resolves to."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import numpy as np
+
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.pipeline._parts import STAGE
+from meshtrain.recipes import Schedule
+
+
+# ---- schedule tables -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTable:
+    """What each stage does at each tick: ``forward[t, s]`` / ``backward[t, s]`` are micro-batch
+    indices (-1: idle), ``group[t, s]`` the repeat (layer group) of the forward. The executors read
+    these tables; :func:`timeline` turns them into stage × time charts."""
+
+    schedule: Schedule
+    stages: int
+    micro_batches: int
+    repeats: int
+    forward: np.ndarray
+    group: np.ndarray
+    backward: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return int(self.forward.shape[0])
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the stages' compute (what the compiled FLOPs show as extra work)."""
+        return bubble_fraction(self.schedule, self.stages, self.micro_batches, self.repeats)
+
+
+def schedule_table(schedule: "Schedule | str", stages: int, micro_batches: int, repeats: int = 1) -> ScheduleTable:
+    """The tick table of ``schedule`` for ``stages`` × ``micro_batches`` (× ``repeats`` for circular)."""
+    schedule = Schedule(schedule)
+    p, m, r = stages, micro_batches, repeats if schedule is Schedule.CIRCULAR else 1
+    s = np.arange(p)[None, :]
+    if schedule is Schedule.ONE_F_ONE_B:
+        t = np.arange(m + 2 * p - 2)[:, None]
+        fwd, bwd = t - s, t - (2 * p - 2 - s)
+        fwd = np.where((fwd >= 0) & (fwd < m), fwd, -1)
+        bwd = np.where((bwd >= 0) & (bwd < m), bwd, -1)
+        return ScheduleTable(schedule, p, m, 1, fwd, np.where(fwd >= 0, 0, -1), bwd)
+    t = np.arange(r * m + p - 1)[:, None]
+    u = t - s  # position of the work item on stage s in the order (group 0: mb 0..m-1, group 1: ...)
+    ok = (u >= 0) & (u < r * m)
+    fwd = np.where(ok, u % m, -1)
+    grp = np.where(ok, u // m, -1)
+    return ScheduleTable(schedule, p, m, r, fwd, grp, np.full_like(fwd, -1))
+
+
+def bubble_fraction(schedule: "Schedule | str", stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """Idle share of compute: gpipe ``(p-1)/(m+p-1)``, circular ``(p-1)/(r·m+p-1)``, 1f1b
+    ``(p-1)/(m+p-1)`` (its ``m + 2p - 2`` ticks each hold a forward and a backward slot, but the
+    ``p - 1`` warm-up ticks run only forwards and the ``p - 1`` drain ticks only backwards)."""
+    schedule, p, m = Schedule(schedule), stages, micro_batches
+    r = repeats if schedule is Schedule.CIRCULAR else 1
+    return (p - 1) / (r * m + p - 1)
+
+
+def timeline(table: ScheduleTable) -> np.ndarray:
+    """A ``(stages, slots)`` chart of strings (``"F3"``, ``"B3"``, ``""``) in time order: gpipe and
+    circular list the forward ticks then the backward ticks (autodiff replays the forward ticks in
+    reverse); 1f1b lists each tick as a forward slot then a backward slot."""
+    p = table.stages
+    if table.schedule is Schedule.ONE_F_ONE_B:
+        cols = []
+        for t in range(table.ticks):
+            cols.append([f"F{table.forward[t, s]}" if table.forward[t, s] >= 0 else "" for s in range(p)])
+            cols.append([f"B{table.backward[t, s]}" if table.backward[t, s] >= 0 else "" for s in range(p)])
+    else:
+        def cell(kind, t, s):
+            if table.forward[t, s] < 0:
+                return ""
+            g = f".{table.group[t, s]}" if table.repeats > 1 else ""
+            return f"{kind}{table.forward[t, s]}{g}"
+        cols = [[cell("F", t, s) for s in range(p)] for t in range(table.ticks)]
+        cols += [[cell("B", t, s) for s in range(p)] for t in reversed(range(table.ticks))]
+    return np.array(cols, dtype=object).T
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """A pipeline's shape: ``stages`` (mesh ``stage`` size), ``micro_batches``, ``repeats``, ``schedule``."""
+
+    schedule: Schedule
+    stages: int
+    micro_batches: int
+    repeats: int = 1
+
+    @property
+    def groups(self) -> int:
+        """Layer groups the stack is cut into (``stages × repeats`` for circular, ``stages`` otherwise)."""
+        return self.stages * (self.repeats if self.schedule is Schedule.CIRCULAR else 1)
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.schedule, self.stages, self.micro_batches, self.repeats)
+
+    def check(self, n_layers: Optional[int] = None, batch_size: Optional[int] = None) -> None:
+        """``ConfigError`` naming the fix for indivisible layers, too few micro-batches or a batch that
+        does not split into them."""
+        p, m = self.stages, self.micro_batches
+        if self.schedule is not Schedule.CIRCULAR and self.repeats != 1:
+            raise ConfigError(f"repeats={self.repeats} applies to the circular schedule only; pass --schedule "
+                              f"circular or --repeats 1")
+        if m < p:
+            raise ConfigError(f"pipeline with {p} stages needs micro_batches >= {p} (got {m}): pass "
+                              f"--micro-batches {max(p, 4 * p)} (or recipe.with_options(micro_batches=...))")
+        if n_layers is not None and n_layers % self.groups:
+            what = f"stages × repeats = {p} × {self.repeats}" if self.schedule is Schedule.CIRCULAR else f"stages = {p}"
+            raise ConfigError(f"the model has {n_layers} layers, not divisible by {what}; change the mesh's stage "
+                              f"size" + (" or --repeats" if self.schedule is Schedule.CIRCULAR else "")
+                              + f" so that it divides {n_layers}")
+        if batch_size is not None and batch_size % m:
+            raise ConfigError(f"batch size {batch_size} does not split into micro_batches={m}; pick a divisor")
+
+
+def config_for(recipe, mesh_sizes: Dict[str, int]) -> PipelineConfig:
+    """The :class:`PipelineConfig` of a recipe with the ``pp`` strategy on a mesh of ``mesh_sizes``."""
+    return PipelineConfig(recipe.schedule, int(mesh_sizes.get(STAGE, 1)), recipe.micro_batches, recipe.repeats)
+
+
+def bubble_warning(cfg: PipelineConfig, limit: float = 0.25) -> Optional[str]:
+    """A warning line when the bubble exceeds ``limit`` (else ``None``)."""
+    if cfg.bubble <= limit:
+        return None
+    return (f"pipeline bubble {cfg.bubble:.0%} ({cfg.schedule.value}, {cfg.stages} stages, {cfg.micro_batches} "
+            f"micro-batches" + (f", {cfg.repeats} repeats" if cfg.schedule is Schedule.CIRCULAR else "")
+            + f") exceeds {limit:.0%}: raise --micro-batches" + (" or --repeats" if cfg.schedule is Schedule.CIRCULAR
+                                                                 else ""))
