@@ -25,7 +25,7 @@ import jax
 
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import RulesError
-from meshtrain.recipes import AUTO_UNROLL_LAYERS, AttentionKind, LayerLoop, Remat
+from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.rules import AxisRules
 
 
@@ -103,14 +103,9 @@ def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
     """
     n = length if length is not None else jax.tree.leaves(layers)[0].shape[0]
     ctx = _ACTIVE.get()
-    loop, unroll = (ctx.layer_loop, ctx.scan_unroll) if ctx is not None else (LayerLoop.SCAN, 1)
-    if loop is LayerLoop.AUTO:
-        # Remat only saves memory inside a loop: unrolled, XLA schedules the recomputation early and
-        # keeps it alive (measured on XLA:CPU, tiny model: remat=full 54.9 MB vs none 47.1 MB
-        # unrolled; 36.5 MB vs 69.2 MB scanned). So auto scans whenever a remat policy is on.
-        remat_on = ctx is not None and ctx.remat is not Remat.NONE
-        loop = LayerLoop.UNROLLED if n <= AUTO_UNROLL_LAYERS and not remat_on else LayerLoop.SCAN
-    unroll = n if loop is LayerLoop.UNROLLED else min(unroll, max(n, 1))
+    # auto: unrolled for shallow stacks without remat, else scanned (resolve_layer_loop says why)
+    _, unroll = (resolve_layer_loop(ctx.layer_loop, n, ctx.remat, ctx.scan_unroll) if ctx is not None
+                 else (LayerLoop.SCAN, 1))
     # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
     # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
     return jax.lax.scan(remat(layer, prevent_cse=unroll > 1), carry, layers, length=length, unroll=unroll)

@@ -91,6 +91,21 @@ class LayerLoop(str, enum.Enum):
 AUTO_UNROLL_LAYERS = 8
 
 
+def resolve_layer_loop(loop: "LayerLoop | str", n_layers: int, remat: "Remat | str" = "none",
+                       scan_unroll: int = 1) -> Tuple[LayerLoop, int]:
+    """The loop a stack of ``n_layers`` runs as: ``(LayerLoop.SCAN or LayerLoop.UNROLLED, layers per
+    iteration)``. ``auto`` unrolls stacks of at most :data:`AUTO_UNROLL_LAYERS` layers when no remat policy
+    is on (remat only saves memory inside a loop: unrolled, XLA schedules the recomputation early and keeps
+    it alive; measured on XLA:CPU, tiny model: remat=full 54.9 MB vs none 47.1 MB unrolled, 36.5 MB vs
+    69.2 MB scanned), else scans. Unrolled runs all ``n_layers`` per iteration (straight-line code).
+    :func:`meshtrain.annotate.scan_layers` runs this; the memory model reads it."""
+    loop = LayerLoop(loop)
+    if loop is LayerLoop.AUTO:
+        loop = LayerLoop.UNROLLED if n_layers <= AUTO_UNROLL_LAYERS and Remat(remat) is Remat.NONE \
+            else LayerLoop.SCAN
+    return loop, (n_layers if loop is LayerLoop.UNROLLED else min(scan_unroll, max(n_layers, 1)))
+
+
 class Offload(str, enum.Enum):
     """What lives in host memory between steps (:mod:`meshtrain.offload`): ``none``, or
     ``optimizer`` (the optimizer state, in ``pinned_host`` memory, moved in for the update)."""

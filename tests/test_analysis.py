@@ -314,3 +314,25 @@ def test_micro_batches_shrink_activations_but_add_an_accumulator():
     assert a4[Component.ACTIVATIONS] == pytest.approx(a1[Component.ACTIVATIONS] / 4, rel=0.01)
     elems = sum(math.prod(l.shape) for l in one.group("params")) / 64
     assert a4[Component.GRADIENTS] - a1[Component.GRADIENTS] == pytest.approx(4 * elems, rel=1e-3)
+
+
+def test_memory_estimate_follows_the_layer_loop_the_step_runs():
+    """``auto`` is resolved as the step resolves it (recipes.resolve_layer_loop): unrolled for a shallow
+    stack without remat, scanned with remat or deep stacks. Unrolled, remat saves nothing and the weights
+    as multiplied stay live; a partially unrolled scan holds k layers' working sets."""
+    cfg = mt.models.get_config("small")
+
+    def est(n_layers=4, **options):
+        c = dataclasses.replace(cfg, n_layers=n_layers)
+        plan = _plan(c, "fsdp", 8, 16, 128)
+        return estimate_memory(dataclasses.replace(plan, recipe=plan.recipe.with_options(**options)), c)
+
+    assert est().total == est(layer_loop="unrolled").total != est(layer_loop="scan").total
+    assert est(remat="full").total == est(layer_loop="scan", remat="full").total
+    assert est(layer_loop="unrolled", remat="full").total == est(layer_loop="unrolled").total
+    deep = mt.recipes.AUTO_UNROLL_LAYERS + 1
+    assert est(deep).total == est(deep, layer_loop="scan").total
+    one, two = est(layer_loop="scan"), est(layer_loop="scan", scan_unroll=2)
+    assert two[Component.TEMPORARIES] > one[Component.TEMPORARIES] and \
+        two[Component.ACTIVATIONS] == one[Component.ACTIVATIONS]
+    assert est(layer_loop="scan", scan_unroll=4).total == est(layer_loop="unrolled").total  # unroll ≥ L: unrolled

@@ -12,6 +12,7 @@ import meshtrain as mt
 from meshtrain.analysis import (MeasuredMemory, analytic_collectives, compare_rankings, compile_recipe,
                                 estimate_memory, estimate_step_time, hlo_collectives, per_axis, per_axis_estimate,
                                 time_round_robin)
+from meshtrain.recipes import resolve_layer_loop
 
 RECIPES = ("dp", "fsdp", "zero1", "hsdp", "tp", "fsdp_tp", "fsdp_tp_sp")
 B, T = 16, 128
@@ -22,8 +23,8 @@ TOLERANCE = 0.10
 def small():
     cfg = mt.models.get_config("small")
     abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-3))
-    # The memory and collective models describe the layer scan (deep models, and any with remat);
-    # the default loop unrolls this 4-layer model, which XLA fits in less memory.
+    # The collective model describes the layer scan (deep models, and any with remat); the default loop
+    # unrolls this 4-layer model (its memory: the `unrolled` fixture below).
     runs = {name: compile_recipe(abstract, mt.get_recipe(name).with_options(layer_loop="scan"), cfg, B, T,
                                  devices=jax.devices()[:8], init="host")
             for name in RECIPES}
@@ -40,6 +41,37 @@ def test_peak_memory_estimate_within_10_percent_of_xla(small):
     print("\nrecipe       estimate MiB  measured MiB  error")
     for name, est, measured, err in rows:
         print(f"{name:12s} {est / 2**20:12.2f} {measured / 2**20:13.2f} {err:+7.1%}")
+    bad = [(n, f"{e:+.1%}") for n, _, _, e in rows if abs(e) > TOLERANCE]
+    assert not bad, f"memory estimate off by more than {TOLERANCE:.0%}: {bad}"
+
+
+@pytest.fixture(scope="module")
+def unrolled(small):
+    """The default loop (``auto``: unrolled for this 4-layer model without remat) for a few recipes, and a
+    partially unrolled scan (2 layers per iteration) with remat=full: XLA schedules across the layers."""
+    cfg, _ = small
+    abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-3))
+    options = {"dp": {}, "fsdp": {}, "tp": {}, "fsdp_tp": {"layer_loop": "scan", "scan_unroll": 2, "remat": "full"}}
+    return {name: compile_recipe(abstract, mt.get_recipe(name).with_options(**o), cfg, B, T,
+                                 devices=jax.devices()[:8], init=False)
+            for name, o in options.items()}
+
+
+def test_peak_memory_estimate_of_unrolled_layers_within_10_percent_of_xla(small, unrolled):
+    cfg, _ = small
+    rows = []
+    for name, run in unrolled.items():
+        r = run.plan.recipe
+        loop = resolve_layer_loop(r.layer_loop, cfg.n_layers, r.remat, r.scan_unroll)
+        est = estimate_memory(run.plan, cfg)
+        measured = MeasuredMemory.of(run.compiled).peak
+        rows.append((f"{name} {r.layer_loop.value}->{loop[0].value}:{loop[1]} remat={r.remat.value}", est.total,
+                     measured, est.total / measured - 1))
+        assert est.total == sum(b for _, b in est.components)
+    print("\nrecipe, loop                          estimate MiB  measured MiB  error")
+    for name, est, measured, err in rows:
+        print(f"{name:38s} {est / 2**20:12.2f} {measured / 2**20:13.2f} {err:+7.1%}")
+    assert rows[0][0].startswith("dp auto->unrolled:4")  # auto unrolls this shallow model
     bad = [(n, f"{e:+.1%}") for n, _, _, e in rows if abs(e) > TOLERANCE]
     assert not bad, f"memory estimate off by more than {TOLERANCE:.0%}: {bad}"
 

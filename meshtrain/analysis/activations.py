@@ -163,6 +163,16 @@ class ActivationModel:
             total += t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
         return int(total / cfg.n_layers) if per_layer else int(total)
 
+    def loop_constant_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
+                                       split: ActivationSplit = ActivationSplit()) -> int:
+        """Bytes of the unstacked saved tensors over the sequence twice (``T²``: the dense attention mask or
+        bias, built once outside the layer loop and saved for the loop's backward) on one device for one
+        micro-batch. Unrolled, XLA fuses their computation into each consumer and keeps no buffer."""
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+        return int(sum(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
+                       for t in self.tensors
+                       if not t.is_weight and "L" not in dict(t.exponents) and dict(t.exponents).get("T", 0) >= 2))
+
     def describe(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit()) -> List[dict]:
         """Rows ``{formula, dtype, count, bytes_per_device}`` for the saved non-weight tensors, largest first."""
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)

@@ -249,10 +249,11 @@ def _axes_in(spec) -> set:
     return out
 
 
-def working_weight_bytes(plan) -> Tuple[int, int]:
+def working_weight_bytes(plan, *, layers_only: bool = False) -> Tuple[int, int]:
     """``(W, extra)``: bytes per device of the weights as the step multiplies with them (compute
     dtype, all-gathered over the data-parallel axes that shard them: ``Σ E·c / non-batch shards``),
-    and the part of that which is not the stored parameter itself (gathered or cast copies)."""
+    and the part of that which is not the stored parameter itself (gathered or cast copies).
+    ``layers_only``: only the stacked layer weights (leading logical axis ``layers``)."""
     sizes = plan.mesh_sizes
     rule = plan.rules.table("activations").get("batch")
     batch_axes = set(rule.mesh_axes if rule else ())
@@ -260,6 +261,8 @@ def working_weight_bytes(plan) -> Tuple[int, int]:
     c = compute.itemsize
     total = extra = 0
     for leaf in plan.group("params"):
+        if layers_only and not (leaf.logical_axes and leaf.logical_axes[0] == "layers"):
+            continue
         axes = _axes_in(leaf.spec)
         shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
         gathered = any(sizes.get(a, 1) > 1 for a in axes & batch_axes)
