@@ -100,10 +100,56 @@ class ShardingPlan:
     abstract: AbstractState
     batch: Optional[BatchLayout]
 
+    # -- memo -------------------------------------------------------------------------------
+    def _memo(self) -> Dict[Any, Any]:
+        """Figures derived from this (immutable) plan, computed once. Those that depend only on the
+        leaves, mesh, rules, abstract state and batch (not on the recipe's knobs) are shared with the
+        plans :meth:`with_recipe` makes (see :meth:`cached`)."""
+        memo = self.__dict__.get("_memo_")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_memo_", memo)
+        return memo
+
+    def cached(self, key, fn, *, layout_only: bool = False):
+        """``fn(self)``, computed once per plan and ``key``. ``layout_only``: ``fn`` reads only the leaves,
+        mesh, rules, abstract state and batch (not the recipe), so plans from :meth:`with_recipe` share it."""
+        memo = self.__dict__.get("_shared_") if layout_only else None
+        if memo is None:
+            if layout_only:
+                memo = {}
+                object.__setattr__(self, "_shared_", memo)
+            else:
+                memo = self._memo()
+        try:
+            return memo[key]
+        except KeyError:
+            out = memo[key] = fn(self)
+            return out
+
+    def with_recipe(self, recipe: Recipe) -> "ShardingPlan":
+        """This plan under ``recipe``, a copy of :attr:`recipe` that differs only in knobs that do not change
+        any leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention):
+        the planner's variants of one layout. The caller vouches for that; nothing is re-resolved."""
+        out = dataclasses.replace(self, recipe=recipe)
+        shared = self.__dict__.get("_shared_")
+        if shared is None:
+            shared = {}
+            object.__setattr__(self, "_shared_", shared)
+        object.__setattr__(out, "_shared_", shared)
+        for memo in ("_groups_", "_mesh_sizes_"):  # the same leaves and mesh
+            if memo in self.__dict__:
+                object.__setattr__(out, memo, self.__dict__[memo])
+        return out
+
     # -- numbers ----------------------------------------------------------------------------
     @property
     def mesh_sizes(self) -> Dict[str, int]:
-        return dict(self.mesh.shape)
+        sizes = self.__dict__.get("_mesh_sizes_")
+        if sizes is None:
+            sizes = dict(self.mesh.shape)
+            object.__setattr__(self, "_mesh_sizes_", sizes)
+        return dict(sizes)
 
     @property
     def num_devices(self) -> int:
@@ -115,15 +161,23 @@ class ShardingPlan:
         return data_parallel_size(self.rules, self.mesh_sizes)
 
     def group(self, name: str) -> List[LeafPlan]:
-        return [leaf for leaf in self.leaves if leaf.group == name]
+        groups = self.__dict__.get("_groups_")
+        if groups is None:
+            groups = {}
+            for leaf in self.leaves:
+                groups.setdefault(leaf.group, []).append(leaf)
+            groups = {g: tuple(ls) for g, ls in groups.items()}
+            object.__setattr__(self, "_groups_", groups)
+        return list(groups.get(name, ()))
 
     def per_device_bytes(self) -> Dict[str, int]:
         """Bytes each device holds: ``params``, ``optimizer``, ``batch``, ``model_state`` (only when
         the model has non-parameter variables) and ``total`` (the state: all but ``batch``). With
         ``offload="optimizer"`` the optimizer state's bytes move to ``optimizer_host`` (each device's
         share of host memory) and ``optimizer`` is 0."""
+        sums = self.cached("group_bytes", _group_bytes, layout_only=True)
         groups = ("params", "optimizer", "batch") + (("model_state",) if self.group("model_state") else ())
-        out = {g: sum(l.bytes_per_device for l in self.group(g)) for g in groups}
+        out = {g: sums.get(g, 0) for g in groups}
         if self.recipe.offload is Offload.OPTIMIZER:  # in host memory: off the device's books
             out["optimizer_host"], out["optimizer"] = out["optimizer"], 0
         out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0)
@@ -185,6 +239,14 @@ class ShardingPlan:
         return self.describe()
 
 
+def _group_bytes(plan: ShardingPlan) -> Dict[str, int]:
+    """Σ bytes per device of each group's leaves."""
+    out: Dict[str, int] = {}
+    for leaf in plan.leaves:
+        out[leaf.group] = out.get(leaf.group, 0) + leaf.bytes_per_device
+    return out
+
+
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -193,11 +255,27 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe) -> Tuple[LeafPlan, NamedSharding]:
-    sizes = dict(mesh.shape)
+def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe, memo=None
+                  ) -> Tuple[LeafPlan, NamedSharding]:
+    """``memo``: a dict for one ``(rules, mesh, recipe)``: leaves of the same kind, logical axes, shape and
+    dtype (an optimizer moment and its parameter's other moment) resolve alike, only the path differs."""
+    key = None
+    if memo is not None:
+        try:
+            key = (kind, tuple(logical), tuple(shape), dtype)
+            hit = memo.get(key)
+        except TypeError:  # an unhashable dtype
+            key, hit = None, None
+        if hit is not None:
+            res, dtype_name, total, per_device = hit
+            return (LeafPlan(group, path, tuple(shape), dtype_name, tuple(logical), res.spec, total, per_device,
+                             res.reason, res.replicated_dims), NamedSharding(mesh, res.spec))
+    sizes = memo["__sizes__"] if memo is not None else dict(mesh.shape)
     res = rules.resolve(kind, logical, shape, sizes, path=path, replicate_ok=frozenset(recipe.replicate_indivisible))
     leaf = LeafPlan(group, path, tuple(shape), _dtype_name(dtype), tuple(logical), res.spec, _nbytes(shape, dtype),
                     _nbytes(shard_shape(shape, res.spec, sizes), dtype), res.reason, res.replicated_dims)
+    if key is not None:
+        memo[key] = (res, leaf.dtype, leaf.bytes_total, leaf.bytes_per_device)
     return leaf, NamedSharding(mesh, res.spec)
 
 
@@ -221,6 +299,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     rules = recipe.axis_rules()
     abstract = abstract.with_param_dtype(recipe.param_dtype)
     leaves: List[LeafPlan] = []
+    memo: Dict[Any, Any] = {"__sizes__": dict(mesh.shape)}
 
     flat_params = jax.tree_util.tree_flatten_with_path(abstract.params)[0]
     param_sh: Dict[str, NamedSharding] = {}
@@ -229,7 +308,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
         path = path_str(keypath)
         param_shape[path] = tuple(sds.shape)
         leaf, sh = _resolve_leaf(rules, "params", "params", path, sds.shape, sds.dtype, abstract.param_axes[path],
-                                 mesh, recipe)
+                                 mesh, recipe, memo)
         leaves.append(leaf)
         param_sh[path] = sh
     param_shardings = jax.tree.map(lambda p: param_sh[p], tree_paths(abstract.params))
@@ -251,7 +330,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
             else:
                 logical = (None,) * len(sds.shape)  # counts, scalars, factored moments: replicated
             leaf, sh = _resolve_leaf(rules, "optimizer", "optimizer", path, sds.shape, sds.dtype, logical, mesh,
-                                     recipe)
+                                     recipe, memo)
             leaves.append(leaf)
             opt_sh[path] = sh
         opt_shardings = jax.tree.map(lambda p: opt_sh[p], tree_paths(abstract.opt_state))

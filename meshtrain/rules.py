@@ -89,12 +89,23 @@ class AxisRules:
         return cls.of(params=base, activations=base, source="default")
 
     def table(self, kind: str) -> Dict[str, Rule]:
-        if kind not in TABLES:
-            raise RulesError(f"unknown rules table {kind!r}; use one of {TABLES}")
-        rules = {r.logical: r for r in getattr(self, kind)}
-        if kind == "optimizer":
-            return {**self.table("params"), **rules}
-        return rules
+        return dict(self._table(kind))  # each caller gets its own copy
+
+    def _table(self, kind: str) -> Dict[str, Rule]:
+        """:meth:`table`, built once per instance (the rules are immutable): not to be modified."""
+        tables = self.__dict__.get("_tables")
+        if tables is None:
+            tables = {}
+            object.__setattr__(self, "_tables", tables)
+        hit = tables.get(kind)
+        if hit is None:
+            if kind not in TABLES:
+                raise RulesError(f"unknown rules table {kind!r}; use one of {TABLES}")
+            hit = {r.logical: r for r in getattr(self, kind)}
+            if kind == "optimizer":
+                hit = {**self._table("params"), **hit}
+            tables[kind] = hit
+        return hit
 
     def overridden_by(self, other: "AxisRules") -> "AxisRules":
         """A copy where every rule of ``other`` replaces this one's rule for the same name (a
@@ -140,7 +151,7 @@ class AxisRules:
         if len(logical) != len(shape):
             raise RulesError(f"{_describe_tensor(what, path, shape, logical)}: rank {len(shape)} but "
                              f"{len(logical)} logical axes; give one logical name (or None) per dimension")
-        table = self.table(kind)
+        table = self._table(kind)
         used: Dict[str, str] = {}
         entries, reasons, replicated = [], [], []
         for dim, (name, size) in enumerate(zip(logical, shape)):

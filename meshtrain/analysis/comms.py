@@ -104,6 +104,24 @@ class CollectiveEstimate:
                 "phase": self.phase.value}
 
 
+def cached(plan, key, fn, *, layout_only: bool = False):
+    """``fn(plan)``, memoised on the plan (:meth:`meshtrain.ShardingPlan.cached`; ``layout_only``: ``fn``
+    reads only the leaves, mesh, rules, abstract state and batch, not the recipe's knobs). Anything that
+    is not a ``ShardingPlan`` is computed every time."""
+    memo = getattr(plan, "cached", None)
+    return memo(key, fn, layout_only=layout_only) if memo is not None else fn(plan)
+
+
+def plan_layout_of(plan):
+    """:func:`~meshtrain.analysis.layout.layout_of`, once per plan."""
+    return cached(plan, "layout", layout_of)
+
+
+def batch_dims(plan) -> Tuple[int, int]:
+    """``(batch_size, seq_len)`` of the plan's token batch, once per layout."""
+    return cached(plan, "batch_dims", lambda p: (p.batch.batch_size, p.batch.seq_len), layout_only=True)
+
+
 def _axes_in(spec) -> Tuple[str, ...]:
     out = []
     for entry in spec:
@@ -119,14 +137,13 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
     leading size), without the tensor-parallel activation collectives (they need the model's shapes).
     """
     backend = Backend(backend)
-    lay = layout_of(plan)
+    lay = plan_layout_of(plan)
     sizes = lay.sizes
     order = tuple(sizes)
     canon = lambda axes: tuple(a for a in order if a in set(axes))  # noqa: E731
     live = lambda axes: tuple(a for a in canon(axes) if sizes.get(a, 1) > 1)  # noqa: E731
     c = np.dtype(lay.compute_dtype).itemsize
     m = lay.micro_batches
-    batch = set(lay.batch_axes) | set(lay.context_axes)  # context parallelism splits the data too
     out: List[CollectiveEstimate] = []
 
     def add(kind, axes, nbytes, executions, what, overlap=Overlap.HIDDEN, phase=Phase.BACKWARD):
@@ -135,19 +152,18 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             out.append(CollectiveEstimate(kind, axes, float(nbytes), int(executions), lay.size(axes), what, overlap,
                                           phase))
 
+    def put(kind, axes, nbytes, executions, what, overlap=Overlap.HIDDEN, phase=Phase.BACKWARD):
+        # ``add`` for axes already made live, with their group size: ``(axes, size)``
+        if axes[0] and executions and nbytes:
+            out.append(CollectiveEstimate(kind, axes[0], float(nbytes), int(executions), axes[1], what, overlap,
+                                          phase))
+
     pipe = pipeline_shape(plan)
-    for leaf in plan.group("params"):
-        elems = math.prod(leaf.shape)
-        p = np.dtype(leaf.dtype).itemsize
-        s = set(live(_axes_in(leaf.spec)))
-        # MoE experts split over batch axes (EP) are not gathered: each device runs its own experts.
-        ex = s & set(expert_axes(plan)) if "expert" in (leaf.logical_axes or ()) else set()
-        f, r = (s - ex) & batch, batch - s
-        t = lay.size((s - batch) | ex)
-        layer = bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers"
-        per = (cfg.n_layers if cfg is not None else max(int(leaf.shape[0]), 1)) if layer else 1
-        lookup = (cfg is not None and tuple(leaf.logical_axes) == ("vocab", "embed") and not cfg.tie_embeddings
-                  and "embedding" in leaf.path)
+    cpu = backend is Backend.CPU
+    for x in cached(plan, "param_collectives", _param_collective_leaves, layout_only=True):
+        elems, p, t, layer, f, r, z = x.elems, x.p, x.t, x.layer, x.f, x.r, x.z
+        per = (cfg.n_layers if cfg is not None else x.lead) if layer else 1
+        lookup = (cfg is not None and x.vocab_embed and not cfg.tie_embeddings and "embedding" in x.path)
         runs, op_t = per * m, t
         if pipe is not None:
             # Each device gathers its stage's layers and reduces their gradients every tick with work
@@ -155,32 +171,30 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch).
             if layer:
                 runs = pipe.layer_runs(per)
-                op_t = t // sizes.get("stage", 1) if "stage" in s else t  # one layer's weights: not split by stage
+                op_t = x.t_stage  # one layer's weights: not split by stage
             else:
                 runs = m if pipe.one_f_one_b else 1
         reduce_runs = runs
-        if f:
-            add("all-gather", f, elems * c / op_t / per, runs, f"FSDP forward gather {leaf.path}", phase=Phase.FORWARD)
+        if x.has_f:
+            put("all-gather", f, elems * c / op_t / per, runs, x.what[0], phase=Phase.FORWARD)
             if not lookup:
-                add("all-gather", f, elems * c / op_t / per, runs, f"FSDP backward re-gather {leaf.path}")
+                put("all-gather", f, elems * c / op_t / per, runs, x.what[1])
         g_full = elems * p / op_t / per
-        if f:
-            if backend is Backend.CPU:
-                add("all-reduce", f, g_full, runs, f"grad reduce (as all-reduce) {leaf.path}")
+        if x.has_f:
+            if cpu:
+                put("all-reduce", f, g_full, runs, x.what[2])
             else:
-                add("reduce-scatter", f, g_full / lay.size(f), runs, f"grad reduce-scatter {leaf.path}")
-        g_shard = g_full / lay.size(f)
-        z = set(live(_zero_axes(plan, leaf.path))) & r
-        if z:
-            if backend is Backend.CPU:
-                add("all-reduce", r, g_shard, reduce_runs, f"grad all-reduce {leaf.path}")
+                put("reduce-scatter", f, g_full / x.size_f, runs, x.what[3])
+        g_shard = g_full / x.size_f
+        if x.has_z:
+            if cpu:
+                put("all-reduce", r, g_shard, reduce_runs, x.what[4])
             else:
-                add("reduce-scatter", z, g_shard / lay.size(z), reduce_runs, f"ZeRO-1 grad reduce-scatter {leaf.path}")
-                add("all-reduce", r - z, g_shard / lay.size(z), reduce_runs, f"grad all-reduce {leaf.path}")
-            add("all-gather", z, elems * p / lay.size(s) / per, per, f"ZeRO-1 updated-param gather {leaf.path}",
-                Overlap.EXPOSED, Phase.UPDATE)
-        elif r:
-            add("all-reduce", r, g_shard, reduce_runs, f"grad all-reduce {leaf.path}")
+                put("reduce-scatter", z, g_shard / x.size_z, reduce_runs, x.what[5])
+                put("all-reduce", x.rz, g_shard / x.size_z, reduce_runs, x.what[4])
+            put("all-gather", z, elems * p / x.size_s / per, per, x.what[6], Overlap.EXPOSED, Phase.UPDATE)
+        elif x.has_r:
+            put("all-reduce", r, g_shard, reduce_runs, x.what[4])
 
     if cfg is not None:
         _tensor_parallel(plan, cfg, lay, backend, c, add)
@@ -193,8 +207,69 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _ParamLeaf:
+    """What :func:`analytic_collectives` needs of one parameter leaf that depends only on the plan's
+    layout (not on its recipe's knobs): axis sets already made live, as ``(axes, group size)``."""
+
+    path: str
+    elems: int
+    p: int  # bytes per element
+    lead: int  # max(leading size, 1): the layer count of a stacked leaf without a config
+    layer: bool
+    vocab_embed: bool
+    t: int
+    t_stage: int
+    has_f: bool
+    has_z: bool
+    has_r: bool
+    f: Tuple[Tuple[str, ...], int]
+    r: Tuple[Tuple[str, ...], int]
+    z: Tuple[Tuple[str, ...], int]
+    rz: Tuple[Tuple[str, ...], int]
+    size_f: int
+    size_z: int
+    size_s: int
+    what: Tuple[str, ...]
+
+
+def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
+    lay = plan_layout_of(plan)
+    sizes = lay.sizes
+    order = tuple(sizes)
+    canon = lambda axes: tuple(a for a in order if a in set(axes))  # noqa: E731
+    live = lambda axes: tuple(a for a in canon(axes) if sizes.get(a, 1) > 1)  # noqa: E731
+    group = lambda axes: (live(axes), lay.size(live(axes)))  # noqa: E731
+    batch = set(lay.batch_axes) | set(lay.context_axes)  # context parallelism splits the data too
+    experts = set(expert_axes(plan))
+    zero = _zero_axes_all(plan)
+    out = []
+    for leaf in plan.group("params"):
+        s = set(live(_axes_in(leaf.spec)))
+        # MoE experts split over batch axes (EP) are not gathered: each device runs its own experts.
+        ex = s & experts if "expert" in (leaf.logical_axes or ()) else set()
+        f, r = (s - ex) & batch, batch - s
+        t = lay.size((s - batch) | ex)
+        layer = bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers"
+        z = set(live(zero[leaf.path])) & r
+        path = leaf.path
+        out.append(_ParamLeaf(
+            path, math.prod(leaf.shape), np.dtype(leaf.dtype).itemsize, max(int(leaf.shape[0]), 1) if layer else 1,
+            layer, tuple(leaf.logical_axes) == ("vocab", "embed"), t,
+            t // sizes.get("stage", 1) if "stage" in s else t, bool(f), bool(z), bool(r), group(f), group(r),
+            group(z), group(r - z), lay.size(f), lay.size(z), lay.size(s),
+            (f"FSDP forward gather {path}", f"FSDP backward re-gather {path}", f"grad reduce (as all-reduce) {path}",
+             f"grad reduce-scatter {path}", f"grad all-reduce {path}", f"ZeRO-1 grad reduce-scatter {path}",
+             f"ZeRO-1 updated-param gather {path}")))
+    return tuple(out)
+
+
 def expert_axes(plan) -> Tuple[str, ...]:
     """Mesh axes (size > 1) that split the ``expert`` dimension of MoE weights under ``plan``."""
+    return cached(plan, "expert_axes", _expert_axes, layout_only=True)
+
+
+def _expert_axes(plan) -> Tuple[str, ...]:
     rule = plan.rules.table("params").get("expert")
     return tuple(a for a in (rule.mesh_axes if rule else ()) if plan.mesh_sizes.get(a, 1) > 1)
 
@@ -213,12 +288,13 @@ def moe_exchange_bytes(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Dic
     * dropless, GPU/TPU (``ragged_all_to_all``): the rows that exist, ``a·d·c`` with balanced routing.
     """
     backend = Backend(backend)
-    lay = layout_of(plan)
+    lay = plan_layout_of(plan)
     ep = lay.size(expert_axes(plan))
     c = np.dtype(lay.compute_dtype).itemsize
     m = lay.micro_batches
-    b = plan.batch.batch_size // (lay.batch_split * m)
-    T, k, E, d = plan.batch.seq_len, cfg.experts_per_token, cfg.n_experts, cfg.d_model
+    B, T = batch_dims(plan)
+    b = B // (lay.batch_split * m)
+    k, E, d = cfg.experts_per_token, cfg.n_experts, cfg.d_model
     a = b * T * k
     recompute = 0 if plan.recipe.remat is Remat.NONE else 2
     if cfg.capacity_factor is not None:
@@ -285,8 +361,9 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
     if pipe is None or p <= 1:
         return
     m = pipe.micro_batches
-    b = plan.batch.batch_size // (lay.batch_split * m)
-    x = float(b * (plan.batch.seq_len // max(lay.context, lay.sequence, 1)) * cfg.d_model * c)
+    B, T = batch_dims(plan)
+    b = B // (lay.batch_split * m)
+    x = float(b * (T // max(lay.context, lay.sequence, 1)) * cfg.d_model * c)
     n = round(pipe.stage_ticks)
     crit = Overlap.EXPOSED
 
@@ -308,6 +385,24 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
         put("all-to-all", w, 1, p, "circular: their gradients back to the layer order", Phase.BACKWARD)
 
 
+def _zero_axes_all(plan) -> Dict[str, Tuple[str, ...]]:
+    """:func:`_zero_axes` of every parameter, in one pass over the optimizer leaves."""
+    params = plan.group("params")
+    opt = [(leaf.path, tuple(leaf.shape), set(_axes_in(leaf.spec))) for leaf in plan.group("optimizer")]
+    out = {}
+    for param in params:
+        if param.path in out:
+            continue  # _zero_axes reads the first parameter leaf of a path
+        p_axes = set(_axes_in(param.spec))
+        shape = tuple(param.shape)
+        extra = set()
+        for path, oshape, axes in opt:
+            if path.endswith(param.path) and oshape == shape:
+                extra |= axes - p_axes
+        out[param.path] = tuple(extra)
+    return out
+
+
 def _zero_axes(plan, param_path: str) -> Tuple[str, ...]:
     """Mesh axes that shard a parameter's optimizer state but not the parameter (ZeRO-1)."""
     param = next(l for l in plan.group("params") if l.path == param_path)
@@ -323,7 +418,7 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
     t = lay.tensor
     if t <= 1:
         return
-    B, T = plan.batch.batch_size, plan.batch.seq_len
+    B, T = batch_dims(plan)
     m = lay.micro_batches
     b = B // (lay.batch_split * m)
     x = b * T * cfg.d_model * c

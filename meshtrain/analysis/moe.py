@@ -24,8 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from meshtrain.analysis.comms import Backend, expert_axes, moe_exchange_bytes
-from meshtrain.analysis.layout import layout_of
+from meshtrain.analysis.comms import Backend, batch_dims, cached, expert_axes, moe_exchange_bytes, plan_layout_of
 from meshtrain.parallel.moe import capacity_for
 
 
@@ -122,17 +121,26 @@ def moe_terms(plan, cfg) -> Optional[MoETerms]:
     """:class:`MoETerms` of ``plan`` for an MoE decoder ``cfg`` (``None`` for a dense model)."""
     if not getattr(cfg, "n_experts", 0) or plan.batch is None:
         return None
-    lay = layout_of(plan)
+    try:
+        hash(cfg)
+    except TypeError:
+        return _moe_terms(plan, cfg)
+    return cached(plan, ("moe_terms", cfg), lambda p: _moe_terms(p, cfg))
+
+
+def _moe_terms(plan, cfg) -> MoETerms:
+    lay = plan_layout_of(plan)
     sizes = plan.mesh_sizes
     ex_axes = expert_axes(plan)
     ep = lay.size(ex_axes)
     E, k, d = cfg.n_experts, cfg.experts_per_token, cfg.d_model
     f_e = cfg.d_expert or cfg.d_ff
-    T = plan.batch.seq_len // max(lay.context, 1)
-    b = plan.batch.batch_size // (lay.batch_split * lay.micro_batches)
+    B, seq = batch_dims(plan)
+    T = seq // max(lay.context, 1)
+    b = B // (lay.batch_split * lay.micro_batches)
     c = np.dtype(lay.compute_dtype).itemsize
     if cfg.capacity_factor is not None:
-        rows = exec_rows = E * capacity_for(cfg.capacity_factor, plan.batch.seq_len, k, E) / plan.batch.seq_len
+        rows = exec_rows = E * capacity_for(cfg.capacity_factor, seq, k, E) / seq
     else:
         rows, exec_rows = (ep * k if ep > 1 else k), float(k)
     gathered_axes = (set(lay.batch_axes) | set(lay.context_axes)) - set(ex_axes)

@@ -18,6 +18,7 @@ repeats, ``b = B / (dp·m)`` rows of a micro-batch on one device, ``T`` tokens, 
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -168,10 +169,20 @@ class PipelineShape:
 def pipeline_shape(plan) -> Optional[PipelineShape]:
     """The :class:`PipelineShape` of a plan whose recipe has the ``pp`` strategy (``None`` otherwise).
     One stage still runs the schedule (the train step does): gpipe then keeps all ``m`` micro-batches."""
+    memo = getattr(plan, "cached", None)
+    return memo("pipeline_shape", _pipeline_shape) if memo is not None else _pipeline_shape(plan)
+
+
+def _pipeline_shape(plan) -> Optional[PipelineShape]:
     if not is_pipelined(plan):
         return None
     pc = config_for(plan.recipe, plan.mesh_sizes)
-    return PipelineShape(pc.schedule, pc.stages, pc.micro_batches, pc.repeats)
+    return _shape(pc.schedule, pc.stages, pc.micro_batches, pc.repeats)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(schedule: Schedule, stages: int, micro_batches: int, repeats: int) -> PipelineShape:
+    return PipelineShape(schedule, stages, micro_batches, repeats)  # immutable in use: shared
 
 
 def pipeline_problem(plan, cfg) -> Optional[str]:

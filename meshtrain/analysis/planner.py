@@ -31,9 +31,8 @@ import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from meshtrain.analysis.comms import expert_axes
+from meshtrain.analysis.comms import cached, expert_axes, plan_layout_of
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
 from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
 from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
@@ -75,6 +74,13 @@ class PlanRequest:
     schedules: Tuple[str, ...] = ("gpipe", "1f1b", "circular")
 
     def hw(self) -> Hardware:
+        hw = self.__dict__.get("_hw")  # the request is immutable: resolve the profile once
+        if hw is None:
+            hw = self._hw()
+            object.__setattr__(self, "_hw", hw)
+        return hw
+
+    def _hw(self) -> Hardware:
         hw = get_hardware(self.hardware, num_devices=self.num_devices)
         if self.slices > 1:
             if self.num_devices % self.slices:
@@ -160,7 +166,7 @@ def mesh_options(recipe: Recipe, num_devices: int) -> List[Dict[str, int]]:
 def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = None) -> List[str]:
     """The well-known rules, checked for one plan (empty when all hold). For any model: head counts
     are checked when ``cfg`` has them, the FSDP rule when the batch has a ``seq`` axis."""
-    lay = layout_of(plan)
+    lay = plan_layout_of(plan)
     out = []
     links = axis_links(lay, hw)
     for axis in lay.tensor_axes:
@@ -185,11 +191,7 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
         bubble = bubble_warning(config_for(plan.recipe, plan.mesh_sizes))
         if bubble:
             out.append(bubble)
-    batch = set(lay.batch_axes)
-    fsdp_axes = set()
-    for leaf in plan.group("params"):
-        for e in leaf.spec:
-            fsdp_axes |= ({e} if isinstance(e, str) else set(e or ())) & batch
+    fsdp_axes = cached(plan, "fsdp_axes", _fsdp_axes, layout_only=True)
     if fsdp_axes and _tokens(plan) is not None:
         g = lay.size(fsdp_axes)
         link = Link.SLOW if any(links.get(a) is Link.SLOW for a in fsdp_axes) else Link.FAST
@@ -205,8 +207,22 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
     return out
 
 
+def _fsdp_axes(plan) -> set:
+    """Batch axes that shard some parameter (FSDP)."""
+    batch = set(plan_layout_of(plan).batch_axes)
+    fsdp_axes = set()
+    for leaf in plan.group("params"):
+        for e in leaf.spec:
+            fsdp_axes |= ({e} if isinstance(e, str) else set(e or ())) & batch
+    return fsdp_axes
+
+
 def _tokens(plan):
     """Tokens per step of a token batch (a ``seq`` axis), else ``None`` (the FSDP rule counts tokens)."""
+    return cached(plan, "tokens", _tokens_of, layout_only=True)
+
+
+def _tokens_of(plan):
     try:
         return plan.batch.batch_size * plan.batch.seq_len
     except MeshtrainError:
@@ -222,7 +238,9 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
     from meshtrain.plan import BatchSpec, make_plan
 
     cfg, hw = request.model, request.hw()
-    recipe = recipe.with_options(**request.dtypes(recipe))
+    dtypes = request.dtypes(recipe)
+    if any(getattr(recipe, k) != v for k, v in dtypes.items()):  # (else a copy equal to it)
+        recipe = recipe.with_options(**dtypes)
     try:
         sizes = tuple(recipe.mesh.resolve(request.num_devices).items())
     except MeshtrainError as exc:
@@ -233,10 +251,12 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
             mesh = recipe.mesh.abstract(request.num_devices)
             plan = make_plan(abstract, recipe, mesh, batch=BatchSpec(request.global_batch, request.tokens_seq))
         else:
-            plan = dataclasses.replace(base_plan, recipe=recipe)
-            dp = layout_of(plan).batch_split
-            if plan.batch.batch_size % (dp * recipe.micro_batches):
-                raise ConfigError(f"batch size {plan.batch.batch_size} is not divisible by data-parallel size {dp} "
+            plan = base_plan.with_recipe(recipe) if hasattr(base_plan, "with_recipe") else \
+                dataclasses.replace(base_plan, recipe=recipe)
+            dp = plan_layout_of(plan).batch_split
+            batch_size = cached(plan, "batch_size", lambda p: p.batch.batch_size, layout_only=True)
+            if batch_size % (dp * recipe.micro_batches):
+                raise ConfigError(f"batch size {batch_size} is not divisible by data-parallel size {dp} "
                                   f"× micro-batches {recipe.micro_batches}")
     except MeshtrainError as exc:
         return Candidate(recipe, sizes, rejected=f"{type(exc).__name__}: {exc}")
@@ -365,7 +385,7 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
             if first.plan is None:
                 rejected.append(first)
                 continue
-            dp = layout_of(first.plan).batch_split
+            dp = plan_layout_of(first.plan).batch_split
             per_device = request.global_batch // dp
             variants, micros, why_not = _pipeline_variants(request, first, per_device)
             if why_not:

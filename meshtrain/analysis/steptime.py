@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
@@ -62,7 +63,8 @@ import numpy as np
 
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.collectives import axes_key
-from meshtrain.analysis.comms import Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives
+from meshtrain.analysis.comms import (Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives, batch_dims,
+                                     cached, plan_layout_of)
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, default_loss, has_analytic_model,
                                          program_cost, saved_activation_bytes, working_weight_bytes)
 from meshtrain.analysis.flops import StepFlops, step_flops
@@ -149,25 +151,60 @@ def collective_seconds(op: CollectiveEstimate, link: Link, hw: Hardware) -> floa
     return op.executions * (alpha * hops) + op.wire_bytes_per_step / bw
 
 
-def hbm_traffic(plan, cfg, lay: Layout) -> float:
-    """Bytes one device reads + writes in HBM per step (see the module docstring)."""
-    c = np.dtype(lay.compute_dtype).itemsize
+def _weight_shards(plan) -> Tuple[Tuple[int, int], ...]:
+    """``(elements, shards over non-batch axes)`` of every parameter leaf (depends on the layout only)."""
+    lay = plan_layout_of(plan)
     batch = set(lay.batch_axes)
-    weights = 0.0
+    out = []
     for leaf in plan.group("params"):
         axes = set()
         for e in leaf.spec:
             axes |= {e} if isinstance(e, str) else set(e or ())
-        weights += math.prod(leaf.shape) * c / lay.size(axes - batch)
-    B, T = plan.batch.batch_size, plan.batch.seq_len
+        out.append((math.prod(leaf.shape), lay.size(axes - batch)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def _activation_bytes(remat, compute_dtype, tie_embeddings, attention, acfg, B, T, split) -> int:
+    """``saved_activations(...).bytes_per_device(acfg, B, T, split)``: a pure function of its arguments,
+    the same for every candidate that differs only in what it does not read."""
+    return saved_activations(remat, compute_dtype, tie_embeddings, attention).bytes_per_device(acfg, B, T, split)
+
+
+def _activations(remat, compute_dtype, tie_embeddings, attention, acfg, B, T, split) -> int:
+    try:
+        return _activation_bytes(remat, compute_dtype, tie_embeddings, attention, acfg, B, T, split)
+    except TypeError:  # an unhashable config
+        return saved_activations(remat, compute_dtype, tie_embeddings, attention).bytes_per_device(acfg, B, T, split)
+
+
+def _seconds(op: CollectiveEstimate, wire: float, link: Link, hw: Hardware) -> float:
+    """:func:`collective_seconds` with ``op.wire_bytes_per_step`` already computed."""
+    if link is Link.FAST:
+        bw, alpha = hw.fast_link_bytes_per_s, hw.fast_latency_s
+    else:
+        bw, alpha = hw.slow_link_bytes_per_s, hw.slow_latency_s
+    return op.executions * (alpha * _hops(op.group_size, op.kind == "all-reduce")) + wire / bw
+
+
+@functools.lru_cache(maxsize=4096)
+def _hops(group_size: int, all_reduce: bool) -> int:
+    return math.ceil(math.log2(max(group_size, 2))) * (2 if all_reduce else 1)
+
+
+def hbm_traffic(plan, cfg, lay: Layout) -> float:
+    """Bytes one device reads + writes in HBM per step (see the module docstring)."""
+    c = np.dtype(lay.compute_dtype).itemsize
+    weights = 0.0
+    for elems, shards in cached(plan, "weight_shards", _weight_shards, layout_only=True):
+        weights += elems * c / shards
+    B, T = batch_dims(plan)
     split = lay.split()
     moe = moe_terms(plan, cfg)
     acfg = moe.activation_config(cfg) if moe is not None else cfg
     att = plan.recipe.attention  # flash / context kinds keep no T × T scores
-    a_none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att).bytes_per_device(
-        acfg, B, T, split)
-    a_saved = saved_activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att).bytes_per_device(
-        acfg, B, T, split)
+    a_none = _activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
+    a_saved = _activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3
     per = plan.per_device_bytes()
     pipe = pipeline_shape(plan)
@@ -185,7 +222,8 @@ def executed_flops(plan, cfg, flops: StepFlops) -> Tuple[float, float]:
     pipeline the compiled view: the layer stack × ``1/(1 - bubble)`` (every stage computes on every
     tick that has work; 1f1b also re-runs each stage's forward in its VJP) and the head on every
     stage (× ``p``: it runs on the whole batch, or once per micro-batch, on every stage)."""
-    tokens = plan.batch.batch_size * plan.batch.seq_len
+    B, T = batch_dims(plan)
+    tokens = B * T
     exe, fwd = flops.executed, flops.executed_forward
     moe = moe_terms(plan, cfg)
     if moe is not None:
@@ -212,12 +250,12 @@ def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Option
     if not has_analytic_model(cfg):
         return program_step_time(plan, hardware, loss_fn or default_loss(cfg, plan), backend=backend, cost=cost,
                                  collectives=collectives)
-    lay = layout_of(plan)
+    lay = plan_layout_of(plan)
     hw = get_hardware(hardware, num_devices=lay.num_devices)
     backend = Backend(backend) if backend is not None else backend_of(hw)
     n = lay.num_devices
-    B, T = plan.batch.batch_size, plan.batch.seq_len
-    flops = step_flops(cfg, B, T, plan.recipe.remat)
+    B, T = batch_dims(plan)
+    flops = _step_flops(cfg, B, T, plan.recipe.remat)
     executed, executed_fwd = executed_flops(plan, cfg, flops)
     compute = executed / n / hw.peak_flops
     memory = hbm_traffic(plan, cfg, lay) / hw.hbm_bytes_per_s
@@ -230,21 +268,37 @@ def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Option
                             flops.model, executed, axes, hw.name)
 
 
+def _step_flops(cfg, B, T, remat) -> StepFlops:
+    try:
+        return _step_flops_cached(cfg, B, T, remat)
+    except TypeError:  # an unhashable config
+        return step_flops(cfg, B, T, remat)
+
+
+@functools.lru_cache(maxsize=65536)
+def _step_flops_cached(cfg, B, T, remat) -> StepFlops:
+    return step_flops(cfg, B, T, remat)
+
+
 def _communication(ops, lay: Layout, hw: Hardware, backend: Backend, compute: float, fwd_share: float):
     """``(communication seconds, exposed seconds, per-axis rows)`` (see the module docstring)."""
     links = axis_links(lay, hw)
+    slow = {a for a, link in links.items() if link is Link.SLOW}
     overlap = 0.0 if backend is Backend.CPU else 1.0
     per_axes: Dict[str, List] = defaultdict(lambda: [None, 0.0, 0.0, 0.0, 0])
     critical = 0.0
     hidden = {Phase.FORWARD: 0.0, Phase.BACKWARD: 0.0, Phase.UPDATE: 0.0}
     capacity = {Phase.FORWARD: overlap * compute * fwd_share, Phase.BACKWARD: overlap * compute * (1 - fwd_share),
                 Phase.UPDATE: 0.0}
+    seconds = []
     for op in ops:
-        link = Link.SLOW if any(links.get(a) is Link.SLOW for a in op.axes) else Link.FAST
-        sec = collective_seconds(op, link, hw)
-        row = per_axes[axes_key(op.axes)]
+        link = Link.SLOW if any(a in slow for a in op.axes) else Link.FAST
+        wire = op.wire_bytes_per_step
+        sec = _seconds(op, wire, link, hw)  # collective_seconds(op, link, hw)
+        key = axes_key(op.axes)
+        row = per_axes[key]
         row[0] = link
-        row[1] += op.wire_bytes_per_step
+        row[1] += wire
         row[2] += sec
         row[4] += op.executions
         if op.overlap is Overlap.EXPOSED:
@@ -252,12 +306,15 @@ def _communication(ops, lay: Layout, hw: Hardware, backend: Backend, compute: fl
             row[3] += sec
         else:
             hidden[op.phase] += sec
+        seconds.append((key, sec, link))
     exposed_phase = {ph: max(0.0, hidden[ph] - capacity[ph]) for ph in hidden}
     share = {ph: exposed_phase[ph] / hidden[ph] if hidden[ph] else 0.0 for ph in hidden}
-    for op in ops:  # per-axis exposed time: critical ops fully, overlappable ones by their phase's exposed share
+    for op, (key, sec, link) in zip(ops, seconds):
+        # per-axis exposed time: critical ops fully, overlappable ones by their phase's exposed share
         if op.overlap is Overlap.HIDDEN:
-            key = axes_key(op.axes)
-            per_axes[key][3] += collective_seconds(op, per_axes[key][0], hw) * share[op.phase]
+            if per_axes[key][0] is not link:  # (ops under one key share their axes, so their link)
+                sec = collective_seconds(op, per_axes[key][0], hw)
+            per_axes[key][3] += sec * share[op.phase]
     axes = tuple(AxisTime(key, link, wire, sec, exp, count)
                  for key, (link, wire, sec, exp, count) in sorted(per_axes.items()))
     return sum(hidden.values()) + critical, critical + sum(exposed_phase.values()), axes
