@@ -71,7 +71,18 @@ def _nbytes(shape, dtype) -> int:
 
 
 def _dtype_name(dtype) -> str:
-    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # a new (or an unhashable) dtype
+        name = str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
+    try:
+        _DTYPE_NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+_DTYPE_NAMES: Dict[Any, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,39 +312,26 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     leaves: List[LeafPlan] = []
     memo: Dict[Any, Any] = {"__sizes__": dict(mesh.shape)}
 
-    flat_params = jax.tree_util.tree_flatten_with_path(abstract.params)[0]
+    flat_params, param_shape, param_tree = _abstract_cached(abstract, "params", _param_structure)
     param_sh: Dict[str, NamedSharding] = {}
-    param_shape: Dict[str, Tuple[int, ...]] = {}
-    for keypath, sds in flat_params:
-        path = path_str(keypath)
-        param_shape[path] = tuple(sds.shape)
+    for path, sds in flat_params:
         leaf, sh = _resolve_leaf(rules, "params", "params", path, sds.shape, sds.dtype, abstract.param_axes[path],
                                  mesh, recipe, memo)
         leaves.append(leaf)
         param_sh[path] = sh
-    param_shardings = jax.tree.map(lambda p: param_sh[p], tree_paths(abstract.params))
+    param_shardings = _map_paths(param_tree, param_sh)
 
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shardings = None
     if abstract.opt_state is not None:
-        # Which parameter each optimizer leaf mirrors (None for counts and other non-param leaves).
-        mirrors = optax.tree_utils.tree_map_params(
-            abstract.tx, lambda _, p: p, abstract.opt_state, tree_paths(abstract.params),
-            transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        mirror_of = {path_str(kp): m for kp, m in jax.tree_util.tree_flatten_with_path(mirrors)[0]}
+        flat_opt, opt_tree = _abstract_cached(abstract, "optimizer", _optimizer_structure)
         opt_sh = {}
-        for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0]:
-            path = path_str(keypath)
-            param_path = mirror_of.get(path)
-            if param_path is not None and tuple(sds.shape) == param_shape[param_path]:
-                logical = abstract.param_axes[param_path]
-            else:
-                logical = (None,) * len(sds.shape)  # counts, scalars, factored moments: replicated
+        for path, sds, logical in flat_opt:
             leaf, sh = _resolve_leaf(rules, "optimizer", "optimizer", path, sds.shape, sds.dtype, logical, mesh,
                                      recipe, memo)
             leaves.append(leaf)
             opt_sh[path] = sh
-        opt_shardings = jax.tree.map(lambda p: opt_sh[p], tree_paths(abstract.opt_state))
+        opt_shardings = _map_paths(opt_tree, opt_sh)
         if recipe.offload is Offload.OPTIMIZER:  # the same layout, in pinned host memory between steps
             device_opt, opt_shardings = opt_shardings, to_host(opt_shardings)
             abstract = dataclasses.replace(abstract, tx=offload_optimizer(abstract.tx, device_opt, opt_shardings))
@@ -343,8 +341,8 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     # way every leaf gets a mesh NamedSharding.
     state_axes = getattr(abstract, "model_state_axes", None) or {}
     ms_sh = {}
-    for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.model_state)[0]:
-        path = path_str(keypath)
+    flat_ms, ms_tree = _abstract_cached(abstract, "model_state", _model_state_structure)
+    for path, sds in flat_ms:
         logical = state_axes.get(path)
         if logical is None:
             leaves.append(LeafPlan("model_state", path, tuple(sds.shape), _dtype_name(sds.dtype),
@@ -355,7 +353,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
         leaf, sh = _resolve_leaf(rules, "model_state", "params", path, sds.shape, sds.dtype, logical, mesh, recipe)
         leaves.append(leaf)
         ms_sh[path] = sh
-    model_state_shardings = jax.tree.map(lambda p: ms_sh[p], tree_paths(abstract.model_state))
+    model_state_shardings = _map_paths(ms_tree, ms_sh)
 
     layout = None if batch is None else as_batch_layout(batch)
     batch_shardings = None
@@ -368,6 +366,65 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     if check:
         _replication_guard(plan)
     return plan
+
+
+def _abstract_cached(abstract: AbstractState, key: str, fn):
+    """``fn(abstract)``, once per abstract state (immutable): the flattened structure :func:`make_plan` walks
+    for every recipe and mesh."""
+    memo = abstract.__dict__.get("_plan_structure_")
+    if memo is None:
+        memo = {}
+        object.__setattr__(abstract, "_plan_structure_", memo)
+    try:
+        return memo[key]
+    except KeyError:
+        out = memo[key] = fn(abstract)
+        return out
+
+
+def _paths_tree(tree):
+    """``(leaves, treedef)`` of :func:`~meshtrain.abstract.tree_paths`: ``_map_paths`` rebuilds the tree
+    ``jax.tree.map(lambda p: values[p], tree_paths(tree))`` makes."""
+    return jax.tree_util.tree_flatten(tree_paths(tree))
+
+
+def _map_paths(paths_tree, values: Dict[str, Any]):
+    paths, treedef = paths_tree
+    return treedef.unflatten([values[p] for p in paths])
+
+
+def _param_structure(abstract: AbstractState):
+    """``([(path, leaf)], {path: shape}, paths tree)`` of the parameters."""
+    flat = [(path_str(keypath), sds) for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.params)[0]]
+    return flat, {path: tuple(sds.shape) for path, sds in flat}, _paths_tree(abstract.params)
+
+
+def _optimizer_structure(abstract: AbstractState):
+    """``([(path, leaf, logical axes)], paths tree)`` of the optimizer state: a leaf that mirrors a parameter
+    (same shape) takes its logical axes, any other (counts, scalars, factored moments) is replicated."""
+    _, param_shape, param_tree = _abstract_cached(abstract, "params", _param_structure)
+    # Which parameter each optimizer leaf mirrors (None for counts and other non-param leaves).
+    mirrors = optax.tree_utils.tree_map_params(
+        abstract.tx, lambda _, p: p, abstract.opt_state, tree_paths(abstract.params),
+        transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    mirror_of = {path_str(kp): m for kp, m in jax.tree_util.tree_flatten_with_path(mirrors)[0]}
+    flat = []
+    for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0]:
+        path = path_str(keypath)
+        param_path = mirror_of.get(path)
+        if param_path is not None and tuple(sds.shape) == param_shape[param_path]:
+            logical = abstract.param_axes[param_path]
+        else:
+            logical = (None,) * len(sds.shape)  # counts, scalars, factored moments: replicated
+        flat.append((path, sds, logical))
+    return flat, _paths_tree(abstract.opt_state)
+
+
+def _model_state_structure(abstract: AbstractState):
+    """``([(path, leaf)], paths tree)`` of the non-parameter variables."""
+    flat = [(path_str(keypath), sds)
+            for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.model_state)[0]]
+    return flat, _paths_tree(abstract.model_state)
 
 
 def data_parallel_size(rules: AxisRules, mesh_sizes) -> int:

@@ -111,6 +111,41 @@ def _factor(value: int) -> Tuple[Tuple[Tuple[str, int], ...], int]:
     return tuple(sorted(exps.items())), rest
 
 
+#: results an :class:`ActivationModel` keeps (per distinct sizes, split and selection) before starting afresh
+_MEMO_LIMIT = 1 << 16
+
+
+def _divisor_flags(ex: Mapping[str, int]) -> Tuple[bool, int]:
+    """What :meth:`SavedTensor.divisor` reads of a tensor's exponents: whether it has a batch dimension, and
+    which other split divides it: 0 a tensor-parallel dim and the sequence (``tensor · context``), 4 a
+    tensor-parallel dim alone (``tensor``), 1 the residual stream ``(t, d)`` (``max(sequence, context)``),
+    2 another sequence tensor (``context``), 3 none."""
+    if any(v in ex for v in _SHARDED_BY_TENSOR):
+        kind = 0 if "T" in ex else 4
+    elif "T" in ex and "d" in ex:
+        kind = 1
+    elif "T" in ex:
+        kind = 2
+    else:
+        kind = 3
+    return "B" in ex, kind
+
+
+def _divisor(flags: Tuple[bool, int], split: ActivationSplit) -> int:
+    """:meth:`SavedTensor.divisor` from :func:`_divisor_flags` (the same products in the same order)."""
+    has_batch, kind = flags
+    div = split.batch if has_batch else 1
+    if kind == 0:
+        div *= split.tensor * split.context
+    elif kind == 4:
+        div *= split.tensor
+    elif kind == 1:
+        div *= max(split.sequence, split.context)
+    elif kind == 2:
+        div *= split.context
+    return div
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationModel:
     """Saved tensors of one train step as formulas (from :func:`saved_activations`)."""
@@ -118,6 +153,32 @@ class ActivationModel:
     remat: Remat
     compute_dtype: str
     tensors: Tuple[SavedTensor, ...]
+
+    # -- per-tensor figures and results, computed once per model (it is immutable) ----------------
+    def _rows(self) -> Tuple[tuple, ...]:
+        """Per saved tensor, what the byte counts read: ``(tensor, itemsize, is_weight, stacked, dims,
+        T exponent, divisor flags)``."""
+        rows = self.__dict__.get("_rows_")
+        if rows is None:
+            out = []
+            for t in self.tensors:
+                ex = dict(t.exponents)
+                out.append((t, np.dtype(t.dtype).itemsize, "B" not in ex, "L" in ex, frozenset(ex) - {"L"},
+                            ex.get("T", 0), _divisor_flags(ex)))
+            rows = tuple(out)
+            object.__setattr__(self, "_rows_", rows)
+        return rows
+
+    def _memo(self, key, fn):
+        memo = self.__dict__.get("_results_")
+        if memo is None or len(memo) > _MEMO_LIMIT:
+            memo = {}
+            object.__setattr__(self, "_results_", memo)
+        try:
+            return memo[key]
+        except KeyError:
+            out = memo[key] = fn()
+            return out
 
     def bytes_per_device(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit(),
                          *, weight_fraction: float = 0.0) -> int:
@@ -128,22 +189,30 @@ class ActivationModel:
         (then the saved weights are the parameters themselves).
         """
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
-        total = 0.0
-        for t in self.tensors:
-            nbytes = t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize
-            if t.is_weight:
-                total += nbytes * weight_fraction if t.cast else nbytes
-            else:
-                total += nbytes / t.divisor(split)
-        return int(total)
+
+        def compute():
+            total = 0.0
+            for t, itemsize, is_weight, _, _, _, flags in self._rows():
+                nbytes = t.count * t.elements(sizes) * itemsize
+                if is_weight:
+                    total += nbytes * weight_fraction if t.cast else nbytes
+                else:
+                    total += nbytes / _divisor(flags, split)
+            return int(total)
+
+        return self._memo(("bytes", tuple(sizes.values()), split, weight_fraction), compute)
 
     def layer_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
                                split: ActivationSplit = ActivationSplit()) -> int:
         """Bytes one layer saves on one device (the stacked ``L``-dimension tensors, divided by ``L``)."""
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
-        total = sum(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
-                    for t in self.tensors if not t.is_weight and "L" in dict(t.exponents))
-        return int(total / cfg.n_layers)
+
+        def compute():
+            total = sum(t.count * t.elements(sizes) * itemsize / _divisor(flags, split)
+                        for t, itemsize, is_weight, stacked, _, _, flags in self._rows() if not is_weight and stacked)
+            return int(total / cfg.n_layers)
+
+        return self._memo(("layer", tuple(sizes.values()), split, cfg.n_layers), compute)
 
     def tensor_bytes_per_device(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit(),
                                 *, dims: Tuple[str, ...] = ("B", "T", "V"), dtype: str = "float32",
@@ -153,15 +222,20 @@ class ActivationModel:
         ``stacked``: only the per-layer (``True``) or only the unstacked (``False``) ones; ``per_layer``: the
         stacked ones divided by ``L``."""
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
-        total = 0.0
-        for t in self.tensors:
-            ex = dict(t.exponents)
-            is_stacked = "L" in ex
-            if t.is_weight or t.dtype != str(np.dtype(dtype)) or set(ex) - {"L"} != set(dims) or \
-                    (stacked is not None and is_stacked != stacked) or (per_layer and not is_stacked):
-                continue
-            total += t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
-        return int(total / cfg.n_layers) if per_layer else int(total)
+        want = frozenset(dims)
+
+        def compute():
+            name = str(np.dtype(dtype))
+            total = 0.0
+            for t, itemsize, is_weight, is_stacked, tdims, _, flags in self._rows():
+                if is_weight or t.dtype != name or tdims != want or \
+                        (stacked is not None and is_stacked != stacked) or (per_layer and not is_stacked):
+                    continue
+                total += t.count * t.elements(sizes) * itemsize / _divisor(flags, split)
+            return int(total / cfg.n_layers) if per_layer else int(total)
+
+        return self._memo(("tensor", tuple(sizes.values()), split, want, dtype, stacked, per_layer, cfg.n_layers),
+                          compute)
 
     def loop_constant_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
                                        split: ActivationSplit = ActivationSplit()) -> int:
@@ -169,9 +243,13 @@ class ActivationModel:
         bias, built once outside the layer loop and saved for the loop's backward) on one device for one
         micro-batch. Unrolled, XLA fuses their computation into each consumer and keeps no buffer."""
         sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
-        return int(sum(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
-                       for t in self.tensors
-                       if not t.is_weight and "L" not in dict(t.exponents) and dict(t.exponents).get("T", 0) >= 2))
+
+        def compute():
+            return int(sum(t.count * t.elements(sizes) * itemsize / _divisor(flags, split)
+                           for t, itemsize, is_weight, stacked, _, t_exp, flags in self._rows()
+                           if not is_weight and not stacked and t_exp >= 2))
+
+        return self._memo(("loop_constant", tuple(sizes.values()), split), compute)
 
     def describe(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit()) -> List[dict]:
         """Rows ``{formula, dtype, count, bytes_per_device}`` for the saved non-weight tensors, largest first."""
@@ -180,6 +258,15 @@ class ActivationModel:
                  "bytes_per_device": int(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split))}
                 for t in self.tensors if not t.is_weight]
         return sorted(rows, key=lambda r: -r["bytes_per_device"])
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_state(tie_embeddings: bool):
+    """The probe decoder's abstract state (no arrays), shared by every (remat, dtype, attention) trace."""
+    p = PROBE
+    cfg = DecoderConfig("probe", p["V"], p["d"], p["L"], p["kv"] * p["g"], p["kv"], 2 * p["hh"], p["f"], p["T"],
+                        tie_embeddings=tie_embeddings)
+    return abstract_state(lambda rngs: Decoder(cfg, rngs=rngs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,9 +283,7 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
 
     remat = Remat(remat)
     p = PROBE
-    cfg = DecoderConfig("probe", p["V"], p["d"], p["L"], p["kv"] * p["g"], p["kv"], 2 * p["hh"], p["f"], p["T"],
-                        tie_embeddings=tie_embeddings)
-    abstract = abstract_state(lambda rngs: Decoder(cfg, rngs=rngs))
+    abstract = _probe_state(bool(tie_embeddings))
     graphdef, params, rest = abstract.graphdef, abstract.params, abstract.model_state
     mesh = MeshSpec(ici={"data": 1}).abstract(1)
     kind = AttentionKind.DENSE if AttentionKind(attention) is AttentionKind.DENSE else AttentionKind.FLASH

@@ -253,7 +253,16 @@ def working_weight_bytes(plan, *, layers_only: bool = False) -> Tuple[int, int]:
     """``(W, extra)``: bytes per device of the weights as the step multiplies with them (compute
     dtype, all-gathered over the data-parallel axes that shard them: ``Σ E·c / non-batch shards``),
     and the part of that which is not the stored parameter itself (gathered or cast copies).
-    ``layers_only``: only the stacked layer weights (leading logical axis ``layers``)."""
+    ``layers_only``: only the stacked layer weights (leading logical axis ``layers``). Once per layout,
+    compute dtype and ``layers_only``."""
+    memo = getattr(plan, "cached", None)  # a ShardingPlan: shared by the plans with_recipe makes
+    if memo is None:
+        return _working_weight_bytes(plan, layers_only)
+    key = ("working_weight_bytes", layers_only, str(np.dtype(plan.recipe.compute_dtype)))
+    return memo(key, lambda p: _working_weight_bytes(p, layers_only), layout_only=True)
+
+
+def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:
     sizes = plan.mesh_sizes
     rule = plan.rules.table("activations").get("batch")
     batch_axes = set(rule.mesh_axes if rule else ())

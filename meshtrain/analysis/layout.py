@@ -12,6 +12,7 @@ Works for plans on a ``Mesh`` and on an ``AbstractMesh`` (pod-sized planning).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Dict, Tuple
 
@@ -38,31 +39,42 @@ class Layout:
     def sizes(self) -> Dict[str, int]:
         return dict(self.mesh_sizes)
 
+    # the figures below are read many times per plan (the layout is immutable): computed once, stored on the
+    # instance (not fields: equality, hashing and ``dataclasses.replace`` see only the fields)
+    @functools.cached_property
+    def _size_of(self) -> Dict[str, int]:
+        return dict(self.mesh_sizes)
+
     def size(self, axes) -> int:
-        return int(math.prod(self.sizes.get(a, 1) for a in axes))
+        sizes = self._size_of
+        return int(math.prod(sizes.get(a, 1) for a in axes))
 
-    @property
+    @functools.cached_property
     def num_devices(self) -> int:
-        return self.size(self.sizes)
+        return self.size(self._size_of)
 
-    @property
+    @functools.cached_property
     def batch_split(self) -> int:
         return self.size(self.batch_axes)
 
-    @property
+    @functools.cached_property
     def tensor(self) -> int:
         return self.size(self.tensor_axes)
 
-    @property
+    @functools.cached_property
     def sequence(self) -> int:
         return self.size(self.sequence_axes)
 
-    @property
+    @functools.cached_property
     def context(self) -> int:
         return self.size(self.context_axes)
 
     def split(self) -> ActivationSplit:
-        return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
+        out = self.__dict__.get("_split_")
+        if out is None:
+            out = ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
+            object.__setattr__(self, "_split_", out)
+        return out
 
 
 def _axes(plan, logical: str) -> Tuple[str, ...]:

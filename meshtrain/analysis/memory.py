@@ -126,7 +126,7 @@ import numpy as np
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, ProgramCost, default_loss,  # noqa: F401
                                          has_analytic_model, local_rows, program_cost, working_weight_bytes)
-from meshtrain.analysis.layout import layout_of
+from meshtrain.analysis.comms import batch_dims, cached, plan_layout_of
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
@@ -201,17 +201,15 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
         raise ValueError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
     if not has_analytic_model(cfg):
         return program_memory(plan, loss_fn or default_loss(cfg, plan), cost=cost)
-    lay = layout_of(plan)
-    B, T = plan.batch.batch_size, plan.batch.seq_len
+    lay = plan_layout_of(plan)
+    B, T = batch_dims(plan)
     split = lay.split()
     per = plan.per_device_bytes()
-    params = plan.group("params")
-    elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params)
+    elems, total_param_bytes, stage_w = cached(plan, "param_elements", _param_elements, layout_only=True)
     pipe = pipeline_shape(plan)
     moe = moe_terms(plan, cfg)
     acfg = moe.activation_config(cfg) if moe is not None else cfg  # MoE: the dense-equivalent MLP width
     weight_fraction = 0.0
-    total_param_bytes = sum(l.bytes_total for l in params)
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
         weight_fraction = per["params"] / total_param_bytes
     attention = plan.recipe.attention
@@ -284,8 +282,6 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
         x = b_loc * t_loc * cfg.d_model * c  # one micro-batch's stage input on one device
         rest = tensors - L * layer_saved  # embedding output, final norm, logits: outside the stack
         stack = pipe.stage_activation_bytes(L, layer_saved, x)
-        stage_w = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params
-                      if l.logical_axes and l.logical_axes[0] == "layers")  # the stage's layer-weight elements
         if pipe.one_f_one_b:
             acts = stack + rest + m * x + casts  # stash + one micro-batch's head + the embedding outputs
             # a stage's VJP + the f32 input cotangents + the tick's f32 weight gradient and the new accumulator
@@ -369,8 +365,8 @@ def attention_working_set(plan, cfg, b_loc: int) -> int:
     (its ``T × T`` scores are in the activations)."""
     if plan.recipe.attention is AttentionKind.DENSE:
         return 0
-    lay = layout_of(plan)
-    bq, bk, heads = attention_block_shape(plan_layout(plan), plan.batch.seq_len, max(cfg.n_heads // lay.tensor, 1),
+    lay = plan_layout_of(plan)
+    bq, bk, heads = attention_block_shape(plan_layout(plan), batch_dims(plan)[1], max(cfg.n_heads // lay.tensor, 1),
                                           b_loc)
     return 4 * 4 * b_loc * heads * bq * bk
 
@@ -426,11 +422,25 @@ def backend_name(plan, backend=None) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
 
 
+def _param_elements(plan) -> Tuple[int, int, int]:
+    """``(elements per device, bytes in all, layer-weight elements per device)`` of the parameters: Σ bytes
+    per device ÷ dtype bytes, Σ bytes, and the first over the stacked layer weights (leading logical axis
+    ``layers``: a pipeline stage's)."""
+    params = plan.group("params")
+    per_leaf = [l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params]
+    return (sum(per_leaf), sum(l.bytes_total for l in params),
+            sum(e for e, l in zip(per_leaf, params) if l.logical_axes and l.logical_axes[0] == "layers"))
+
+
 def gradient_bytes(plan, itemsize: Optional[int] = None) -> int:
     """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
     keeps its gradient in (:func:`meshtrain.train.step.gradient_shardings`: the parameter's own, or its
     optimizer state's under ``zero2``). ``itemsize``: bytes per element instead of the parameter's dtype
-    (floating-point leaves only)."""
+    (floating-point leaves only). Once per layout and ``itemsize``."""
+    return cached(plan, ("gradient_bytes", itemsize), lambda p: _gradient_bytes(p, itemsize), layout_only=True)
+
+
+def _gradient_bytes(plan, itemsize: Optional[int]) -> int:
     sizes = plan.mesh_sizes
     total = 0
     for sharding, leaf in zip(jax.tree.leaves(gradient_shardings(plan)), jax.tree.leaves(plan.abstract.params)):
