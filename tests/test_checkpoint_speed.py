@@ -1,20 +1,27 @@
 """What the faster save path must keep: a synchronous save takes no host copy yet leaves the caller's
 buffers donatable and saves the exact values; the manifest's checksums hashed from the page cache
-equal those of plain reads; the default compression is ``none`` and zstd checkpoints still restore.
+equal those of plain reads; the default compression is ``none`` and zstd checkpoints still restore;
+``background_start`` (Orbax's blocking part in a worker thread) writes the values of the saved step
+while the loop donates, and reports a failed start at the next call.
 (Speed itself is measured by tools/bench_checkpoint.py, never asserted here.)"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import threading
+import warnings
 
 import jax
+import numpy as np
 import pytest
 from helpers import TINY_BATCH, TINY_SEQ, mesh_for, put, tiny_abstract, token_batch
 from test_checkpoint import assert_bit_exact, device, host, random_state
 
 import meshtrain as mt
-from meshtrain.checkpoint import Checkpointer, Compression, StepStatus, Verify, inspect_checkpoint, integrity
+from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Compression, StepStatus, Verify,
+                                  inspect_checkpoint, integrity)
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +103,91 @@ def test_default_compression_is_none_and_zstd_still_restores(run, tmp_path):
         ckpt.maybe_save(1, on_mesh, data_state={}, metadata={})
     with Checkpointer(tmp_path / "zstd", save_every=1) as reader:       # default reader, zstd chunks
         assert_bit_exact(state, reader.restore(plan).state)
+
+
+# -- background_start: Orbax's blocking part in a worker thread --------------------------------------
+
+@pytest.mark.parametrize("recipe", ["fsdp", "dp"])       # sharded leaves; every leaf replicated 8 times
+def test_background_start_saves_the_values_of_its_step_while_the_loop_donates(recipe, tmp_path):
+    """maybe_save returns once the copies are enqueued. Orbax is held back here until the next step
+    has donated the saved buffers (the worst order): the step must still donate every buffer, and
+    the checkpoint must hold the values of its own step, whatever the replication of the leaves."""
+    r, mesh = mesh_for(recipe, 8)
+    plan = mt.make_plan(tiny_abstract(), r, mesh, batch=mt.BatchSpec(TINY_BATCH, TINY_SEQ))
+    train_step = mt.make_train_step(plan)
+    state = mt.init_state(plan, seed=0)
+    n = len(jax.tree.leaves(state))
+    saved_at, donated, gates = {}, {}, {}
+    with Checkpointer(tmp_path, save_every=2, keep_last=10, background_start=True) as ckpt:
+        assert ckpt._starts_in_background()
+        real_start = ckpt._start_save
+
+        def gated(step, args):           # Orbax starts only once the next step donated the state
+            assert gates[step].wait(120)
+            real_start(step, args)
+
+        ckpt._start_save = gated
+        for i in range(1, 10):
+            old = jax.tree.leaves(state)
+            state, _ = train_step(state, put(token_batch(i), plan))   # dispatched, not waited for
+            donated[i] = sum(x.is_deleted() for x in old)
+            del old
+            if i - 1 in gates:
+                gates[i - 1].set()
+            if i % 2 == 0:
+                saved_at[i] = host(state)
+                gates[i] = threading.Event()
+            assert ckpt.maybe_save(i, state, data_state={"i": i}, metadata={}).saved == (i % 2 == 0)
+        assert donated == {i: n for i in donated}, donated           # 3, 5, 7, 9 follow a save
+        gates[8].set()
+        ckpt.wait()
+        for s in (2, 4, 6, 8):
+            assert ckpt.check(s).status is StepStatus.OK
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CheckpointWarning)    # "newer good steps exist"
+                restored = ckpt.restore(plan, step=s)
+            assert_bit_exact(saved_at[s], restored.state)
+            assert restored.data_state == {"i": s}
+
+
+def test_background_start_reports_a_failed_start_at_the_next_call(run, tmp_path, monkeypatch):
+    """An error inside Orbax's save() on the worker surfaces like a write error: at the next call,
+    as a CheckpointError naming the step, with the temporary folder removed and the next save working."""
+    plan, state = run
+    on_mesh = device(plan, state)
+    ckpt = Checkpointer(tmp_path, save_every=1, keep_last=5, background_start=True)
+    ckpt.maybe_save(1, on_mesh, data_state={}, metadata={})
+    ckpt.wait()
+    real_save = ckpt._manager.save
+
+    def broken(step, *args, **kwargs):
+        (tmp_path / f"{step}.orbax-checkpoint-tmp-9").mkdir()
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ckpt._manager, "save", broken)
+    assert ckpt.maybe_save(2, on_mesh, data_state={}, metadata={}).saved
+    with pytest.raises(CheckpointError, match=r"saving step 2 .* failed: OSError.*steps \[1\] are intact"):
+        with pytest.warns(CheckpointWarning, match="removed temporary"):
+            ckpt.wait()
+    assert not integrity.tmp_dirs(tmp_path) and ckpt.pending_step is None
+    monkeypatch.setattr(ckpt._manager, "save", real_save)
+    assert ckpt.maybe_save(3, on_mesh, data_state={}, metadata={}).saved
+    ckpt.close()
+    assert ckpt.all_steps() == [1, 3]
+    assert_bit_exact(state, Checkpointer(tmp_path, save_every=1).restore(plan).state)
+
+
+def test_background_start_is_off_by_default_and_for_sync_saves(tmp_path):
+    assert not Checkpointer(tmp_path / "a", save_every=1)._starts_in_background()
+    assert not Checkpointer(tmp_path / "b", save_every=1, async_save=False,
+                            background_start=True)._starts_in_background()
+    assert "background_start=True" in repr(Checkpointer(tmp_path / "c", save_every=1, background_start=True))
+
+
+def test_replica_zero_registry_writes_replica_zero_only():
+    """The worker may read only the copies of the replica-0 shards: replica-parallel slicing is off."""
+    from meshtrain.checkpoint import manager
+    reg = manager._replica_zero_registry()
+    handler = reg.get(jax.Array)
+    assert handler._use_replica_parallel is False
+    assert type(reg.get(np.ndarray)).__name__ == "NumpyHandler" and reg.get(int) is reg.get(float)

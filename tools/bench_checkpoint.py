@@ -3,6 +3,7 @@ save, and the training stall of an async save vs a synchronous one, all in one r
 
     python tools/bench_checkpoint.py                       # ~200 MB TrainState, 8 simulated CPU devices
     python tools/bench_checkpoint.py --compare             # the same, earlier settings vs current, alternating
+    python tools/bench_checkpoint.py --compare --before main --busy 1   # vs background_start off, busy host
     python tools/bench_checkpoint.py --dir /mnt/fast --mb 400 --json
 
 What is measured (same state, same folder, same process):
@@ -19,7 +20,8 @@ What is measured (same state, same folder, same process):
 * async save inside a training loop: ``SaveResult.blocking_s`` of each save (the stall: the loop
   cannot run while Orbax takes the arrays' host copies and starts its writer; the loop waits for
   every device to finish the step first, so step compute is not counted as stall; on CPU it includes
-  copying the saved shards, so that the next step can donate them), the same counting
+  copying the saved shards, so that the next step can donate them; with ``background_start`` only
+  the checks and enqueueing that copy: Orbax starts in a worker thread), the same counting
   every ``maybe_save`` call (calls between saves collect the finished save and apply retention), and
   the loop's extra wall time per save compared with the same steps without saving (the writer
   thread competes with the step for CPU cores; noisy on a shared machine).
@@ -35,10 +37,15 @@ stall ratio = median async ``blocking_s`` / median sync ``blocking_s``, both in 
 ``--compare`` runs every measurement for two settings of the same code, alternating between them
 (raw write, sync save "before", sync save "after", raw write, ...; loops: before, after):
 
-* ``before``: the settings up to issue 14: zstd chunks, the manifest hashed with 8 MiB ``read``
-  calls, and the arrays copied before a synchronous save too;
-* ``after``: the current defaults (``--compression``, default ``none``; the manifest hashed from
-  the page cache; no copy before a synchronous save).
+* ``before``: ``--before issue14`` (default): the settings up to issue 14 (zstd chunks, the
+  manifest hashed with 8 MiB ``read`` calls, a copy before sync saves too); ``--before main``: the
+  Checkpointer's defaults, Orbax's blocking part on the calling thread (``background_start=False``);
+* ``after``: what the Trainer uses: ``--compression`` (default ``none``), the manifest hashed from
+  the page cache, no copy before a synchronous save, and ``background_start=True`` (Orbax's
+  blocking part in a worker thread; the loop only enqueues the copy of the saved buffers).
+
+``--busy N`` runs N ``yes > /dev/null`` processes for the whole run (a busy host; the issue's
+figures used one beside the benchmark on 2 cores).
 
 The JSON's top-level figures are those of ``after``; ``configs`` holds both.
 """
@@ -52,6 +59,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -126,15 +134,17 @@ class Setting:
     compression: str
     mapped_hashing: bool       # manifest hashed from the page cache (mmap) instead of 8 MiB reads
     copy_before_sync_save: bool
+    background_start: bool = False   # Orbax's blocking part in a worker thread (async saves)
 
     def checkpointer(self, folder: Path, **kw) -> Checkpointer:
-        ckpt = Checkpointer(folder, compression=self.compression, **kw)
+        ckpt = Checkpointer(folder, compression=self.compression, background_start=self.background_start, **kw)
         ckpt._mapped_hashing = self.mapped_hashing
         ckpt._copy_before_sync_save = self.copy_before_sync_save
         return ckpt
 
 
-BEFORE = Setting("zstd", mapped_hashing=False, copy_before_sync_save=True)
+BEFORE = {"issue14": Setting("zstd", mapped_hashing=False, copy_before_sync_save=True),
+          "main": Setting("none", mapped_hashing=True, copy_before_sync_save=False, background_start=False)}
 
 
 # -- host memory ------------------------------------------------------------------------------------
@@ -259,7 +269,8 @@ def summarize(name: str, setting: Setting, r: dict, nbytes: int, raw_fsync: floa
     async_rss = max(r["async_rss"])
     return {
         "setting": name, "compression": setting.compression, "mapped_hashing": setting.mapped_hashing,
-        "copy_before_sync_save": setting.copy_before_sync_save, "checkpoint_bytes_on_disk": r["disk_bytes"],
+        "copy_before_sync_save": setting.copy_before_sync_save, "background_start": setting.background_start,
+        "checkpoint_bytes_on_disk": r["disk_bytes"],
         "sync_save_s": sync_s, "sync_save_all_s": [x["s"] for x in r["sync"]], "sync_save_MBps": nbytes / sync_s / 1e6,
         "sync_vs_raw_fsync": raw_fsync / sync_s, "sync_vs_raw_buffered": raw_buffered / sync_s,
         "sync_save_peak_rss_extra_bytes": sync_rss, "sync_save_peak_rss_x_state": sync_rss / nbytes,
@@ -290,15 +301,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--compression", choices=[c.value for c in Compression], default=Compression.NONE.value,
                     help="chunk compression of the current settings (default: none, the Checkpointer's default)")
     ap.add_argument("--compare", action="store_true",
-                    help="also measure the earlier settings (zstd, hashing with reads, a copy before sync "
-                         "saves), alternating with the current ones")
+                    help="also measure the earlier settings (--before), alternating with the current ones")
+    ap.add_argument("--before", choices=sorted(BEFORE), default="issue14",
+                    help="what --compare compares with: issue14 (default: zstd, hashing with reads, a copy before sync "
+                         "saves) or main (the Checkpointer's defaults: Orbax's blocking part on the calling thread)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="run this many `yes > /dev/null` busy loops beside the benchmark (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--max-stall-ratio", type=float, default=None,
                     help="exit 1 when the async stall exceeds this fraction of the sync save (e.g. 0.05)")
     args = ap.parse_args(argv)
 
-    after = Setting(args.compression, mapped_hashing=True, copy_before_sync_save=False)
-    settings = {"before": BEFORE, "after": after} if args.compare else {"after": after}
+    after = Setting(args.compression, mapped_hashing=True, copy_before_sync_save=False, background_start=True)
+    settings = {"before": BEFORE[args.before], "after": after} if args.compare else {"after": after}
+    busy = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(args.busy)]
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
@@ -348,7 +364,8 @@ def main(argv=None) -> dict:
                                    plain["loop_s"], args.saves) for name in settings}
         out = {
             "device": f"{len(jax.devices())} x {jax.devices()[0].platform}", "cpu_cores": os.cpu_count(),
-            "load_avg_1min": os.getloadavg()[0], "recipe": plan.recipe.name, "layers": cfg.n_layers,
+            "load_avg_1min": os.getloadavg()[0], "busy_loops": args.busy, "recipe": plan.recipe.name,
+            "layers": cfg.n_layers,
             "params": plan.abstract.num_params, "state_bytes": nbytes,
             "raw_fsync_s": raw_fsync, "raw_fsync_all_s": raw_f, "raw_fsync_MBps": nbytes / raw_fsync / 1e6,
             "raw_buffered_s": raw_buffered, "raw_buffered_MBps": nbytes / raw_buffered / 1e6,
@@ -363,6 +380,9 @@ def main(argv=None) -> dict:
                 "async_stall_idle_vs_before_sync_save": a["async_stall_idle_cpu_s"] / b["sync_stall_in_loop_s"],
             }
     finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(out))
@@ -378,13 +398,15 @@ def report(out: dict) -> None:
     mb = lambda n: f"{n / 1e6:.1f} MB"  # noqa: E731
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     print(f"state {mb(out['state_bytes'])} ({out['params']:,} params, {out['layers']} layers, recipe "
-          f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores, load average {out['load_avg_1min']:.1f})")
+          f"{out['recipe']}, {out['device']}, {out['cpu_cores']} cores, load average {out['load_avg_1min']:.1f}, "
+          f"{out['busy_loops']} busy loop(s))")
     print(f"raw write: {out['raw_fsync_s']:.3f} s = {out['raw_fsync_MBps']:.0f} MB/s with fsync, "
           f"{out['raw_buffered_s']:.3f} s = {out['raw_buffered_MBps']:.0f} MB/s buffered (median of "
           f"{len(out['raw_fsync_all_s'])})")
     configs = out["configs"]
     rows = [
         ("compression / on disk", lambda c: f"{c['compression']} / {mb(c['checkpoint_bytes_on_disk'])}"),
+        ("background_start", lambda c: str(c["background_start"])),
         ("sync save", lambda c: f"{c['sync_save_s']:.3f} s = {c['sync_save_MBps']:.0f} MB/s"),
         ("sync save / raw fsync write", lambda c: f"{c['sync_vs_raw_fsync']:.0%} (target >= 50%)"),
         ("  all sync saves", lambda c: ", ".join(f"{s:.3f}" for s in c["sync_save_all_s"]) + " s"),

@@ -27,11 +27,13 @@ import shutil
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
@@ -98,12 +100,15 @@ def _detach_from_donation(tree):
     buffers donated on that step, 38 of 38 on every other step). Orbax writes the replica-0 shards
     of each array (its replica-parallel mode slices shards with a jax op, a copy already), so those
     are copied here (whole arrays where nothing is replicated), in one batched ``device_put``, before
-    ``save()`` returns (the copy is counted in ``SaveResult.blocking_s``); Orbax's views then pin
-    the copies, never the caller's buffers. Other replicas are referenced as they are (a reference
-    does not prevent donation). Orbax's own ``enable_pinned_host_transfer`` does the same per slice
-    but costs ~3x more dispatch time. On GPU and TPU the transfer is a real copy: the tree is
-    returned unchanged. ``tests/test_checkpoint_safety.py`` checks that the step after each async
-    save donates every buffer."""
+    ``save()`` returns (the copy is counted in ``SaveResult.blocking_s``; with ``background_start``
+    it is only enqueued: XLA runs it before any later computation that donates the originals, and
+    Orbax waits for it in the worker); Orbax's views then pin the copies, never the caller's
+    buffers. Other replicas are referenced as they are (a reference does not prevent donation; with
+    ``background_start`` Orbax does not read them: see :func:`_replica_zero_registry`). Orbax's own
+    ``enable_pinned_host_transfer`` does the same per slice but costs ~3x more dispatch time. On GPU
+    and TPU the transfer is a real copy: the tree is returned unchanged.
+    ``tests/test_checkpoint_safety.py`` checks that the step after each async save donates every
+    buffer (``tests/test_checkpoint_speed.py`` with ``background_start``)."""
     if jax.default_backend() != "cpu":
         return tree
     leaves, treedef = jax.tree.flatten(tree)
@@ -136,6 +141,25 @@ def _detach_from_donation(tree):
     for j, arrays in rebuilt.items():
         leaves[j] = jax.make_array_from_single_device_arrays(leaves[j].shape, leaves[j].sharding, arrays)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _replica_zero_registry():
+    """Orbax's default type handlers, except that jax.Arrays are written from their replica-0 shards
+    only (no replica-parallel slicing).
+
+    With ``background_start`` Orbax reads the arrays in a worker thread after :meth:`maybe_save`
+    returned, when the caller may already have donated its buffers: it must read nothing but the
+    copies :func:`_detach_from_donation` enqueued, which are the replica-0 shards. Its default
+    replica-parallel mode writes a slice of every replica's shard instead (on one host the same
+    bytes, split into smaller chunks; restore reads either layout)."""
+    th = ocp.type_handlers
+    default = th.get_type_handler(jax.Array)
+    array = th.ArrayHandler(use_replica_parallel=False,
+                            array_metadata_store=getattr(default, "_array_metadata_store", None))
+    scalar = th.ScalarHandler()
+    return th.create_type_handler_registry(
+        (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar), (np.ndarray, th.NumpyHandler()),
+        (jax.Array, array), (str, th.StringHandler()))
 
 
 def _join_orbax_threads(timeout_s: float) -> None:
@@ -182,13 +206,22 @@ class Checkpointer:
         caller's buffers are free again when it returns).
       compression: :class:`Compression` of the array chunks (default ``none``: see
         :class:`Compression` for why; ``zstd`` is Orbax's default and restores the same way).
+      background_start: with ``async_save`` on the CPU backend, run Orbax's own blocking part too
+        (host transfer, folders, metadata: 40-400 ms per save on a busy 2-core host) in a worker
+        thread. :meth:`maybe_save` then only enqueues a copy of the saved buffers, which XLA runs
+        before any later computation that donates them, and returns (~10 ms). An error of that part
+        surfaces at the next call, like a write error, and a Ctrl-C cannot land inside Orbax. The
+        :class:`~meshtrain.train.Trainer` turns it on. Ignored on GPU/TPU, where Orbax's
+        device-to-host copy must finish before the next donating step, and with several processes
+        (Orbax's save synchronizes them; not tested from a worker thread).
 
     Next: :meth:`require_resumable` (or :meth:`inventory`) and :meth:`restore` on start,
     :meth:`maybe_save` each step, :meth:`close` at the end.
     """
 
     def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
-                 async_save: bool = True, compression: Compression = Compression.NONE):
+                 async_save: bool = True, compression: Compression = Compression.NONE,
+                 background_start: bool = False):
         for name, value, low in (("save_every", save_every, 1), ("keep_last", keep_last, 1)):
             if not isinstance(value, int) or value < low:
                 raise CheckpointError(f"{name}={value!r}: give an integer >= {low}")
@@ -199,6 +232,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint directory {self.directory} is a file; pass a folder")
         self.save_every, self.keep_last, self.keep_every = save_every, keep_last, keep_every
         self.async_save = bool(async_save)
+        self.background_start = bool(background_start)
         try:
             self.compression = Compression(compression)
         except ValueError:
@@ -213,6 +247,8 @@ class Checkpointer:
         self._kept_warned: set = set()   # (step, status, reason) that retention reported and left in place
         self._janitor: Optional[Janitor] = None
         self._closed = False
+        self._starter: Optional[ThreadPoolExecutor] = None   # runs Orbax's save() (background_start)
+        self._started: Optional[Future] = None                # that call for the step in flight
         # How a save is carried out, not what it writes (tools/bench_checkpoint.py --compare sets the
         # earlier behaviour on one instance to measure both in one run): hash the new files from the
         # page cache (integrity.sha256_range), and copy the arrays before a *synchronous* save too.
@@ -242,7 +278,10 @@ class Checkpointer:
             max_to_keep=None, save_interval_steps=1, create=True, cleanup_tmp_directories=False,
             enable_async_checkpointing=True,  # a synchronous save is an async save plus wait()
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest))
-        handler = ocp.PyTreeCheckpointHandler(use_compression=self.compression is Compression.ZSTD)
+        extra = {}
+        if self._starts_in_background():
+            extra["type_handler_registry"] = _replica_zero_registry()
+        handler = ocp.PyTreeCheckpointHandler(use_compression=self.compression is Compression.ZSTD, **extra)
         return ocp.CheckpointManager(self.directory, item_names=ITEMS, item_handlers={"state": handler},
                                      options=options)
 
@@ -328,12 +367,22 @@ class Checkpointer:
             if self.async_save or self._copy_before_sync_save:
                 state = _detach_from_donation(state)
             args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(state)))
-            self._manager.save(step, args=args, force=True)
+            del state   # the worker must not keep the caller's buffers (they are donated next)
+            if self._starts_in_background():
+                # the copies are enqueued (XLA orders them before any later step that donates the
+                # originals); Orbax waits for them in the worker, then writes as usual
+                if self._starter is None:
+                    self._starter = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-ckpt-start")
+                self._started = self._starter.submit(self._start_save, step, args)
+            else:
+                self._manager.save(step, args=args, force=True)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a CheckpointError naming the step
             self._inflight = None
             self._after_failure(step)
             raise self._save_error(step, exc) from exc
         except BaseException:
+            if self._started is not None:   # handed to the worker already: in flight, close() waits for it
+                raise
             # Ctrl-C inside Orbax's blocking part: this step never started committing. Forget it and
             # remove its partial folder, so close() does not report an interrupted save as a failure.
             self._inflight = None
@@ -342,6 +391,24 @@ class Checkpointer:
         if not self.async_save:
             self._wait_inflight()
         return SaveResult(True, time.perf_counter() - t0, step)
+
+    def _start_save(self, step: int, args) -> None:
+        """Orbax's save() on the worker thread (background_start); its error is raised by _wait_inflight."""
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception:
+            raise
+        except BaseException as exc:   # e.g. SystemExit inside Orbax: a failed save like any other
+            raise RuntimeError(f"the save was interrupted: {exc!r}") from exc
+
+    def _starts_in_background(self) -> bool:
+        return (self.async_save and self.background_start and jax.default_backend() == "cpu"
+                and jax.process_count() == 1)
+
+    def _saving(self) -> bool:
+        """True while the step in flight is still being started (background_start) or written."""
+        started = self._started
+        return (started is not None and not started.done()) or self._manager.is_saving_in_progress()
 
     def _prepare_step_folder(self, step: int) -> None:
         self._clean_tmp(f"before saving step {step} again", step=step)
@@ -384,7 +451,7 @@ class Checkpointer:
 
     def _collect(self) -> None:
         """Non-blocking: if the save in flight has finished, surface its error or apply retention."""
-        if self._inflight is not None and not self._manager.is_saving_in_progress():
+        if self._inflight is not None and not self._saving():
             self._wait_inflight()
 
     def _wait_inflight(self) -> None:
@@ -392,6 +459,13 @@ class Checkpointer:
         if step is None:
             return
         try:
+            started, self._started = self._started, None
+            if started is not None:
+                try:
+                    started.result()     # Orbax's blocking part, run by the worker (background_start)
+                except BaseException:
+                    self._started = started if not started.done() else None   # interrupted: wait again later
+                    raise
             self._manager.wait_until_finished()
         except Exception as exc:  # noqa: BLE001
             self._inflight = None
@@ -618,7 +692,7 @@ class Checkpointer:
     @property
     def busy(self) -> bool:
         """True while a background save is still writing (the next due save would wait for it)."""
-        return self._inflight is not None and self._manager.is_saving_in_progress()
+        return self._inflight is not None and self._saving()
 
     def wait(self) -> float:
         """Block until the pending async save is committed and verified; raises its error if it failed.
@@ -637,6 +711,8 @@ class Checkpointer:
             self._wait_inflight()
         finally:
             self._closed = True
+            if self._starter is not None:
+                self._starter.shutdown(wait=True)
             if self._janitor is not None:
                 self._janitor.close()
             if self._lock is not None:
@@ -658,7 +734,8 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
-                f"keep_every={self.keep_every}, async_save={self.async_save}, compression={self.compression.value})")
+                f"keep_every={self.keep_every}, async_save={self.async_save}, compression={self.compression.value}"
+                f"{', background_start=True' if self.background_start else ''})")
 
 
 def _precision_bridge(saved_tree: Dict[str, Any], final):

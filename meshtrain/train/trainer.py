@@ -365,7 +365,7 @@ class Trainer:
         from meshtrain.checkpoint import Checkpointer
 
         return Checkpointer(os.path.join(self.run_dir, "checkpoints"), save_every=cfg.ckpt_every or cfg.steps,
-                            keep_last=cfg.keep_last, keep_every=cfg.keep_every)
+                            keep_last=cfg.keep_last, keep_every=cfg.keep_every, background_start=True)
 
     def _metadata(self, plan: ShardingPlan) -> Dict[str, Any]:
         return {"recipe": plan.recipe.to_dict(), "mesh": plan.mesh_sizes, "model": self.cfg.model,
