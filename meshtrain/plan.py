@@ -13,6 +13,7 @@ Next: :func:`meshtrain.init_state` (sharded init) and :func:`meshtrain.make_trai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -70,19 +71,9 @@ def _nbytes(shape, dtype) -> int:
     return int(math.prod(shape)) * np.dtype(dtype).itemsize
 
 
+@functools.lru_cache(maxsize=None)  # a handful of dtypes, named for every leaf of every plan
 def _dtype_name(dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):  # a new (or an unhashable) dtype
-        name = str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
-    try:
-        _DTYPE_NAMES[dtype] = name
-    except TypeError:
-        pass
-    return name
-
-
-_DTYPE_NAMES: Dict[Any, str] = {}
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,26 +103,21 @@ class ShardingPlan:
     batch: Optional[BatchLayout]
 
     # -- memo -------------------------------------------------------------------------------
+    # The plan is immutable: figures derived from it are computed once (functools.cached_property
+    # stores them in the instance's __dict__, which a frozen dataclass allows).
+    @functools.cached_property
     def _memo(self) -> Dict[Any, Any]:
-        """Figures derived from this (immutable) plan, computed once. Those that depend only on the
-        leaves, mesh, rules, abstract state and batch (not on the recipe's knobs) are shared with the
-        plans :meth:`with_recipe` makes (see :meth:`cached`)."""
-        memo = self.__dict__.get("_memo_")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_memo_", memo)
-        return memo
+        return {}
+
+    @functools.cached_property
+    def _shared(self) -> Dict[Any, Any]:
+        """Results that depend only on the layout: shared with the plans :meth:`with_recipe` makes."""
+        return {}
 
     def cached(self, key, fn, *, layout_only: bool = False):
         """``fn(self)``, computed once per plan and ``key``. ``layout_only``: ``fn`` reads only the leaves,
         mesh, rules, abstract state and batch (not the recipe), so plans from :meth:`with_recipe` share it."""
-        memo = self.__dict__.get("_shared_") if layout_only else None
-        if memo is None:
-            if layout_only:
-                memo = {}
-                object.__setattr__(self, "_shared_", memo)
-            else:
-                memo = self._memo()
+        memo = self._shared if layout_only else self._memo
         try:
             return memo[key]
         except KeyError:
@@ -143,24 +129,18 @@ class ShardingPlan:
         any leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention):
         the planner's variants of one layout. The caller vouches for that; nothing is re-resolved."""
         out = dataclasses.replace(self, recipe=recipe)
-        shared = self.__dict__.get("_shared_")
-        if shared is None:
-            shared = {}
-            object.__setattr__(self, "_shared_", shared)
-        object.__setattr__(out, "_shared_", shared)
-        for memo in ("_groups_", "_mesh_sizes_"):  # the same leaves and mesh
-            if memo in self.__dict__:
-                object.__setattr__(out, memo, self.__dict__[memo])
+        for name in ("_shared", "_groups", "_sizes"):  # the same leaves and mesh
+            out.__dict__[name] = getattr(self, name)
         return out
 
     # -- numbers ----------------------------------------------------------------------------
+    @functools.cached_property
+    def _sizes(self) -> Dict[str, int]:
+        return dict(self.mesh.shape)
+
     @property
     def mesh_sizes(self) -> Dict[str, int]:
-        sizes = self.__dict__.get("_mesh_sizes_")
-        if sizes is None:
-            sizes = dict(self.mesh.shape)
-            object.__setattr__(self, "_mesh_sizes_", sizes)
-        return dict(sizes)
+        return dict(self._sizes)
 
     @property
     def num_devices(self) -> int:
@@ -171,15 +151,15 @@ class ShardingPlan:
         """How many ways the batch dimension is split (product of the mesh axes ``batch`` maps to)."""
         return data_parallel_size(self.rules, self.mesh_sizes)
 
+    @functools.cached_property
+    def _groups(self) -> Dict[str, Tuple[LeafPlan, ...]]:
+        groups: Dict[str, List[LeafPlan]] = {}
+        for leaf in self.leaves:
+            groups.setdefault(leaf.group, []).append(leaf)
+        return {g: tuple(ls) for g, ls in groups.items()}
+
     def group(self, name: str) -> List[LeafPlan]:
-        groups = self.__dict__.get("_groups_")
-        if groups is None:
-            groups = {}
-            for leaf in self.leaves:
-                groups.setdefault(leaf.group, []).append(leaf)
-            groups = {g: tuple(ls) for g, ls in groups.items()}
-            object.__setattr__(self, "_groups_", groups)
-        return list(groups.get(name, ()))
+        return list(self._groups.get(name, ()))
 
     def per_device_bytes(self) -> Dict[str, int]:
         """Bytes each device holds: ``params``, ``optimizer``, ``batch``, ``model_state`` (only when
@@ -371,10 +351,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
 def _abstract_cached(abstract: AbstractState, key: str, fn):
     """``fn(abstract)``, once per abstract state (immutable): the flattened structure :func:`make_plan` walks
     for every recipe and mesh."""
-    memo = abstract.__dict__.get("_plan_structure_")
-    if memo is None:
-        memo = {}
-        object.__setattr__(abstract, "_plan_structure_", memo)
+    memo = abstract.__dict__.setdefault("_plan_structure_", {})
     try:
         return memo[key]
     except KeyError:

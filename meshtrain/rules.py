@@ -93,10 +93,7 @@ class AxisRules:
 
     def _table(self, kind: str) -> Dict[str, Rule]:
         """:meth:`table`, built once per instance (the rules are immutable): not to be modified."""
-        tables = self.__dict__.get("_tables")
-        if tables is None:
-            tables = {}
-            object.__setattr__(self, "_tables", tables)
+        tables = self.__dict__.setdefault("_tables", {})
         hit = tables.get(kind)
         if hit is None:
             if kind not in TABLES:

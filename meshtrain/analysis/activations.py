@@ -155,25 +155,21 @@ class ActivationModel:
     tensors: Tuple[SavedTensor, ...]
 
     # -- per-tensor figures and results, computed once per model (it is immutable) ----------------
+    @functools.cached_property
     def _rows(self) -> Tuple[tuple, ...]:
         """Per saved tensor, what the byte counts read: ``(tensor, itemsize, is_weight, stacked, dims,
         T exponent, divisor flags)``."""
-        rows = self.__dict__.get("_rows_")
-        if rows is None:
-            out = []
-            for t in self.tensors:
-                ex = dict(t.exponents)
-                out.append((t, np.dtype(t.dtype).itemsize, "B" not in ex, "L" in ex, frozenset(ex) - {"L"},
-                            ex.get("T", 0), _divisor_flags(ex)))
-            rows = tuple(out)
-            object.__setattr__(self, "_rows_", rows)
-        return rows
+        out = []
+        for t in self.tensors:
+            ex = dict(t.exponents)
+            out.append((t, np.dtype(t.dtype).itemsize, "B" not in ex, "L" in ex, frozenset(ex) - {"L"},
+                        ex.get("T", 0), _divisor_flags(ex)))
+        return tuple(out)
 
     def _memo(self, key, fn):
         memo = self.__dict__.get("_results_")
         if memo is None or len(memo) > _MEMO_LIMIT:
-            memo = {}
-            object.__setattr__(self, "_results_", memo)
+            memo = self.__dict__["_results_"] = {}
         try:
             return memo[key]
         except KeyError:
@@ -192,7 +188,7 @@ class ActivationModel:
 
         def compute():
             total = 0.0
-            for t, itemsize, is_weight, _, _, _, flags in self._rows():
+            for t, itemsize, is_weight, _, _, _, flags in self._rows:
                 nbytes = t.count * t.elements(sizes) * itemsize
                 if is_weight:
                     total += nbytes * weight_fraction if t.cast else nbytes
@@ -209,7 +205,7 @@ class ActivationModel:
 
         def compute():
             total = sum(t.count * t.elements(sizes) * itemsize / _divisor(flags, split)
-                        for t, itemsize, is_weight, stacked, _, _, flags in self._rows() if not is_weight and stacked)
+                        for t, itemsize, is_weight, stacked, _, _, flags in self._rows if not is_weight and stacked)
             return int(total / cfg.n_layers)
 
         return self._memo(("layer", tuple(sizes.values()), split, cfg.n_layers), compute)
@@ -227,7 +223,7 @@ class ActivationModel:
         def compute():
             name = str(np.dtype(dtype))
             total = 0.0
-            for t, itemsize, is_weight, is_stacked, tdims, _, flags in self._rows():
+            for t, itemsize, is_weight, is_stacked, tdims, _, flags in self._rows:
                 if is_weight or t.dtype != name or tdims != want or \
                         (stacked is not None and is_stacked != stacked) or (per_layer and not is_stacked):
                     continue
@@ -246,7 +242,7 @@ class ActivationModel:
 
         def compute():
             return int(sum(t.count * t.elements(sizes) * itemsize / _divisor(flags, split)
-                           for t, itemsize, is_weight, stacked, _, t_exp, flags in self._rows()
+                           for t, itemsize, is_weight, stacked, _, t_exp, flags in self._rows
                            if not is_weight and not stacked and t_exp >= 2))
 
         return self._memo(("loop_constant", tuple(sizes.values()), split), compute)

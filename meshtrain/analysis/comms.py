@@ -50,7 +50,7 @@ import numpy as np
 
 from meshtrain.analysis.collectives import axes_key, wire_bytes
 from meshtrain.analysis.context_comms import context_collectives
-from meshtrain.analysis.layout import layout_of
+from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.moe import capacity_for
 from meshtrain.recipes import Remat
@@ -104,19 +104,6 @@ class CollectiveEstimate:
                 "phase": self.phase.value}
 
 
-def cached(plan, key, fn, *, layout_only: bool = False):
-    """``fn(plan)``, memoised on the plan (:meth:`meshtrain.ShardingPlan.cached`; ``layout_only``: ``fn``
-    reads only the leaves, mesh, rules, abstract state and batch, not the recipe's knobs). Anything that
-    is not a ``ShardingPlan`` is computed every time."""
-    memo = getattr(plan, "cached", None)
-    return memo(key, fn, layout_only=layout_only) if memo is not None else fn(plan)
-
-
-def plan_layout_of(plan):
-    """:func:`~meshtrain.analysis.layout.layout_of`, once per plan."""
-    return cached(plan, "layout", layout_of)
-
-
 def batch_dims(plan) -> Tuple[int, int]:
     """``(batch_size, seq_len)`` of the plan's token batch, once per layout."""
     return cached(plan, "batch_dims", lambda p: (p.batch.batch_size, p.batch.seq_len), layout_only=True)
@@ -137,7 +124,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
     leading size), without the tensor-parallel activation collectives (they need the model's shapes).
     """
     backend = Backend(backend)
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     sizes = lay.sizes
     order = tuple(sizes)
     canon = lambda axes: tuple(a for a in order if a in set(axes))  # noqa: E731
@@ -234,7 +221,7 @@ class _ParamLeaf:
 
 
 def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     sizes = lay.sizes
     order = tuple(sizes)
     canon = lambda axes: tuple(a for a in order if a in set(axes))  # noqa: E731
@@ -288,7 +275,7 @@ def moe_exchange_bytes(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Dic
     * dropless, GPU/TPU (``ragged_all_to_all``): the rows that exist, ``a·d·c`` with balanced routing.
     """
     backend = Backend(backend)
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     ep = lay.size(expert_axes(plan))
     c = np.dtype(lay.compute_dtype).itemsize
     m = lay.micro_batches

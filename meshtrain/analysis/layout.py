@@ -70,11 +70,11 @@ class Layout:
         return self.size(self.context_axes)
 
     def split(self) -> ActivationSplit:
-        out = self.__dict__.get("_split_")
-        if out is None:
-            out = ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
-            object.__setattr__(self, "_split_", out)
-        return out
+        return self._split
+
+    @functools.cached_property
+    def _split(self) -> ActivationSplit:
+        return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
 
 
 def _axes(plan, logical: str) -> Tuple[str, ...]:
@@ -83,8 +83,20 @@ def _axes(plan, logical: str) -> Tuple[str, ...]:
     return tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
 
 
+def cached(plan, key, fn, *, layout_only: bool = False):
+    """``fn(plan)``, memoised on the plan (:meth:`meshtrain.ShardingPlan.cached`; ``layout_only``: ``fn``
+    reads only the leaves, mesh, rules, abstract state and batch, not the recipe's knobs). Anything that
+    is not a ``ShardingPlan`` is computed every time."""
+    memo = getattr(plan, "cached", None)
+    return memo(key, fn, layout_only=layout_only) if memo is not None else fn(plan)
+
+
 def layout_of(plan) -> Layout:
-    """The :class:`Layout` of a :class:`meshtrain.ShardingPlan`."""
+    """The :class:`Layout` of a :class:`meshtrain.ShardingPlan` (computed once per plan)."""
+    return cached(plan, "layout", _layout_of)
+
+
+def _layout_of(plan) -> Layout:
     r = plan.recipe
     dcn = tuple(a for a, s in r.mesh.dcn if s > 1)
     return Layout(tuple(plan.mesh_sizes.items()), _axes(plan, "batch"), _axes(plan, "heads"),

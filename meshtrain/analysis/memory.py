@@ -126,7 +126,8 @@ import numpy as np
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, ProgramCost, default_loss,  # noqa: F401
                                          has_analytic_model, local_rows, program_cost, working_weight_bytes)
-from meshtrain.analysis.comms import batch_dims, cached, plan_layout_of
+from meshtrain.analysis.comms import batch_dims
+from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
@@ -201,7 +202,7 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
         raise ValueError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
     if not has_analytic_model(cfg):
         return program_memory(plan, loss_fn or default_loss(cfg, plan), cost=cost)
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     B, T = batch_dims(plan)
     split = lay.split()
     per = plan.per_device_bytes()
@@ -365,7 +366,7 @@ def attention_working_set(plan, cfg, b_loc: int) -> int:
     (its ``T × T`` scores are in the activations)."""
     if plan.recipe.attention is AttentionKind.DENSE:
         return 0
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     bq, bk, heads = attention_block_shape(plan_layout(plan), batch_dims(plan)[1], max(cfg.n_heads // lay.tensor, 1),
                                           b_loc)
     return 4 * 4 * b_loc * heads * bq * bk

@@ -24,7 +24,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from meshtrain.analysis.comms import Backend, batch_dims, cached, expert_axes, moe_exchange_bytes, plan_layout_of
+from meshtrain.analysis.comms import Backend, batch_dims, expert_axes, moe_exchange_bytes
+from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.parallel.moe import capacity_for
 
 
@@ -129,7 +130,7 @@ def moe_terms(plan, cfg) -> Optional[MoETerms]:
 
 
 def _moe_terms(plan, cfg) -> MoETerms:
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     sizes = plan.mesh_sizes
     ex_axes = expert_axes(plan)
     ep = lay.size(ex_axes)

@@ -27,12 +27,14 @@ expert-parallel (MoE) and pipelined layouts and what they lose on, or why none w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from meshtrain.analysis.comms import cached, expert_axes, plan_layout_of
+from meshtrain.analysis.comms import expert_axes
 from meshtrain.analysis.hardware import Hardware, get_hardware
+from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
 from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
 from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
@@ -74,13 +76,10 @@ class PlanRequest:
     schedules: Tuple[str, ...] = ("gpipe", "1f1b", "circular")
 
     def hw(self) -> Hardware:
-        hw = self.__dict__.get("_hw")  # the request is immutable: resolve the profile once
-        if hw is None:
-            hw = self._hw()
-            object.__setattr__(self, "_hw", hw)
-        return hw
+        return self._hardware
 
-    def _hw(self) -> Hardware:
+    @functools.cached_property  # the request is immutable: resolve the profile once
+    def _hardware(self) -> Hardware:
         hw = get_hardware(self.hardware, num_devices=self.num_devices)
         if self.slices > 1:
             if self.num_devices % self.slices:
@@ -166,7 +165,7 @@ def mesh_options(recipe: Recipe, num_devices: int) -> List[Dict[str, int]]:
 def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = None) -> List[str]:
     """The well-known rules, checked for one plan (empty when all hold). For any model: head counts
     are checked when ``cfg`` has them, the FSDP rule when the batch has a ``seq`` axis."""
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     out = []
     links = axis_links(lay, hw)
     for axis in lay.tensor_axes:
@@ -209,7 +208,7 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
 
 def _fsdp_axes(plan) -> set:
     """Batch axes that shard some parameter (FSDP)."""
-    batch = set(plan_layout_of(plan).batch_axes)
+    batch = set(layout_of(plan).batch_axes)
     fsdp_axes = set()
     for leaf in plan.group("params"):
         for e in leaf.spec:
@@ -253,7 +252,7 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
         else:
             plan = base_plan.with_recipe(recipe) if hasattr(base_plan, "with_recipe") else \
                 dataclasses.replace(base_plan, recipe=recipe)
-            dp = plan_layout_of(plan).batch_split
+            dp = layout_of(plan).batch_split
             batch_size = cached(plan, "batch_size", lambda p: p.batch.batch_size, layout_only=True)
             if batch_size % (dp * recipe.micro_batches):
                 raise ConfigError(f"batch size {batch_size} is not divisible by data-parallel size {dp} "
@@ -385,7 +384,7 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
             if first.plan is None:
                 rejected.append(first)
                 continue
-            dp = plan_layout_of(first.plan).batch_split
+            dp = layout_of(first.plan).batch_split
             per_device = request.global_batch // dp
             variants, micros, why_not = _pipeline_variants(request, first, per_device)
             if why_not:

@@ -63,13 +63,12 @@ import numpy as np
 
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.collectives import axes_key
-from meshtrain.analysis.comms import (Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives, batch_dims,
-                                     cached, plan_layout_of)
+from meshtrain.analysis.comms import (Backend, CollectiveEstimate, Overlap, Phase, analytic_collectives, batch_dims)
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, default_loss, has_analytic_model,
                                          program_cost, saved_activation_bytes, working_weight_bytes)
 from meshtrain.analysis.flops import StepFlops, step_flops
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import Layout, layout_of
+from meshtrain.analysis.layout import Layout, cached, layout_of
 from meshtrain.analysis.memory import estimate_memory
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
@@ -153,7 +152,7 @@ def collective_seconds(op: CollectiveEstimate, link: Link, hw: Hardware) -> floa
 
 def _weight_shards(plan) -> Tuple[Tuple[int, int], ...]:
     """``(elements, shards over non-batch axes)`` of every parameter leaf (depends on the layout only)."""
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     batch = set(lay.batch_axes)
     out = []
     for leaf in plan.group("params"):
@@ -250,7 +249,7 @@ def estimate_step_time(plan, cfg, hardware: "Hardware | str", *, backend: Option
     if not has_analytic_model(cfg):
         return program_step_time(plan, hardware, loss_fn or default_loss(cfg, plan), backend=backend, cost=cost,
                                  collectives=collectives)
-    lay = plan_layout_of(plan)
+    lay = layout_of(plan)
     hw = get_hardware(hardware, num_devices=lay.num_devices)
     backend = Backend(backend) if backend is not None else backend_of(hw)
     n = lay.num_devices
