@@ -8,7 +8,13 @@ depends on it: a test run without it gives the same results, only slower.
 
 import os
 import shutil
+import signal
 import tempfile
+
+# However the suite was started (a background job of a non-interactive shell, nohup, a CI runner),
+# SIGINT here gets Python's handler; `exec` turns a handler into the default, so every child a test
+# starts can be interrupted as a user's terminal would (an inherited SIG_IGN would pass through).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("XLA_FLAGS", "")
 _OWN_CACHE = None

@@ -7,7 +7,7 @@ import errno
 import os
 import random
 import shutil
-import subprocess
+import processes
 import time
 import uuid
 import warnings
@@ -221,13 +221,13 @@ def small_disk(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("mounting a tmpfs needs root; test_injected_write_error covers the same path")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    proc = processes.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        processes.run(["umount", "-l", str(mnt)], check=False)
 
 
 # Orbax's failed write leaves a tensorstore callback on a closed event loop (harmless, inside Orbax).

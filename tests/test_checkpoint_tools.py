@@ -2,7 +2,7 @@
 
 import json
 import os
-import subprocess
+import processes
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -17,7 +17,7 @@ SETTING_KEYS = {"compression", "checkpoint_bytes_on_disk", "sync_save_s", "sync_
 def test_bench_checkpoint_runs_small_with_compare(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--mb", "16",
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_checkpoint.py"), "--mb", "16",
                           "--repeats", "1", "--saves", "2", "--every", "2", "--dir", str(tmp_path), "--json",
                           "--compare"],
                          capture_output=True, text=True, env=env, timeout=600)

@@ -2,7 +2,7 @@
 
 import json
 import os
-import subprocess
+import processes
 import sys
 
 import pytest
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 def cli(*args, devices=None):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env,
+    return processes.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
 
 

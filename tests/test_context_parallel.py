@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
+import processes
 import sys
 
 import jax
@@ -211,7 +211,7 @@ def test_cli_cp_recipe_with_attention_flag_trains_like_one_device(one_device_los
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     # TP × CP with the attention kind swapped on the command line (the recipe's own is all_gather)
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", "tiny", "--recipe", "fsdp_tp_cp",
+    out = processes.run([sys.executable, "-m", "meshtrain", "train", "--model", "tiny", "--recipe", "fsdp_tp_cp",
                           "--attention", "ulysses", "--steps", "10", "--batch-size", "16", "--seq-len", "64",
                           "--eval-every", "0", "--progress", "none", "--out", str(tmp_path / "cli")],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)

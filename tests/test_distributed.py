@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
+import processes
 import sys
 import textwrap
 import time
@@ -40,7 +40,7 @@ def env(tmp_path_factory):
 
 def meshtrain(env, *args, check=True):
     """``python -m meshtrain ARGS`` in a subprocess; returns the CompletedProcess."""
-    proc = subprocess.run([sys.executable, "-m", "meshtrain", *args], env=env, capture_output=True, text=True,
+    proc = processes.run([sys.executable, "-m", "meshtrain", *args], env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     if check and proc.returncode != 0:
         raise AssertionError(f"meshtrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
@@ -124,7 +124,7 @@ def _spawn_two(env, args, port, logs: Path):
     for i in range(2):
         child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
                      MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
-        procs.append(subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=child,
+        procs.append(processes.start([sys.executable, "-m", "meshtrain", *args], env=child,
                                       stdout=open(logs / f"out{i}.txt", "w"), stderr=open(logs / f"err{i}.txt", "w")))
     return procs
 
@@ -147,11 +147,10 @@ def preempted(env, tmp_path_factory):
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)
     try:
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+        codes = [processes.wait(p, timeout=TIMEOUT_S) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            processes.kill(p)
     return run, codes, root
 
 
@@ -245,14 +244,13 @@ def _run_script(env, script, tmp_path):
     for i in range(2):
         child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
                      MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
-        procs.append(subprocess.Popen([sys.executable, str(path)], env=child, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        procs.append(processes.start([sys.executable, str(path)], env=child, stdout=processes.PIPE,
+                                      stderr=processes.PIPE))
     try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        outs = [processes.finish(p, timeout=TIMEOUT_S)[1:] for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            processes.kill(p)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]

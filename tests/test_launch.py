@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
+import processes
 import sys
 import time
 
@@ -111,7 +111,7 @@ def test_every_process_reports_its_error_and_the_launcher_exits_with_it(tmp_path
     """A real launch whose command fails in every process: each error line carries its process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHTRAIN_", "JAX_"))}
     missing = tmp_path / "no-such-data.txt"
-    proc = subprocess.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
+    proc = processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
                            "2", "--init-timeout", "120", "--", "train", "--model", "tiny", "--data", str(missing),
                            "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -4,7 +4,7 @@ the all-to-all in the HLO against the planner, expert-weight bytes per device, b
 import json
 import math
 import os
-import subprocess
+import processes
 import sys
 
 import jax
@@ -246,7 +246,7 @@ def test_bench_moe_summarizes_a_run(tmp_path):
             f.write(json.dumps({"step": step, "loss": 6.0 / step, "moe_load_max": 3.0 - 0.1 * step,
                                 "moe_aux_loss": 1.5, "moe_drop_frac": 0.1}) + "\n")
     tool = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "bench_moe.py")
-    out = subprocess.run([sys.executable, tool, "--summarize", str(tmp_path)], capture_output=True, text=True,
+    out = processes.run([sys.executable, tool, "--summarize", str(tmp_path)], capture_output=True, text=True,
                          check=True).stdout
     got = json.loads(out)
     assert got["steps"] == 10 and got["loss_last"] == 0.6

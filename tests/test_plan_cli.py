@@ -2,7 +2,7 @@
 
 import json
 import os
-import subprocess
+import processes
 import sys
 
 import pytest
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 def cli_subprocess(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, "-m", "meshtrain", "plan", *args], capture_output=True, text=True,
+    out = processes.run([sys.executable, "-m", "meshtrain", "plan", *args], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=300)
     return out
 

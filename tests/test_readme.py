@@ -2,7 +2,7 @@
 
 import os
 import re
-import subprocess
+import processes
 import sys
 
 import pytest
@@ -23,7 +23,7 @@ def example(name):
 def test_readme_example_runs(name, expect, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, "-c", example(name)], capture_output=True, text=True, cwd=tmp_path,
+    out = processes.run([sys.executable, "-c", example(name)], capture_output=True, text=True, cwd=tmp_path,
                          env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     m = re.search(expect, out.stdout)

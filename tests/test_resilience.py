@@ -5,7 +5,7 @@ to an uninterrupted run."""
 import json
 import os
 import signal
-import subprocess
+import processes
 import sys
 import sysconfig
 import time
@@ -59,7 +59,7 @@ def last_step(out):
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     out = tmp_path_factory.mktemp("baseline") / "run"
-    done = subprocess.run(command(out), env=env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = processes.run(command(out), env=env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return final_losses(out)
 
@@ -73,24 +73,25 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(tmp_path, baseline):
         # The first kill waits for a committed checkpoint, so every kill is followed by a restore.
         target = max(start + int(rng.integers(1, 5)), 2 * EVERY + 1)
         assert target < STEPS, "the run ended before five kills; lengthen STEPS"
-        proc = subprocess.Popen(command(out, "--resume"), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        # stderr to a file: an unread pipe could fill and stall the child
+        err = open(tmp_path / f"stderr-{kills}.txt", "w+")
+        proc = processes.start(command(out, "--resume"), env=env(), cwd=ROOT, stdout=processes.DEVNULL, stderr=err)
         deadline = time.time() + 300
         while last_step(out) < target and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         time.sleep(float(rng.uniform(0.0, 0.25)))  # land inside async saves, steps, metric writes
         if proc.poll() is not None:  # finished before we could kill it: fine, but count no kill
-            assert proc.returncode == 0, proc.stderr.read()[-3000:]
+            assert proc.returncode == 0, (tmp_path / f"stderr-{kills}.txt").read_text()[-3000:]
             break
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        processes.wait(proc, timeout=60)
         kills += 1
         logged = last_step(out)  # the last step the killed run wrote whole
         # Every save started at least one interval before the last logged step has committed: the
         # Checkpointer finishes a save before starting the next, and a step is logged after its save starts.
         committed = max((s for s in range(EVERY, logged + 1, EVERY) if s + EVERY <= logged), default=0)
         restored.append(committed)
-    done = subprocess.run(command(out, "--resume"), env=env(), cwd=ROOT, capture_output=True, text=True,
+    done = processes.run(command(out, "--resume"), env=env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     restarts = [r for r in records(out) if r.get("event") == "restart"]
@@ -107,16 +108,16 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(tmp_path, baseline):
 
 def test_sigterm_saves_and_exits_0_then_resume_matches(tmp_path, baseline):
     out = tmp_path / "run"
-    proc = subprocess.Popen(command(out), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    err = tmp_path / "stderr.txt"
+    proc = processes.start(command(out), env=env(), cwd=ROOT, stdout=processes.DEVNULL, stderr=open(err, "w"))
     deadline = time.time() + 300
     while last_step(out) < 5 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:]
+    assert processes.wait(proc, timeout=300) == 0, err.read_text()[-3000:]
     stopped = [r for r in records(out) if r.get("event") == "preempted"]
     assert len(stopped) == 1 and stopped[0]["step"] < STEPS
-    done = subprocess.run(command(out, "--resume"), env=env(), cwd=ROOT, capture_output=True, text=True,
+    done = processes.run(command(out, "--resume"), env=env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     restart = next(r for r in records(out) if r.get("event") == "restart")

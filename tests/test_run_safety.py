@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
+import processes
 import sys
 import sysconfig
 import threading
@@ -60,7 +60,7 @@ def finished_run(tmp_path_factory):
 
 
 def copy_run(src, dst):
-    subprocess.run(["cp", "-r", src, str(dst)], check=True)
+    processes.run(["cp", "-r", src, str(dst)], check=True)
     return str(dst)
 
 
@@ -82,7 +82,7 @@ def test_resume_with_every_checkpoint_corrupt_refuses_and_changes_nothing(finish
 
 def test_resume_after_checkpoints_were_removed_refuses(finished_run, tmp_path, capsys):
     run = copy_run(finished_run, tmp_path / "removed")
-    subprocess.run(f"rm -rf {run}/checkpoints/*", shell=True, check=True)
+    processes.run(f"rm -rf {run}/checkpoints/*", shell=True, check=True)
     before = tree_digest(run)
     code, _, err = train(capsys, "--steps", "8", "--ckpt-every", "2", "--resume", "--out", run)
     assert code == 2 and "committed checkpoints" in err and "Nothing was changed" in err
@@ -253,22 +253,64 @@ def test_help_shows_every_default(capsys):
         assert f"(default: {default}" in " ".join(block[:300].split()), flag
 
 
-def test_ctrl_c_exits_130_naming_the_last_committed_step(tmp_path):
+def _start_training(run, tmp_path, *extra, shell_prefix=None):
+    """``meshtrain train`` for up to 100,000 steps, checkpointing every 3; stdout lines are collected by
+    a thread, stderr goes to a file (an unread pipe could fill and stall the child)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    run = str(tmp_path / "ctrlc")
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", *TRAIN, "--steps", "100000", "--ckpt-every", "3",
-                             "--log-every", "1", "--progress", "lines", "--out", run], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "meshtrain", *TRAIN, "--steps", "100000", "--ckpt-every", "3",
+            "--log-every", "1", "--progress", "lines", "--out", run, *extra]
+    if shell_prefix:  # e.g. `trap "" INT`: the child inherits SIG_IGN as from a non-interactive shell's `&`
+        argv = ["bash", "-c", f'{shell_prefix}; exec "$@"', "bash", *argv]
+    err = tmp_path / "stderr.txt"
+    proc = processes.start(argv, env=env, cwd=ROOT, stdout=processes.PIPE, stderr=open(err, "w"))
     lines = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.time() + 300
-    while not any("step      7/" in l for l in lines) and time.time() < deadline and proc.poll() is None:
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, lines, err
+
+
+def _wait_for_step(proc, lines, step, err):
+    deadline = time.monotonic() + 300
+    while not any(f"step {step:6d}/" in l for l in lines):
+        assert proc.poll() is None, f"exited {proc.returncode} before step {step}: {err.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} within 300 s: {err.read_text()[-3000:]}"
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 130, err
+
+
+def test_ctrl_c_exits_130_naming_the_last_committed_step(tmp_path):
+    run = str(tmp_path / "ctrlc")
+    proc, lines, err_file = _start_training(run, tmp_path)
+    try:
+        _wait_for_step(proc, lines, 7, err_file)
+        proc.send_signal(signal.SIGINT)
+        code = processes.wait(proc, timeout=120)
+    finally:
+        processes.kill(proc)
+    err = err_file.read_text()
+    assert code == 130, err
     assert "interrupted; last committed step" in err and "Traceback" not in err, err
     last = int(err.split("last committed step ")[1].split(";")[0])
     assert last >= 6 and last % 3 == 0 and os.path.isdir(os.path.join(run, "checkpoints", str(last)))
+
+
+def test_started_with_sigint_ignored_it_says_so_and_sigterm_still_stops_it(tmp_path):
+    """A background job of a non-interactive shell inherits SIG_IGN for SIGINT. meshtrain keeps it
+    ignored (as POSIX tools do: the terminal's Ctrl-C was not meant for that job), says so once, and
+    SIGTERM still saves and exits 0."""
+    run = str(tmp_path / "ignored")
+    proc, lines, err_file = _start_training(run, tmp_path, shell_prefix='trap "" INT')
+    try:
+        _wait_for_step(proc, lines, 4, err_file)
+        proc.send_signal(signal.SIGINT)
+        _wait_for_step(proc, lines, 7, err_file)  # trains on
+        proc.send_signal(signal.SIGTERM)
+        code = processes.wait(proc, timeout=120)
+    finally:
+        processes.kill(proc)
+    err = err_file.read_text()
+    assert code == 0, err
+    assert any("SIGINT is ignored (inherited from the parent process); stop this run with SIGTERM" in l
+               for l in lines), lines[:5]
+    assert "Traceback" not in err, err
+    events = [r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r.get("event") == "preempted"]
+    assert len(events) == 1 and os.path.isdir(os.path.join(run, "checkpoints", str(events[0]["step"])))

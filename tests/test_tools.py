@@ -3,7 +3,7 @@
 import json
 import os
 import re
-import subprocess
+import processes
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 def tool(name, *args):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args], capture_output=True,
+    return processes.run([sys.executable, os.path.join(ROOT, "tools", name), *args], capture_output=True,
                           text=True, env=env, timeout=600)
 
 

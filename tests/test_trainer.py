@@ -3,7 +3,7 @@ bad input, the non-finite policy."""
 
 import json
 import os
-import subprocess
+import processes
 import sys
 
 import jax.numpy as jnp
@@ -89,7 +89,7 @@ def test_nonfinite_policies(tmp_path):
 def cli(*args, cwd=ROOT):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env,
+    return processes.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=600)
 
 

@@ -2,16 +2,16 @@
 
 import json
 import os
-import subprocess
+import processes
 import sys
 
 from meshtrain.hardware import SCHEDULING_FLAGS, apply_scheduling_flags, detect_backend, scheduling_flags
 
 
-def _start_backend(xla_flags: str) -> subprocess.CompletedProcess:
+def _start_backend(xla_flags: str) -> processes.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", "import jax; print(len(jax.devices()))"], capture_output=True,
+    return processes.run([sys.executable, "-c", "import jax; print(len(jax.devices()))"], capture_output=True,
                           text=True, env=env, timeout=120)
 
 
@@ -39,7 +39,7 @@ def test_user_flags_win_and_cpu_needs_none():
 
 
 def test_plan_shows_the_flags_for_its_hardware():
-    out = subprocess.run([sys.executable, "-m", "meshtrain.cli", "plan", "--model", "tiny", "--recipe", "fsdp",
+    out = processes.run([sys.executable, "-m", "meshtrain.cli", "plan", "--model", "tiny", "--recipe", "fsdp",
                           "--hardware", "h100", "--batch-size", "8", "--seq-len", "64", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -5,7 +5,7 @@ import json
 import math
 import os
 import re
-import subprocess
+import processes
 import sys
 
 import jax
@@ -107,7 +107,7 @@ def test_bench_zero_runs_and_prints_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     out_json = tmp_path / "zero.json"
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_zero.py"), "--steps", "2", "--layers", "1",
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_zero.py"), "--steps", "2", "--layers", "1",
                           "--batch-size", "8", "--seq-len", "32", "--recipes", "single,zero2",
                           "--json", str(out_json)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]

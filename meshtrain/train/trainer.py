@@ -94,8 +94,13 @@ class _StopFlag:
         self.requested = False
         self._previous = None
         self.agreement = StopAgreement.current()
-        if self.agreement.needs_handler and threading.current_thread() is threading.main_thread():
+        main_thread = threading.current_thread() is threading.main_thread()
+        if self.agreement.needs_handler and main_thread:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+        # A background job of a non-interactive shell (or `nohup cmd &`) starts with SIGINT ignored. It
+        # stays ignored, as in any POSIX tool (a terminal's Ctrl-C was not meant for that job); the run
+        # says so, and SIGTERM remains the way to stop it cleanly.
+        self.sigint_ignored = main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
     def _handle(self, signum, frame):
         self.requested = True
@@ -470,6 +475,9 @@ class _Loop:
                                                              else "")
                             + f", run folder {self.t.run_dir}")
         self.stop = _StopFlag()
+        if self.stop.sigint_ignored:
+            self.progress.print("meshtrain: SIGINT is ignored (inherited from the parent process); stop this run "
+                                "with SIGTERM, which saves and exits 0")
         batch = next(self.it)
         t0 = time.perf_counter()
         compiled = self.train_step.lower(self.state, batch).compile()

@@ -1,0 +1,114 @@
+"""Every process a test starts goes through here: each wait is bounded, and a process that outlives
+its bound is killed with everything it started.
+
+Why a module of its own: a test that blocks on ``proc.stderr.read()`` or ``proc.wait()`` without a
+timeout can hang a whole CI run (issue 18: a SIGINT sent to a child that inherited ``SIG_IGN``
+trained on for 83 minutes). ``tests/test_suite_rules.py`` fails if a test file calls ``subprocess``
+directly, so new tests cannot bring the hazard back.
+
+Children start in a session of their own (``start_new_session``) so that a kill on expiry reaches
+their own children too (``meshtrain launch`` workers, multi-process runs). Signal dispositions:
+``conftest.py`` gives the test process a Python SIGINT handler, which ``exec`` turns into the
+default, so no child inherits an ignored SIGINT from however the suite itself was started.
+
+Usage::
+
+    out = processes.run([sys.executable, "-m", "meshtrain", "plan", ...], timeout=300)
+    assert out.returncode == 0, out.stderr
+
+    proc = processes.start([...], stdout=subprocess.PIPE)   # a Popen
+    ...
+    code, out, err = processes.finish(proc, timeout=120)     # communicate, kill on expiry
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from typing import Optional, Sequence
+
+#: Generous bound for one CLI call on a busy 2-core machine; pass a tighter one where it fits.
+DEFAULT_TIMEOUT_S = 600
+
+PIPE = subprocess.PIPE
+DEVNULL = subprocess.DEVNULL
+STDOUT = subprocess.STDOUT
+CompletedProcess = subprocess.CompletedProcess
+
+
+class ProcessTimeout(AssertionError):
+    """A child outlived its bound; it and its process group were killed. Fails the test with the
+    tail of what it printed."""
+
+
+def start(args: Sequence[str], *, text: bool = True, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` in a new session (so :func:`kill` reaches the child's children)."""
+    kwargs.setdefault("start_new_session", True)
+    proc = subprocess.Popen(list(args), text=text, **kwargs)
+    proc.own_group = kwargs["start_new_session"]  # its pid is its process group's id
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's process group (or the child alone if it shares ours) and reap it."""
+    try:
+        if getattr(proc, "own_group", False):
+            os.killpg(proc.pid, signal.SIGKILL)  # also after the child itself exited: its children
+        elif proc.poll() is None:
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
+        pass
+
+
+def finish(proc: subprocess.Popen, timeout: float = DEFAULT_TIMEOUT_S, input: Optional[str] = None):
+    """``proc.communicate`` bounded by ``timeout``; returns ``(returncode, stdout, stderr)``.
+
+    On expiry the process group is killed and :class:`ProcessTimeout` names the command and shows
+    the tail of its output.
+    """
+    try:
+        out, err = proc.communicate(input=input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        out, err = proc.communicate(timeout=30)
+        raise ProcessTimeout(f"{' '.join(map(str, proc.args))[:300]} ran past {timeout:.0f} s and was killed; "
+                             f"stdout tail: {_tail(out)!r}; stderr tail: {_tail(err)!r}") from None
+    return proc.returncode, out, err
+
+
+def wait(proc: subprocess.Popen, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+    """``proc.wait`` bounded by ``timeout`` (for children whose output goes to files or DEVNULL)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise ProcessTimeout(f"{' '.join(map(str, proc.args))[:300]} ran past {timeout:.0f} s and was killed") from None
+
+
+def run(args: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, input: Optional[str] = None,
+        capture_output: bool = True, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with a bound that kills the whole process group on expiry."""
+    if capture_output:
+        kwargs.setdefault("stdout", PIPE)
+        kwargs.setdefault("stderr", PIPE)
+    if input is not None:
+        kwargs.setdefault("stdin", PIPE)
+    proc = start(args, **kwargs)
+    code, out, err = finish(proc, timeout, input=input)
+    done = subprocess.CompletedProcess(proc.args, code, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _tail(data, n: int = 2000):
+    if data is None:
+        return ""
+    if isinstance(data, bytes):
+        data = data.decode(errors="replace")
+    return data[-n:]
