@@ -30,6 +30,7 @@ Example (your own model)::
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Dict, Optional, Tuple
 
 import jax
@@ -38,9 +39,20 @@ from flax import nnx
 
 from meshtrain.annotate import constrain
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.moe import STAT_KEYS, capacity_for, experts, route
+from meshtrain.parallel.moe import STAT_KEYS, capacity_for, check_capacity_factor, experts, route
 
 STATS_NAME = "moe_stats"
+
+#: The ``DecoderConfig`` field a ``MoEConfig`` field comes from, where the names differ (errors name both).
+_DECODER_FIELDS = {"top_k": "experts_per_token", "n_shared": "n_shared_experts"}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _where(name: str) -> str:
+    return f" (DecoderConfig.{_DECODER_FIELDS[name]})" if name in _DECODER_FIELDS else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +82,18 @@ class MoEConfig:
     norm_topk: bool = True
 
     def __post_init__(self):
-        if self.n_experts < 1:
-            raise ConfigError(f"n_experts={self.n_experts}: an MoE layer needs at least 1 expert (use n_experts=0 "
-                              f"in a DecoderConfig for a dense MLP)")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ConfigError(f"top_k={self.top_k} with {self.n_experts} experts: choose 1 <= top_k <= n_experts "
-                              f"(e.g. top_k=2), or add experts")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"capacity_factor={self.capacity_factor!r}: use a number > 0 (e.g. 1.25; "
-                              f">= n_experts/top_k drops nothing), or capacity_factor=None for dropless routing")
-        if self.d_expert < 1 or self.n_shared < 0:
-            raise ConfigError(f"d_expert={self.d_expert}, n_shared={self.n_shared}: need d_expert >= 1, n_shared >= 0")
+        # Checked here, at read time, so that nothing invalid reaches the jitted step (where the error
+        # would surface as a tracing failure or an out-of-memory compile).
+        for name, low in (("n_experts", 1), ("d_expert", 1), ("n_shared", 0)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ConfigError(f"{name}={value!r}{_where(name)}: use an integer >= {low}"
+                                  + (" (use n_experts=0 in a DecoderConfig for a dense MLP)" if name == "n_experts"
+                                     else ""))
+        if not _is_int(self.top_k) or not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(f"top_k={self.top_k!r} with {self.n_experts} experts{_where('top_k')}: choose an integer "
+                              f"1 <= top_k <= n_experts (e.g. top_k=2), or add experts")
+        check_capacity_factor(self.capacity_factor)
 
     def num_params(self) -> int:
         d = self.d_model

@@ -4,7 +4,7 @@ Routing (:func:`route`, f32): ``softmax`` over the router logits, top-``k`` expe
 (Mixtral / Switch), optionally renormalised over the chosen ``k``. Two dispatch modes:
 
 * **capacity** (GShard / Switch): each sequence (one batch row, so the result does not depend on
-  the mesh) gives every expert ``C = ceil(capacity_factor · T · k / E)`` slots. Slots are filled in
+  the mesh) gives every expert ``C = min(T, ceil(capacity_factor · T · k / E))`` slots. Slots are filled in
   priority order: every token's first choice (in token order), then every second choice, and so on.
   Assignments past ``C`` are *dropped*: they contribute nothing and the token keeps only its
   residual. Tokens go to experts as a fixed ``(rows, E, C, d)`` buffer.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Dict, Optional, Tuple
 
 import jax
@@ -48,13 +49,26 @@ from meshtrain.errors import ConfigError
 STAT_KEYS = ("aux_loss", "z_loss", "load_max", "drop_frac")
 
 
-def capacity_for(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
-    """Slots per expert per sequence: ``ceil(capacity_factor · seq_len · top_k / n_experts)``.
-    ``capacity_factor >= n_experts / top_k`` never drops (``C >= seq_len``)."""
-    if capacity_factor is None or not capacity_factor > 0:
-        raise ConfigError(f"capacity_factor={capacity_factor!r}: use a number > 0 (e.g. 1.25; "
+def check_capacity_factor(capacity_factor) -> None:
+    """Raise :class:`ConfigError` unless ``capacity_factor`` is ``None`` (dropless) or a finite number > 0."""
+    if capacity_factor is None:
+        return
+    ok = isinstance(capacity_factor, numbers.Real) and not isinstance(capacity_factor, bool)
+    if not ok or not math.isfinite(capacity_factor) or not capacity_factor > 0:
+        raise ConfigError(f"capacity_factor={capacity_factor!r}: use a finite number > 0 (e.g. 1.25; "
                           f">= n_experts/top_k drops nothing), or capacity_factor=None for dropless routing")
-    return max(1, math.ceil(capacity_factor * seq_len * top_k / n_experts))
+
+
+def capacity_for(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
+    """Slots per expert per sequence: ``min(seq_len, ceil(capacity_factor · seq_len · top_k / n_experts))``.
+    ``capacity_factor >= n_experts / top_k`` never drops (``C = seq_len``: a token picks an expert at most
+    once, so an expert never receives more than ``seq_len`` tokens of a sequence); a larger factor would
+    only add empty slots (``1e6`` asked the dispatch buffer for hundreds of GB), so ``C`` stops there."""
+    if capacity_factor is None:
+        raise ConfigError("capacity_for(None, ...): dropless routing has no capacity; pass capacity=None to "
+                          "route() and experts() instead")
+    check_capacity_factor(capacity_factor)
+    return max(1, min(seq_len, math.ceil(capacity_factor * seq_len * top_k / n_experts)))
 
 
 @jax.tree_util.register_dataclass
