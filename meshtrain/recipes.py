@@ -11,6 +11,7 @@ Every built-in recipe also lives in ``recipes/<name>.yaml`` (a test keeps them i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -18,7 +19,7 @@ import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from meshtrain.axes import LOGICAL_AXES
-from meshtrain.errors import RecipeError
+from meshtrain.errors import MeshtrainError, RecipeError
 from meshtrain.mesh import AxisTypes, MeshSpec
 from meshtrain.rules import TABLES, AxisRules
 from meshtrain.strategies import compose, get_strategy, step_options
@@ -189,6 +190,8 @@ class Recipe:
         if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
             raise RecipeError(f"recipe {self.name!r}: repeats={self.repeats!r}; use an int >= 1 (layer groups per "
                               f"pipeline stage, circular schedule)")
+        for name in self.replicate_indivisible:
+            check_logical_name(name, f"recipe {self.name!r}: replicate_indivisible")
         if not 0.0 <= self.max_replicated_fraction <= 1.0:
             raise RecipeError(f"recipe {self.name!r}: max_replicated_fraction must be in [0, 1]")
         _, owners = compose(self.strategies)  # validates names, requirements and axis claims
@@ -265,6 +268,12 @@ class Recipe:
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
+        model_keys = sorted(unknown & _MODEL_SETTINGS, key=str)
+        if model_keys:
+            raise RecipeError(
+                f"{source}: {model_keys} are settings of the model (its mixture-of-experts layers), not recipe keys: "
+                f"a recipe only lays a model out. Remove them from the file and set them on the model config, "
+                f"e.g. get_config('tiny-moe', capacity_factor=2.0, experts_per_token=2, n_shared_experts=1)")
         if unknown:
             raise RecipeError(f"{source}: unknown recipe keys {sorted(unknown)}; known: {sorted(known)}")
         for key in ("name", "strategies", "mesh"):
@@ -285,8 +294,7 @@ class Recipe:
         mesh = data["mesh"]
         if not isinstance(mesh, Mapping) or "ici" not in mesh:
             raise RecipeError(f"{source}: mesh must be a mapping with 'ici' sizes, e.g. mesh: {{ici: {{fsdp: -1}}}}")
-        data["mesh"] = MeshSpec(ici=mesh["ici"] or {}, dcn=mesh.get("dcn") or {},
-                                axis_types=AxisTypes(mesh.get("axis_types", "auto")))
+        data["mesh"] = _mesh_from_dict(mesh, source)
         rules = data.get("rules") or {}
         if not isinstance(rules, Mapping):
             raise RecipeError(f"{source}: rules must be a mapping of tables {TABLES} to {{logical name: mesh axes}}, "
@@ -299,16 +307,11 @@ class Recipe:
                 raise RecipeError(f"{source}: rules.{table} must map logical names to mesh axes, e.g. "
                                   f"{{embed: fsdp}}; got {entries!r}")
             for name in entries or {}:
-                if name not in LOGICAL_AXES:
-                    close = difflib.get_close_matches(str(name), list(LOGICAL_AXES), n=1)
-                    raise RecipeError(
-                        f"{source}: rules.{table} names logical axis {name!r}, which no model axis uses"
-                        + (f" (did you mean {close[0]!r}?)" if close else "")
-                        + f"; known: {', '.join(LOGICAL_AXES)}. A model with its own names registers them "
-                          f"first with meshtrain.axes.register_logical_axis(name, meaning)")
-        data["rules"] = AxisRules.of(**{k: rules.get(k) or {} for k in TABLES}, source=f"recipe:{data['name']}")
-        data.setdefault("description", "")
-        return cls(**data)
+                check_logical_name(name, f"{source}: rules.{table}")
+        with _naming(source):
+            data["rules"] = AxisRules.of(**{k: rules.get(k) or {} for k in TABLES}, source=f"recipe:{data['name']}")
+            data.setdefault("description", "")
+            return cls(**data)
 
     def to_yaml(self) -> str:
         import yaml
@@ -317,16 +320,110 @@ class Recipe:
 
     @classmethod
     def load(cls, path: str) -> "Recipe":
-        import yaml
-
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file {path!r} does not exist")
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"recipe file {path!r} is not valid YAML: {exc}") from None
-        return cls.from_dict(data, source=path)
+        return cls.from_dict(load_yaml(path, what="recipe file"), source=path)
+
+
+def check_logical_name(name: Any, where: str) -> None:
+    """Raise :class:`RecipeError` unless ``name`` is a known logical axis (:data:`meshtrain.axes.LOGICAL_AXES`),
+    with a did-you-mean for a misspelt one; ``where`` says which setting names it."""
+    if isinstance(name, str) and name in LOGICAL_AXES:
+        return
+    close = difflib.get_close_matches(str(name), list(LOGICAL_AXES), n=1)
+    raise RecipeError(
+        f"{where} names logical axis {name!r}, which no model axis uses"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; known: {', '.join(LOGICAL_AXES)}. A model with its own names registers them "
+          f"first with meshtrain.axes.register_logical_axis(name, meaning)")
+
+
+_MESH_KEYS = ("ici", "dcn", "axis_types")
+
+#: Keys of a model's mixture-of-experts settings (``DecoderConfig`` / ``MoEConfig`` fields) that people put in
+#: recipe files: they are refused with where they belong.
+_MODEL_SETTINGS = frozenset({"moe", "n_experts", "experts_per_token", "top_k", "d_expert", "n_shared_experts",
+                             "n_shared", "capacity_factor", "router_aux_coef", "router_z_coef", "router_norm_topk"})
+
+
+def _mesh_from_dict(mesh: Mapping[str, Any], source: str) -> MeshSpec:
+    unknown = sorted(set(mesh) - set(_MESH_KEYS), key=str)
+    if unknown:
+        raise RecipeError(f"{source}: unknown mesh keys {unknown}; use {list(_MESH_KEYS)}")
+    for key in ("ici", "dcn"):
+        if mesh.get(key) is not None and not isinstance(mesh[key], Mapping):
+            raise RecipeError(f"{source}: mesh.{key} must map mesh axes to sizes, e.g. {key}: {{fsdp: -1}}; "
+                              f"got {mesh[key]!r}")
+    axis_types = mesh.get("axis_types", AxisTypes.AUTO.value)
+    allowed = [t.value for t in AxisTypes]
+    if axis_types not in allowed:
+        raise RecipeError(f"{source}: mesh.axis_types={axis_types!r}; use one of {allowed}")
+    with _naming(source):
+        return MeshSpec(ici=mesh["ici"] or {}, dcn=mesh.get("dcn") or {}, axis_types=AxisTypes(axis_types))
+
+
+@contextlib.contextmanager
+def _naming(source: str):
+    """Errors raised inside name the recipe file (or dict) they come from."""
+    try:
+        yield
+    except MeshtrainError as exc:
+        if str(exc).startswith(source):
+            raise
+        raise type(exc)(f"{source}: {exc}") from None
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first_line: int, second_line: int):
+        super().__init__(key, first_line, second_line)
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+def _unique_key_loader():
+    """A ``yaml.SafeLoader`` whose mappings refuse a key given twice (PyYAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            lines: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden on purpose
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = lines.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise _DuplicateKey(key, first, key_node.start_mark.line + 1)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+def load_yaml(path: str, *, what: str) -> Any:
+    """The YAML document in ``path``: UTF-8 text, no key given twice in one mapping; anything else raises
+    :class:`RecipeError` naming the file (``what`` says what it is, e.g. ``"recipe file"``)."""
+    import yaml
+
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{what} {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); save it as UTF-8 YAML") from None
+    except OSError as exc:
+        raise RecipeError(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as dup:
+        raise RecipeError(f"{what} {path!r}: key {dup.key!r} is given twice in one mapping (lines {dup.first_line} "
+                          f"and {dup.second_line}); keep one") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{what} {path!r} is not valid YAML: {problem}{where}") from None
 
 
 def _builtin(name, description, strategies, ici, **knobs) -> Recipe:

@@ -18,12 +18,13 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
 
 from jax.sharding import PartitionSpec
 
-from meshtrain.axes import LOGICAL_AXES, LogicalAxes, MeshAxes, as_mesh_axes
+from meshtrain.axes import LOGICAL_AXES, MESH_AXES, LogicalAxes, MeshAxes, as_mesh_axes
 from meshtrain.errors import RulesError
 
 TABLES = ("params", "activations", "optimizer")
@@ -55,10 +56,27 @@ class Resolved:
         return "; ".join(self.rules) if self.rules else "replicated (no rule shards these axes)"
 
 
-def _table(entries: Mapping[str, MeshAxes] | Iterable[Rule], source: str) -> Tuple[Rule, ...]:
+def _table(entries: Mapping[str, MeshAxes] | Iterable[Rule], source: str, kind: str) -> Tuple[Rule, ...]:
     if isinstance(entries, Mapping):
-        return tuple(Rule(k, as_mesh_axes(v), source) for k, v in entries.items())
+        return tuple(Rule(k, _mesh_axes(kind, k, v), source) for k, v in entries.items())
     return tuple(entries)
+
+
+def _mesh_axes(kind: str, logical: str, value) -> Tuple[str, ...]:
+    """A rule's target as a tuple of known mesh axes; anything else raises naming ``rules.<kind>.<logical>``."""
+    if value is None:
+        return ()
+    axes = (value,) if isinstance(value, str) else value
+    if not isinstance(axes, (list, tuple)) or not all(isinstance(a, str) for a in axes):
+        raise RulesError(f"rules.{kind}.{logical}: {value!r} is not a mesh axis name; give a mesh axis name, a "
+                         f"list of them (outer to inner) or null to replicate; mesh axes: {', '.join(MESH_AXES)}")
+    for axis in axes:
+        if axis not in MESH_AXES:
+            close = difflib.get_close_matches(axis, MESH_AXES, n=1)
+            raise RulesError(f"rules.{kind}.{logical} names mesh axis {axis!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; mesh axes: {', '.join(MESH_AXES)}")
+    return tuple(axes)
 
 
 def _describe_tensor(what: str, path: str, shape, logical) -> str:
@@ -80,7 +98,8 @@ class AxisRules:
 
     @classmethod
     def of(cls, params=None, activations=None, optimizer=None, source: str = "user") -> "AxisRules":
-        return cls(_table(params or {}, source), _table(activations or {}, source), _table(optimizer or {}, source))
+        return cls(_table(params or {}, source, "params"), _table(activations or {}, source, "activations"),
+                   _table(optimizer or {}, source, "optimizer"))
 
     @classmethod
     def defaults(cls) -> "AxisRules":
