@@ -53,16 +53,21 @@ def _gib(n: float) -> str:
 Estimate = Callable[[Any], Tuple[int, str]]
 
 
-def estimate_bytes(plan, estimate: Optional[Estimate] = None, *, full_above: int = 0) -> MemoryCheck:
-    """The plan's per-device bytes: parameters, gradients, optimizer and batch; when that cheap
-    bound exceeds ``full_above`` and ``estimate`` is given, its figure instead."""
+def estimate_bytes(plan, estimate: Optional[Estimate] = None) -> MemoryCheck:
+    """The plan's per-device bytes: ``estimate``'s figure when one is given, else parameters, gradients,
+    optimizer and batch.
+
+    The full estimate is not gated on the cheap bound: activations and the logits grow with batch ×
+    sequence (× vocabulary) while the cheap bound grows with the batch's token ids only, so a huge batch
+    of short sequences (``--batch-size 1000000 --seq-len 8``: 16 MB of token ids, 16 GiB of activations per
+    device) passed a gate "cheap bound > 30 % of the limit" and died in XLA's allocator instead."""
+    if estimate is not None:
+        total, parts = estimate(plan)
+        return MemoryCheck(int(total), None, parts)
     per = plan.per_device_bytes()
     cheap = 2 * per["params"] + per["optimizer"] + per["batch"]
     detail = (f"parameters {_gib(per['params'])} + gradients {_gib(per['params'])} + optimizer "
               f"{_gib(per['optimizer'])} + batch {_gib(per['batch'])}")
-    if estimate is not None and cheap > full_above:
-        total, parts = estimate(plan)
-        return MemoryCheck(int(total), None, parts)
     return MemoryCheck(int(cheap), None, detail)
 
 
@@ -76,7 +81,7 @@ def check_memory(plan, estimate: Optional[Estimate] = None, *, remat: str = "non
     limit = device_memory_limit(device, local)
     if limit is None:
         return estimate_bytes(plan)
-    check = estimate_bytes(plan, estimate, full_above=int(0.3 * limit))
+    check = estimate_bytes(plan, estimate)
     check = dataclasses.replace(check, limit_bytes=int(limit))
     if check.fits:
         return check
