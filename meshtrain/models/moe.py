@@ -65,7 +65,7 @@ class MoEConfig:
       top_k: experts per token (1 <= top_k <= n_experts).
       d_expert: hidden width of each routed expert.
       n_shared: shared experts (DeepSeek-MoE), each ``d_expert`` wide; 0 for none.
-      capacity_factor: slots per expert per sequence = ``ceil(cf · T · k / E)``; ``None``: dropless.
+      capacity_factor: slots per expert per sequence = ``min(T, ceil(cf · T · k / E))``; ``None``: dropless.
       aux_coef, z_coef: weights of the load-balancing and router z losses added to the training loss.
       norm_topk: renormalise the ``k`` chosen probabilities to sum to 1 (Mixtral, Qwen3); ``False``
         keeps raw softmax scores (Switch, DeepSeek-V2).
