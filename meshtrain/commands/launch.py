@@ -77,8 +77,8 @@ def check_host_memory(processes: int, host_bytes: Optional[int], per_process: in
     raise ConfigError(f"--processes {processes}: each meshtrain process needs ~{per_process / 2 ** 30:.2f} GiB "
                       f"(peak memory of `meshtrain train --model tiny`), {processes} need "
                       f"~{processes * per_process / 2 ** 30:.1f} GiB but this host has {host_bytes / 2 ** 30:.1f} GiB "
-                      f"({HEADROOM:.0%} usable); use --processes {fit} or fewer (more simulated devices per process: "
-                      f"--devices-per-process), or spread the processes over hosts (recipes/launch/)")
+                      f"({HEADROOM:.0%} usable); use --processes {fit} or fewer (each with more --devices-per-process), "
+                      f"or spread the processes over hosts (recipes/launch/)")
 
 
 def _check_numbers(args) -> None:
