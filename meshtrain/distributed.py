@@ -103,9 +103,10 @@ class DistributedConfig:
         if self.bind is not None:
             _split_address(self.bind, "coordinator bind address")
         if self.num_processes is not None and self.num_processes < 1:
-            raise DistributedError(f"number of processes {self.num_processes}: must be >= 1")
-        if self.init_timeout_s <= 0:
-            raise DistributedError(f"init timeout {self.init_timeout_s}: must be a positive number of seconds")
+            raise DistributedError(f"--num-processes / {ENV_NUM_PROCESSES} {self.num_processes}: must be >= 1")
+        if not (math.isfinite(self.init_timeout_s) and self.init_timeout_s > 0):  # NaN compares False
+            raise DistributedError(f"--init-timeout / {ENV_TIMEOUT} {self.init_timeout_s:g}: must be a positive "
+                                   f"number of seconds")
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides) -> "DistributedConfig":

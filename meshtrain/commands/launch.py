@@ -17,16 +17,31 @@ For clusters use the templates in ``recipes/launch/`` (SLURM, GKE/JobSet) instea
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 from typing import List, Optional
+
+from meshtrain.errors import ConfigError
+from meshtrain.train.preflight import HEADROOM, device_memory_limit
 
 #: Flags of the launched command that the launcher sets itself.
 _OWNED = ("--coordinator", "--num-processes", "--process-id", "--distributed")
+
+#: Memory one launched process needs: the peak RSS of `meshtrain train --model tiny --steps 2` on CPU,
+#: measured with /usr/bin/time -v and /proc/PID/smaps_rollup: 640 MiB alone (1 simulated device),
+#: 655 MiB (8 devices), 615 MiB (4), 570 MiB as one of 2 launched processes (about 460 MiB of it
+#: private, the rest shared libraries). Mostly the interpreter with JAX and XLA: any command costs this.
+PROCESS_BYTES = 640 * 2 ** 20
+
+#: What the pre-flight helper needs of a device to read the host's memory: a CPU device has the
+#: host's RAM (the launcher itself starts no JAX backend: that would take seconds and memory).
+_HOST = types.SimpleNamespace(platform="cpu")
 
 
 def add_parser(sub):
@@ -47,17 +62,46 @@ def add_parser(sub):
     p.set_defaults(run=run, setup_devices=False)
 
 
-def _command(args) -> List[str]:
-    from meshtrain.cli import COMMANDS
-    from meshtrain.errors import ConfigError
+def host_memory_bytes() -> Optional[int]:
+    """This host's physical memory (``None``: unknown), read as ``meshtrain train``'s pre-flight does."""
+    return device_memory_limit(_HOST, 1)
 
-    cmd = list(args.command)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
+
+def check_host_memory(processes: int, host_bytes: Optional[int], per_process: int = PROCESS_BYTES) -> None:
+    """Refuse ``--processes`` that cannot fit in ``host_bytes`` (``None``: unknown, not checked),
+    before any process starts: each needs ~``per_process`` bytes, and ``HEADROOM`` of the memory is usable
+    (as for devices in :mod:`meshtrain.train.preflight`)."""
+    if host_bytes is None or processes * per_process <= HEADROOM * host_bytes:
+        return
+    fit = int(HEADROOM * host_bytes // per_process)
+    raise ConfigError(f"--processes {processes}: each meshtrain process needs ~{per_process / 2 ** 30:.2f} GiB "
+                      f"(peak memory of `meshtrain train --model tiny`), {processes} need "
+                      f"~{processes * per_process / 2 ** 30:.1f} GiB but this host has {host_bytes / 2 ** 30:.1f} GiB "
+                      f"({HEADROOM:.0%} usable); use --processes {fit} or fewer (each with more --devices-per-process), "
+                      f"or spread the processes over hosts (recipes/launch/)")
+
+
+def _check_numbers(args) -> None:
     if args.processes < 1:
         raise ConfigError(f"--processes {args.processes}: give at least 1")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         raise ConfigError(f"--devices-per-process {args.devices_per_process}: give at least 1")
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise ConfigError(f"--grace {args.grace:g}: give the seconds (>= 0; 0 kills at once) the other processes "
+                          f"get between SIGTERM and SIGKILL after a failure")
+    if not (math.isfinite(args.init_timeout) and args.init_timeout > 0):
+        raise ConfigError(f"--init-timeout {args.init_timeout:g}: give a positive number of seconds")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port}: give a TCP port 1..65535, or 0 for a free one")
+
+
+def _command(args) -> List[str]:
+    from meshtrain.cli import COMMANDS
+
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    _check_numbers(args)
     if not cmd or cmd[0] not in COMMANDS or cmd[0] == "launch":
         raise ConfigError(f"give the meshtrain command to launch after --, e.g. `meshtrain launch --processes 2 "
                           f"-- train --steps 10` (one of: {', '.join(c for c in COMMANDS if c != 'launch')})"
@@ -202,6 +246,7 @@ def run(args) -> int:
 
     cmd = _command(args)
     n = args.processes
+    check_host_memory(n, host_memory_bytes())
     port = args.port or distributed.free_port()
     env = dict(os.environ)
     for name in (distributed.ENV_BIND, "JAX_COORDINATOR_ADDRESS"):

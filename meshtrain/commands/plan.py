@@ -37,9 +37,11 @@ import json
 import os
 import re
 import sys
+import warnings
 from typing import Any, Callable, Dict, Optional
 
 from meshtrain.cli import add_device_args
+from meshtrain.train.config import check_recipe_overrides
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
@@ -111,7 +113,49 @@ def _apply_options(recipe, args):
         value = getattr(args, flag, None)
         if value is not None:
             changes[field] = value
+    check_recipe_overrides(recipe, attention=changes.get("attention"), schedule=changes.get("schedule"),
+                           repeats=changes.get("repeats"))
     return recipe.with_options(**changes) if changes else recipe
+
+
+#: Integer flags that count something (``None``: not given); 0 or less means nothing.
+_COUNTS = {"batch_size": "the global batch; omit it for one sequence per data-parallel rank",
+           "seq_len": "tokens per sequence; omit it for the model's maximum",
+           "top": "how many ranked layouts --recipe auto prints",
+           "slices": "TPU slices or GPU nodes the devices span; 1 for one"}
+
+
+def check_counts(args) -> None:
+    """``--batch-size``, ``--seq-len``, ``--top`` and ``--slices`` must be at least 1."""
+    from meshtrain.errors import ConfigError
+
+    for name, meaning in _COUNTS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: give a positive integer ({meaning})")
+
+
+def check_seq_len(choice: "ModelChoice", args) -> None:
+    """``--seq-len`` against the built-in model's range: none for images; BERT's learned position
+    table has ``max_positions`` rows (an error beyond); a decoder's rotary positions have no table,
+    so beyond ``max_seq_len`` (which its forward and ``meshtrain train`` enforce) the plan is a
+    long-context what-if (README, notebook 06): a warning, not an error."""
+    from meshtrain.errors import ConfigError
+    from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
+
+    cfg, T = choice.cfg, args.seq_len
+    if T is None:
+        return
+    if isinstance(cfg, ViTConfig):
+        raise ConfigError(f"--seq-len does not apply to {cfg.name} (an image model); use --batch-size, or "
+                          f"--batch for other image shapes")
+    if isinstance(cfg, BertConfig) and T > cfg.max_positions:
+        raise ConfigError(f"--seq-len {T} is longer than model {cfg.name!r} has positions (max_positions "
+                          f"{cfg.max_positions}, a learned table); use --seq-len <= {cfg.max_positions}")
+    if isinstance(cfg, DecoderConfig) and T > cfg.max_seq_len:
+        warnings.warn(f"--seq-len {T} is longer than model {cfg.name!r} supports (max_seq_len {cfg.max_seq_len}): "
+                      f"planned as a long-context variant; `meshtrain train` refuses it (a config with a larger "
+                      f"max_seq_len trains it)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,20 +330,15 @@ def default_batch(choice: ModelChoice, args, dp: int):
 
     cfg = choice.cfg
     B = args.batch_size or dp
+    check_seq_len(choice, args)
     if isinstance(cfg, ViTConfig):
-        if args.seq_len is not None:
-            raise ConfigError(f"--seq-len does not apply to {cfg.name} (an image model); use --batch-size, or "
-                              f"--batch for other image shapes")
         return BatchLayout.from_example({
             "images": jax.ShapeDtypeStruct((B, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32),
             "labels": jax.ShapeDtypeStruct((B,), jnp.int32)})
     if isinstance(cfg, BertConfig):
         from meshtrain.data.mlm import KEYS
 
-        T = args.seq_len or cfg.max_positions
-        if T > cfg.max_positions:
-            raise ConfigError(f"--seq-len {T} is longer than {cfg.name}'s {cfg.max_positions} positions")
-        return BatchSpec(B, T, keys=tuple(KEYS)).layout()
+        return BatchSpec(B, args.seq_len or cfg.max_positions, keys=tuple(KEYS)).layout()
     if cfg is None:
         raise ConfigError(f"--model {choice.name} is a user model: describe its batch with --batch, e.g. "
                           f"--batch images=16x8x8x1:float32,labels=16:int32 (leading dimension = batch)")
@@ -379,9 +418,11 @@ def run(args) -> int:
     from meshtrain.analysis import report
     from meshtrain.errors import ConfigError, MeshtrainError
 
+    check_counts(args)
     _setup(args)
     choice = resolve_model(args)
     if args.recipe == "auto":
+        check_seq_len(choice, args)
         result = report.auto(args, choice.cfg)
         out = report.auto_dict(result, args) if args.json else report.auto_text(result, args)
     else:

@@ -27,7 +27,8 @@ def add_parser(sub):
                    help=f"global batch, in sequences (default: {d.batch_size}, rounded up to a multiple of the "
                         f"recipe's data-parallel size × micro-batches when it needs one, e.g. 32 for --recipe "
                         f"pp_fsdp --micro-batches 8 on 8 devices)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence (default: {d.seq_len}; language models only, not vit-*)")
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
                    help="matmul dtype (default: the recipe's)")
     p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
@@ -89,8 +90,10 @@ def config_from_args(args):
     from meshtrain.train.config import TrainConfig
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields and not (k == "batch_size" and v is None)}
-    if args.peak_tflops:
+    # Unset flags keep TrainConfig's defaults (batch size: rounded by `run`; seq len: not for images).
+    values = {k: v for k, v in vars(args).items()
+              if k in fields and not (k in ("batch_size", "seq_len") and v is None)}
+    if args.peak_tflops is not None:
         values["peak_flops_per_device"] = args.peak_tflops * 1e12
     values["memory_check"] = args.memory_check
     return TrainConfig(**values)
@@ -125,9 +128,31 @@ def decoder_memory_estimate(model_name: str):
     return estimate
 
 
+def check_flags(args) -> None:
+    """Refuse ``--seq-len`` for an image model; warn that ``--dcn`` in a single-process run places
+    nothing on slow links. The other flags are checked by :class:`TrainConfig`."""
+    import warnings
+
+    import jax
+
+    from meshtrain.errors import ConfigError
+    from meshtrain.models import ViTConfig, get_config
+
+    if args.seq_len is not None and isinstance(get_config(args.model), ViTConfig):
+        raise ConfigError(f"--seq-len does not apply to {args.model} (an image model: its sequence is the image's "
+                          f"patches); drop --seq-len")
+    if args.dcn and jax.process_count() == 1:
+        # A warning, not an error: the layout is valid (one process's devices split into the DCN groups)
+        # and the same command line then runs unchanged under `meshtrain launch`, srun or mpirun.
+        warnings.warn(f"--dcn {args.dcn} in a single-process run: no axis crosses a slow link (there are no other "
+                      f"processes or slices; the devices are only regrouped); it takes effect under `meshtrain "
+                      f"launch`, srun or mpirun")
+
+
 def run(args) -> int:
     from meshtrain.train.trainer import Trainer
 
+    check_flags(args)
     config = config_from_args(args)
     trainer = Trainer(config, memory_estimate=decoder_memory_estimate(config.model))
     if args.batch_size is None:

@@ -11,6 +11,7 @@ import optax
 
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import ConfigError
+from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, get_recipe
 from meshtrain.train.step import NonFinite
 
 
@@ -126,6 +127,47 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number >= 0")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction {self.val_fraction}: must be between 0 and 1 (exclusive)")
+        peak = self.peak_flops_per_device
+        if peak is not None and not (math.isfinite(peak) and peak > 0):
+            raise ConfigError(f"--peak-tflops {peak / 1e12:g} (peak_flops_per_device {peak:g}): must be a positive "
+                              f"finite number of TFLOP/s per device, e.g. --peak-tflops 989 (H100 bf16), or omit it")
+        if any(v is not None for v in (self.attention, self.schedule, self.repeats)):
+            check_recipe_overrides(get_recipe(self.recipe), attention=self.attention, schedule=self.schedule,
+                                   repeats=self.repeats)
+
+
+def check_recipe_overrides(recipe: Recipe, *, attention: Optional[str] = None, schedule: Optional[str] = None,
+                           repeats: Optional[int] = None) -> None:
+    """Refuse overrides that the recipe's layout would silently ignore (``meshtrain train`` and
+    ``meshtrain plan`` share this): a context-parallel ``attention`` kind without a mesh axis that
+    shards the sequence (it would run as plain flash attention), a pipeline ``schedule`` or
+    ``repeats`` without a ``stage`` axis (no pipeline runs)."""
+    try:
+        kind = None if attention is None else AttentionKind(attention)
+    except ValueError:
+        raise ConfigError(f"--attention {attention!r}: use one of {[k.value for k in AttentionKind]}") from None
+    if kind not in (None, AttentionKind.DENSE, AttentionKind.FLASH) and not _splits_sequence(recipe):
+        fitting = ", ".join(n for n, r in BUILTIN_RECIPES.items() if _splits_sequence(r))
+        raise ConfigError(f"--attention {attention} needs a recipe that splits the sequence over a context axis; "
+                          f"recipe {recipe.name!r} has none: use --recipe one of {fitting}, or --attention dense "
+                          f"or flash")
+    if _has_pipeline(recipe):
+        return
+    for flag, value in (("--schedule", schedule), ("--repeats", repeats)):
+        if value is not None:
+            fitting = ", ".join(n for n, r in BUILTIN_RECIPES.items() if _has_pipeline(r))
+            raise ConfigError(f"{flag} {value} applies to pipeline recipes; recipe {recipe.name!r} has no pipeline "
+                              f"stages: use --recipe one of {fitting}, or drop {flag}")
+
+
+def _splits_sequence(recipe: Recipe) -> bool:
+    """Whether the recipe maps the ``seq`` activations onto mesh axes (context parallelism)."""
+    rule = recipe.axis_rules().table("activations").get("seq")
+    return bool(rule and rule.mesh_axes)
+
+
+def _has_pipeline(recipe: Recipe) -> bool:
+    return "stage" in recipe.axis_owners()
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
