@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import linen, nnx
 
+from meshtrain.annotate import step_context
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.data import BatchIterator, check_token_ids, load_source
 from meshtrain.data.feed import DeviceFeed
@@ -31,7 +32,6 @@ from meshtrain.models import get_config, model_factory
 from meshtrain.models.bert import BertConfig, mlm_loss
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.vit import ViTConfig, vit_loss
-from meshtrain.annotate import step_context
 from meshtrain.parallel.context import plan_layout, recording_causality
 from meshtrain.train.step import next_token_loss, step_context_for
 
@@ -120,12 +120,11 @@ class Task:
         layout = plan_layout(plan)
         if plan.batch is None or not layout.reorders:
             return request, None
-        seq_leaves = [path for path, leaf in plan.batch.leaves() if leaf.seq_dim is not None]
         if self.reorders_seq:
             return dataclasses.replace(request, seq_order=layout.permutation(plan.batch.seq_len)), None
         if not self._attends_causally(plan):
             return request, None
-        if not seq_leaves:
+        if all(leaf.seq_dim is None for _, leaf in plan.batch.leaves()):
             raise ConfigError(
                 f"recipe {plan.recipe.name!r} runs causal attention {layout.kind.value!r} with zig-zag load balance, "
                 f"which needs each sequence in zig-zag order, but no batch leaf has a 'seq' axis to reorder: name it, "
