@@ -26,6 +26,8 @@ from meshtrain.errors import ConfigError, RulesError
 
 #: The logical axis the data-parallel mesh axes split (and micro-batching cuts).
 BATCH_AXIS = "batch"
+#: The logical axis of the sequence (context parallelism splits it and may reorder it).
+SEQ_AXIS = "seq"
 
 
 def _canonical_dtype(dtype) -> np.dtype:
@@ -71,6 +73,11 @@ class BatchLeaf:
     def batch_dim(self) -> Optional[int]:
         """The dimension named ``batch`` (split over data-parallel devices and micro-batches), if any."""
         return self.axes.index(BATCH_AXIS) if BATCH_AXIS in self.axes else None
+
+    @property
+    def seq_dim(self) -> Optional[int]:
+        """The dimension named ``seq``, if any."""
+        return self.axes.index(SEQ_AXIS) if SEQ_AXIS in self.axes else None
 
     def abstract(self, sharding=None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
@@ -207,13 +214,25 @@ class BatchLayout:
     @property
     def seq_len(self) -> int:
         """The size of the ``seq`` dimension (language-model layouts)."""
-        sizes = {p: leaf.shape[leaf.axes.index("seq")] for p, leaf in self.leaves() if "seq" in leaf.axes}
+        sizes = {p: leaf.shape[leaf.seq_dim] for p, leaf in self.leaves() if leaf.seq_dim is not None}
         if not sizes:
             raise ConfigError("no batch leaf has a 'seq' axis (this is not a token batch); sequence length is "
                               "undefined for this layout")
         if len(set(sizes.values())) > 1:
             raise ConfigError(f"batch leaves disagree on the sequence length: {sizes}")
         return next(iter(sizes.values()))
+
+    def permute_seq(self, batch, order: np.ndarray) -> Any:
+        """``batch`` (numpy, this layout's structure) with every leaf that has a ``seq`` axis taken in
+        ``order`` along it (``x[:, order]`` for ``(batch, seq, ...)``); the other leaves, and a leaf
+        of the wrong length (the feed's shape check names it), as they are."""
+        def take(leaf, x):
+            arr = np.asarray(x)
+            if leaf.seq_dim is None or arr.ndim <= leaf.seq_dim or arr.shape[leaf.seq_dim] != len(order):
+                return x
+            return np.take(arr, order, axis=leaf.seq_dim)
+
+        return jax.tree.map(take, self.tree, batch, is_leaf=_is_leaf)
 
     # -- per-step check ------------------------------------------------------------------------
     def check(self, batch) -> None:

@@ -47,10 +47,14 @@ class DeviceFeed:
       layout: the plan's :class:`~meshtrain.BatchLayout` (``plan.batch``).
       shardings: ``plan.batch_shardings``.
       name: how errors call the source.
+      seq_order: when given, every leaf with a ``seq`` axis is taken in this order along it
+        (:func:`meshtrain.parallel.context.sequence_permutation`: zig-zag context parallelism).
     """
 
-    def __init__(self, source: Iterable, layout, shardings, *, first: Any = None, name: str = "data"):
+    def __init__(self, source: Iterable, layout, shardings, *, first: Any = None, name: str = "data",
+                 seq_order: Optional[np.ndarray] = None):
         self.name = name
+        self.seq_order = seq_order
         self._iter = iter(source)
         self._source = source
         self.layout, self.shardings = layout, shardings
@@ -118,6 +122,8 @@ class DeviceFeed:
         if not same:
             raise ConfigError(f"{self.name}: a batch has structure {jax.tree.structure(local)} where the plan "
                               f"expects {self.layout.treedef}; yield the same keys every time")
+        if self.seq_order is not None:
+            local = self.layout.permute_seq(local, self.seq_order)
         return jax.tree.map(self._leaf, self.shardings, local, self.layout.map(lambda _, leaf: leaf))
 
     def _leaf(self, sharding, value, leaf):

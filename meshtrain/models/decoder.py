@@ -25,6 +25,7 @@ from meshtrain.annotate import constrain, scan_layers
 from meshtrain.errors import ConfigError
 from meshtrain.models.moe import MoE, MoEConfig, find_moe_stats, pop_moe_stats
 from meshtrain.parallel.attention import attention
+from meshtrain.parallel.context import layout_positions
 
 RESIDUAL = ("batch", "residual_seq", "embed")
 
@@ -185,7 +186,7 @@ class Decoder(nnx.Module):
             raise ConfigError(f"sequence length {tokens_bt.shape[1]} exceeds max_seq_len {cfg.max_seq_len} of "
                              f"model {cfg.name!r}")
         if positions_bt is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            positions_bt = jnp.broadcast_to(layout_positions(tokens_bt.shape[1]), tokens_bt.shape)
         table_vd = self.embedding_vd[...]
         x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), RESIDUAL)
 
@@ -220,7 +221,7 @@ class Decoder(nnx.Module):
             raise ConfigError(f"sequence length {tokens_bt.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len} of "
                               f"model {self.cfg.name!r}")
         if positions_bt is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+            positions_bt = jnp.broadcast_to(layout_positions(tokens_bt.shape[1]), tokens_bt.shape)
         x_btd = constrain(jnp.take(self.embedding_vd[...], tokens_bt, axis=0), RESIDUAL)
         return x_btd, {"positions": positions_bt, "segment_ids": segment_ids_bt}
 

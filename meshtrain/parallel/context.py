@@ -17,24 +17,33 @@ Kinds (all with causal + packed-document masks and grouped-query attention):
 Load balance: causal attention gives the device holding the end of the sequence the most work. The
 *zig-zag* order cuts the sequence into ``2 × ring`` chunks and gives device ``r`` chunks ``r`` and
 ``2·ring − 1 − r``, so every device sees the same causal work. The data arrive in that order already
-(``meshtrain.train.tasks`` reorders tokens, positions and segment ids together; the loss is a sum
-over tokens and RoPE reads the carried positions), and the kernels derive each row's original index
-from the layout for the causal mask. :func:`sequence_permutation` is the one definition of the order.
+(the Trainer permutes every batch leaf with a ``seq`` axis, positions and segment ids included; the
+loss is a sum over tokens and RoPE reads the carried positions), and the kernels derive each row's
+original index from the layout for the causal mask. :func:`sequence_permutation` is the one
+definition of the order; :func:`layout_positions` gives a model the original positions of its rows.
+
+Bidirectional attention needs no balancing (every device computes all its score blocks) and its
+masks depend on segment ids only, which travel with the tokens: any order gives the same result.
+So the Trainer reorders only for models whose context-parallel attention is causal
+(:func:`recording_causality` finds out from one abstract trace); others keep natural order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import functools
 import math
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Set, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from meshtrain.annotate import current_step_context
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.flash import F32, block_for, blocks_backward, blocks_forward, flash_attention, flash_xla, \
     match_varying, pick_block, varying_axes
@@ -74,6 +83,11 @@ class ContextLayout:
     @property
     def sharded(self) -> bool:
         return bool(self.seq_axes)
+
+    @property
+    def reorders(self) -> bool:
+        """Whether the sequence is out of natural order (zig-zag over a ring of more than one)."""
+        return self.sharded and self.zigzag and self.ring > 1
 
     def check_length(self, seq_len: int) -> None:
         ways = self.ring * self.ulysses
@@ -141,10 +155,34 @@ def plan_layout(plan) -> ContextLayout:
 def sequence_permutation(plan, seq_len: int) -> Optional[np.ndarray]:
     """The token order the data must arrive in for ``plan`` (``None``: natural order)."""
     layout = plan_layout(plan)
-    if not layout.sharded:
-        return None
-    perm = layout.permutation(seq_len)
-    return None if np.array_equal(perm, np.arange(seq_len)) else perm
+    return layout.permutation(seq_len) if layout.reorders else None
+
+
+def layout_positions(seq_len: int) -> jax.Array:
+    """``(seq_len,)`` original positions of the rows of a sequence inside the active step: the
+    layout's order under zig-zag context parallelism (causal attention; the Trainer permutes the
+    data so), else ``arange``. For a model whose batch carries no positions."""
+    ctx = current_step_context()
+    if ctx is None or ctx.attention not in CONTEXT_KINDS:
+        return jnp.arange(seq_len)
+    layout = context_layout(ctx.attention, ctx.rules, dict(ctx.mesh.shape),
+                            ctx.option("load_balance", LoadBalance.ZIGZAG))
+    return jnp.asarray(layout.permutation(seq_len)) if layout.reorders else jnp.arange(seq_len)
+
+
+_CAUSALITY: contextvars.ContextVar[Optional[Set[bool]]] = contextvars.ContextVar("meshtrain_causality", default=None)
+
+
+@contextlib.contextmanager
+def recording_causality() -> Iterator[Set[bool]]:
+    """A set that collects the ``causal`` flag of every context-parallel attention traced inside
+    (``{True}``: the sequence order matters for the mask; ``{False}``: it does not)."""
+    seen: Set[bool] = set()
+    token = _CAUSALITY.set(seen)
+    try:
+        yield seen
+    finally:
+        _CAUSALITY.reset(token)
 
 
 # -- schedule accounting ---------------------------------------------------------------------------
@@ -229,22 +267,37 @@ def _ring_bwd(axes, ring, causal, block, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _repeat_kv_for(k, v, ways: int, n_loc: int, kind: str):
+def ulysses_sizes(heads: int, kv_heads: int, devices: int) -> Tuple[int, ...]:
+    """The all-to-all axis sizes (at most ``devices``) that split ``heads`` query heads and
+    ``kv_heads`` key/value heads (per device): divisors of the query heads that the K/V heads divide
+    or are repeated up to."""
+    return tuple(w for w in range(1, min(heads, devices) + 1)
+                 if heads % w == 0 and (kv_heads % w == 0 or w % kv_heads == 0))
+
+
+def _size_choice(sizes: Tuple[int, ...]) -> str:
+    words = [str(s) for s in sizes]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _repeat_kv_for(k, v, ways: int, n_loc: int, kind: str, devices: int, axes: Tuple[str, ...]):
     """K/V heads for an all-to-all over ``ways`` devices: as they are when they divide ``ways``,
-    repeated up to ``ways`` when ``ways`` is a multiple of them (GQA), else an error."""
+    repeated up to ``ways`` when ``ways`` is a multiple of them (GQA), else an error that lists the
+    axis sizes that work on ``devices`` devices."""
     kv = k.shape[2]
-    if n_loc % ways:
-        raise ConfigError(f"attention {kind!r}: {n_loc} query heads per device are not divisible by the ulysses "
-                          f"axis size {ways}: use a context axis size that divides the heads (after tensor "
-                          f"parallelism), or attention 'ring'")
-    if kv % ways == 0:
+    if n_loc % ways == 0 and kv % ways == 0:
         return k, v
-    if ways % kv or ways > n_loc:
-        raise ConfigError(f"attention {kind!r}: {kv} key/value heads per device neither divide nor are divided by the "
-                          f"ulysses axis size {ways}: use a context axis size that is a multiple or divisor of the "
-                          f"kv heads, or attention 'ring'")
-    rep = ways // kv  # GQA: each device then holds exactly the K/V head its query heads share
-    return jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    if n_loc % ways == 0 and ways % kv == 0:
+        rep = ways // kv  # GQA: each device then holds exactly the K/V head its query heads share
+        return jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    choice = _size_choice(ulysses_sizes(n_loc, kv, devices))
+    fix = (f"use {choice} context devices" if kind == AttentionKind.ULYSSES.value else
+           f"use a {'×'.join(axes)} axis of size {choice}")
+    why = (f"{n_loc} query heads per device are not divisible by" if n_loc % ways else
+           f"{kv} key/value heads per device neither divide nor are divided by")
+    raise ConfigError(f"attention {kind!r}: {why} the ulysses axis size {ways} (its all-to-all gives each device "
+                      f"whole heads): {fix} (the divisors of the {n_loc} query heads, with {kv} key/value heads, "
+                      f"that fit the {devices} devices; after tensor parallelism), or attention 'ring'")
 
 
 def _a2a_in(x, axes):
@@ -255,8 +308,9 @@ def _a2a_out(x, axes):
     return jax.lax.all_to_all(x, axes, 1, 2, tiled=True)  # head-sharded -> seq-sharded
 
 
-def _local_kernel(layout: ContextLayout, causal: bool, t_total: int):
-    """The per-device function for ``layout.kind`` (run under ``shard_map``)."""
+def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: int):
+    """The per-device function for ``layout.kind`` (run under ``shard_map``; ``devices``: the mesh's
+    size, for error messages)."""
     kind = layout.kind
 
     def ring_index(t_loc):
@@ -277,7 +331,7 @@ def _local_kernel(layout: ContextLayout, causal: bool, t_total: int):
             return _ring(q, k, v, ring_index(q.shape[1]), seg, seg, layout.ring_axes, layout.ring, causal,
                          ring_block(q))
         uly = layout.ulysses_axes
-        k, v = _repeat_kv_for(k, v, layout.ulysses, q.shape[2], kind.value)
+        k, v = _repeat_kv_for(k, v, layout.ulysses, q.shape[2], kind.value, devices, uly)
         q2, k2, v2 = _a2a_in(q, uly), _a2a_in(k, uly), _a2a_in(v, uly)
         seg2 = jax.lax.all_gather(seg, uly, axis=1, tiled=True)
         if kind is AttentionKind.ULYSSES:
@@ -302,6 +356,9 @@ def context_attention(q, k, v, segment_ids, causal: bool, layout: ContextLayout,
     rules (``batch``, ``seq``, ``heads`` / ``kv_heads``), so batch / FSDP / TP sharding passes through."""
     b, t, n, h = q.shape
     layout.check_length(t)
+    seen = _CAUSALITY.get()
+    if seen is not None:
+        seen.add(bool(causal))
     sizes = dict(ctx.mesh.shape)
 
     def spec(logical, shape, name):
@@ -320,7 +377,7 @@ def context_attention(q, k, v, segment_ids, causal: bool, layout: ContextLayout,
         raise ConfigError(f"attention {layout.kind.value!r}: query heads are sharded {q_spec[2]!r} but kv heads "
                           f"{kv_spec[2]!r}; make kv_heads divisible by the tensor axis so both shard alike")
     seg = segment_ids if segment_ids is not None else jnp.zeros((b, t), jnp.int32)
-    fn = _local_kernel(layout, causal, t)
+    fn = _local_kernel(layout, causal, t, ctx.mesh.size)
     return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)(
         q, k, v, seg.astype(jnp.int32))
 

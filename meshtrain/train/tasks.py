@@ -17,12 +17,13 @@ import dataclasses
 import functools
 import inspect
 import itertools
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 import jax
 import numpy as np
 from flax import linen, nnx
 
+from meshtrain.annotate import step_context
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.data import BatchIterator, check_token_ids, load_source
 from meshtrain.data.feed import DeviceFeed
@@ -31,8 +32,8 @@ from meshtrain.models import get_config, model_factory
 from meshtrain.models.bert import BertConfig, mlm_loss
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.vit import ViTConfig, vit_loss
-from meshtrain.parallel.context import sequence_permutation
-from meshtrain.train.step import next_token_loss
+from meshtrain.parallel.context import plan_layout, recording_causality
+from meshtrain.train.step import next_token_loss, step_context_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,10 @@ class DataRequest:
     rows: np.ndarray
     split: str  # "train" or "val"
     shardings: Any = None  # the plan's batch shardings (None before the plan exists)
-    #: the token order the plan's attention expects (context parallelism with zig-zag load balance:
-    #: ``batch[:, seq_order]``), or ``None`` for natural order
+    #: for a task whose data reorder themselves (``Task.reorders_seq``): the token order the plan's
+    #: attention expects (causal context parallelism with zig-zag load balance: ``batch[:, seq_order]``),
+    #: or ``None`` for natural order. Any other task's data come in natural order and the Trainer
+    #: reorders every leaf with a ``seq`` axis itself.
     seq_order: Optional[np.ndarray] = None
 
 
@@ -77,13 +80,16 @@ class Task:
     batch_axes: Any = None
     #: the data honour ``DataRequest.seq_order`` (tokens, positions and segment ids reordered together)
     reorders_seq: bool = False
+    #: ``(plan, causal)``: whether this task's model runs causal context-parallel attention under the
+    #: last plan asked about (one abstract trace per plan)
+    _causality: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def feed(self, request: DataRequest, plan, first=None):
         """The iterator the loop reads: global device batches, ``state()``/``restore()``, ``wait_s``.
 
         ``first``: a batch already read (to find the batch layout) from the source that the last
         ``self.data(...)`` call returned; that source is continued, so no batch is seen twice."""
-        request = self._with_seq_order(request, plan)
+        request, seq_order = self._seq_order(request, plan)
         source = None
         if request.split == "train" and first is not None:
             source = self.data.reuse(request) if isinstance(self.data, _Sources) else None
@@ -95,25 +101,60 @@ class Task:
         if source is None:
             source = self.data(request) if request.split == "train" else self.eval_data(request)
         if isinstance(source, BatchIterator):
+            if seq_order is not None:
+                raise ConfigError(f"{self.name} {request.split} data: a meshtrain BatchIterator cannot be reordered "
+                                  f"for recipe {plan.recipe.name!r}'s zig-zag context layout; pass no data= (the "
+                                  f"Trainer then builds the token batches itself) or numpy batches")
             return source
-        return DeviceFeed(source, plan.batch, plan.batch_shardings, first=first,
+        return DeviceFeed(source, plan.batch, plan.batch_shardings, first=first, seq_order=seq_order,
                           name=f"{self.name} {request.split} data")
 
-    def _with_seq_order(self, request: DataRequest, plan) -> DataRequest:
-        """``request`` with the token order the plan's context-parallel attention expects."""
-        seq_leaves = [leaf for _, leaf in plan.batch.leaves() if "seq" in leaf.axes] if plan.batch is not None else []
-        if not seq_leaves:
-            return request
-        order = sequence_permutation(plan, seq_leaves[0].shape[seq_leaves[0].axes.index("seq")])
-        if order is None:
-            return request
-        if not self.reorders_seq:
+    def _seq_order(self, request: DataRequest, plan) -> Tuple[DataRequest, Optional[np.ndarray]]:
+        """``(request, order)``: the sequence order the plan's context-parallel attention expects,
+        either in ``request.seq_order`` (data that reorder themselves) or as the ``order`` the feed
+        applies to every batch leaf with a ``seq`` axis (``None``: natural order).
+
+        Zig-zag order balances *causal* attention only; bidirectional attention is balanced as it
+        is and its result does not depend on the order, so its data stay in natural order (then a
+        model that computes positions itself, ``arange(seq)``, is right too)."""
+        layout = plan_layout(plan)
+        if plan.batch is None or not layout.reorders:
+            return request, None
+        if self.reorders_seq:
+            return dataclasses.replace(request, seq_order=layout.permutation(plan.batch.seq_len)), None
+        if not self._attends_causally(plan):
+            return request, None
+        if all(leaf.seq_dim is None for _, leaf in plan.batch.leaves()):
             raise ConfigError(
-                f"recipe {plan.recipe.name!r} runs attention {plan.recipe.attention.value!r} with zig-zag load "
-                f"balance, which expects each sequence in zig-zag order; this task's data come in natural order. "
-                f"Reorder your batches with meshtrain.parallel.context.sequence_permutation(plan, seq_len) "
-                f"(x[:, perm], positions included), or use --attention ulysses / a recipe without cp")
-        return dataclasses.replace(request, seq_order=order)
+                f"recipe {plan.recipe.name!r} runs causal attention {layout.kind.value!r} with zig-zag load balance, "
+                f"which needs each sequence in zig-zag order, but no batch leaf has a 'seq' axis to reorder: name it, "
+                f"e.g. batch_axes={{'tokens': ('batch', 'seq')}} (positions and masks too), or use --attention "
+                f"ulysses / a recipe without cp")
+        return request, layout.permutation(plan.batch.seq_len)
+
+    def _attends_causally(self, plan) -> bool:
+        memo = self._causality
+        if memo.get("plan") is not plan:
+            causal = attends_causally(self.loss_fn, plan)
+            memo.update(plan=plan, causal=causal)
+            if not causal and jax.process_index() == 0:
+                print(f"meshtrain: {self.name}: bidirectional attention is balanced over the context devices as it "
+                      f"is: the data stay in natural order (the zig-zag order of recipe {plan.recipe.name!r} "
+                      f"balances causal attention only)", flush=True)
+        return memo["causal"]
+
+
+def attends_causally(loss_fn, plan) -> bool:
+    """Whether ``loss_fn`` runs causal context-parallel attention under ``plan``, from one abstract
+    trace of the forward pass (no arrays, nothing compiled)."""
+    a = plan.abstract
+
+    def forward(params, model_state, batch):
+        return loss_fn(nnx.merge(a.graphdef, params, model_state), batch)
+
+    with recording_causality() as seen, jax.set_mesh(plan.mesh), step_context(step_context_for(plan)):
+        jax.eval_shape(forward, a.params, a.model_state, plan.batch.abstract())
+    return True in seen
 
 
 def _eval_variant(loss_fn):
