@@ -217,13 +217,13 @@ class ShardingPlan:
                 rows.append((g, leaf.path, "×".join(map(str, leaf.shape)) or "()",
                              ",".join(str(a) for a in leaf.logical_axes) or "-",
                              str(tuple(leaf.spec)) if leaf.spec else "replicated",
-                             _fmt_bytes(leaf.bytes_per_device), leaf.rule
+                             fmt_bytes(leaf.bytes_per_device), leaf.rule
                              + (" | " + "; ".join(leaf.replicated_dims) if leaf.replicated_dims else "")))
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
         fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         lines += [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 4,))] + [fmt(r) for r in rows]
         b = self.per_device_bytes()
-        lines.append("per device: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in b.items()))
+        lines.append("per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items()))
         return "\n".join(lines)
 
     def __str__(self) -> str:  # printing a plan shows the table
@@ -238,12 +238,22 @@ def _group_bytes(plan: ShardingPlan) -> Dict[str, int]:
     return out
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def fmt_bytes(n: float, spec: str = ".2f", unit: Optional[str] = None) -> str:
+    """``n`` bytes in the largest binary unit it reaches (up to TiB), or in ``unit``, the number formatted
+    with ``spec``; whole bytes print as an integer, infinity as ``unlimited``. The one byte formatter:
+    ``fmt_bytes(3 * 2 ** 29)`` → ``'1.50 GiB'``, ``fmt_bytes(n, ".3g")`` → 3 significant digits."""
+    if math.isinf(n):
+        return "unlimited"
+    if unit is None:
+        power = next((p for p in range(len(BYTE_UNITS) - 1, 0, -1) if abs(n) >= 1024 ** p), 0)
+    else:
+        power = BYTE_UNITS.index(unit)
+    if power == 0:
+        return f"{n:.0f} B"
+    return f"{n / 1024 ** power:{spec}} {BYTE_UNITS[power]}"
 
 
 def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe, memo=None
@@ -442,6 +452,31 @@ def _plan_batch(rules: AxisRules, mesh, recipe: Recipe, layout: BatchLayout):
     return out, layout.map(lambda path, _: plans[path])
 
 
+def gradient_shardings(plan: ShardingPlan):
+    """Where the step keeps the gradients between the backward pass and the optimizer update.
+
+    By default the parameters' shardings (DP all-reduces gradients; FSDP reduce-scatters them
+    because the parameters are sharded). When the recipe's strategies set the step option
+    ``shard_gradients`` (``zero2``), each gradient takes its parameter's *optimizer-state* sharding
+    (the ``optimizer`` rules applied to the parameter's logical axes): the data-parallel reduction
+    becomes a reduce-scatter (XLA:CPU emits all-reduce + dynamic-slice instead), each device keeps
+    and updates 1/N of every gradient, and the updated parameters are all-gathered back to their
+    own (replicated) sharding by the step's output shardings.
+    """
+    if not plan.recipe.shard_gradients:
+        return plan.param_shardings
+    sizes = plan.mesh_sizes
+    replicate_ok = frozenset(plan.recipe.replicate_indivisible)
+
+    def one(keypath, sds):
+        path = path_str(keypath)
+        res = plan.rules.resolve("optimizer", plan.abstract.param_axes[path], sds.shape, sizes, path=path,
+                                 replicate_ok=replicate_ok)
+        return NamedSharding(plan.mesh, res.spec)
+
+    return jax.tree_util.tree_map_with_path(one, plan.abstract.params)
+
+
 def _replication_guard(plan: ShardingPlan) -> None:
     """Fail a sharded recipe that leaves too many bytes replicated, naming the largest leaves."""
     sizes = plan.mesh_sizes
@@ -454,7 +489,7 @@ def _replication_guard(plan: ShardingPlan) -> None:
         repl = plan.replicated(group)
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
-            top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({_fmt_bytes(l.bytes_total)})" for l in repl[:5])
+            top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])
             raise PlanError(
                 f"recipe {plan.recipe.name!r} shards {group} but leaves {fraction:.1%} of their bytes replicated "
                 f"(limit {plan.recipe.max_replicated_fraction:.1%}); largest replicated: {top}. Give these "

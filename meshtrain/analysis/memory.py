@@ -131,8 +131,8 @@ from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
+from meshtrain.plan import gradient_shardings
 from meshtrain.recipes import AttentionKind, Remat, resolve_layer_loop
-from meshtrain.train.step import gradient_shardings
 
 
 class Component(str, enum.Enum):
@@ -435,7 +435,7 @@ def _param_elements(plan) -> Tuple[int, int, int]:
 
 def gradient_bytes(plan, itemsize: Optional[int] = None) -> int:
     """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
-    keeps its gradient in (:func:`meshtrain.train.step.gradient_shardings`: the parameter's own, or its
+    keeps its gradient in (:func:`meshtrain.plan.gradient_shardings`: the parameter's own, or its
     optimizer state's under ``zero2``). ``itemsize``: bytes per element instead of the parameter's dtype
     (floating-point leaves only). Once per layout and ``itemsize``."""
     return cached(plan, ("gradient_bytes", itemsize), lambda p: _gradient_bytes(p, itemsize), layout_only=True)
