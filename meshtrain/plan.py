@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -102,38 +103,10 @@ class ShardingPlan:
     abstract: AbstractState
     batch: Optional[BatchLayout]
 
-    # -- memo -------------------------------------------------------------------------------
-    # The plan is immutable: figures derived from it are computed once (functools.cached_property
-    # stores them in the instance's __dict__, which a frozen dataclass allows).
-    @functools.cached_property
-    def _memo(self) -> Dict[Any, Any]:
-        return {}
-
-    @functools.cached_property
-    def _shared(self) -> Dict[Any, Any]:
-        """Results that depend only on the layout: shared with the plans :meth:`with_recipe` makes."""
-        return {}
-
-    def cached(self, key, fn, *, layout_only: bool = False):
-        """``fn(self)``, computed once per plan and ``key``. ``layout_only``: ``fn`` reads only the leaves,
-        mesh, rules, abstract state and batch (not the recipe), so plans from :meth:`with_recipe` share it."""
-        memo = self._shared if layout_only else self._memo
-        try:
-            return memo[key]
-        except KeyError:
-            out = memo[key] = fn(self)
-            return out
-
-    def with_recipe(self, recipe: Recipe) -> "ShardingPlan":
-        """This plan under ``recipe``, a copy of :attr:`recipe` that differs only in knobs that do not change
-        any leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention):
-        the planner's variants of one layout. The caller vouches for that; nothing is re-resolved."""
-        out = dataclasses.replace(self, recipe=recipe)
-        for name in ("_shared", "_groups", "_sizes"):  # the same leaves and mesh
-            out.__dict__[name] = getattr(self, name)
-        return out
-
     # -- numbers ----------------------------------------------------------------------------
+    # The plan is immutable: its own indexes (sizes, groups, bytes per group) are computed once
+    # (functools.cached_property). Figures the planner derives from a plan live in the planner's memo
+    # (meshtrain.analysis.layout.cached), not here.
     @functools.cached_property
     def _sizes(self) -> Dict[str, int]:
         return dict(self.mesh.shape)
@@ -166,12 +139,20 @@ class ShardingPlan:
         the model has non-parameter variables) and ``total`` (the state: all but ``batch``). With
         ``offload="optimizer"`` the optimizer state's bytes move to ``optimizer_host`` (each device's
         share of host memory) and ``optimizer`` is 0."""
-        sums = self.cached("group_bytes", _group_bytes, layout_only=True)
+        sums = self._group_bytes
         groups = ("params", "optimizer", "batch") + (("model_state",) if self.group("model_state") else ())
         out = {g: sums.get(g, 0) for g in groups}
         if self.recipe.offload is Offload.OPTIMIZER:  # in host memory: off the device's books
             out["optimizer_host"], out["optimizer"] = out["optimizer"], 0
         out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0)
+        return out
+
+    @functools.cached_property
+    def _group_bytes(self) -> Dict[str, int]:
+        """Σ bytes per device of each group's leaves."""
+        out: Dict[str, int] = {}
+        for leaf in self.leaves:
+            out[leaf.group] = out.get(leaf.group, 0) + leaf.bytes_per_device
         return out
 
     def check_batch(self, batch) -> None:
@@ -228,14 +209,6 @@ class ShardingPlan:
 
     def __str__(self) -> str:  # printing a plan shows the table
         return self.describe()
-
-
-def _group_bytes(plan: ShardingPlan) -> Dict[str, int]:
-    """Σ bytes per device of each group's leaves."""
-    out: Dict[str, int] = {}
-    for leaf in plan.leaves:
-        out[leaf.group] = out.get(leaf.group, 0) + leaf.bytes_per_device
-    return out
 
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -358,10 +331,34 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     return plan
 
 
+class IdentityMemo:
+    """Results derived from immutable objects, kept per live object (by identity) and dropped when the object
+    is collected: a memo owned by whoever computes the results, not written into the objects themselves.
+
+    ``memo.slot(obj)`` is ``obj``'s dict of results; ``share_with``: a new object's slot is that dict (a
+    variant of ``obj`` whose results of that kind are the same)."""
+
+    def __init__(self) -> None:
+        self._slots: Dict[int, Dict[Any, Any]] = {}
+
+    def slot(self, obj, share_with: Optional[Dict[Any, Any]] = None) -> Dict[Any, Any]:
+        key = id(obj)
+        found = self._slots.get(key)
+        if found is None:
+            found = self._slots[key] = {} if share_with is None else share_with
+            # removed when obj is collected, before its id can be reused; nothing to do at exit
+            weakref.finalize(obj, self._slots.pop, key, None).atexit = False
+        return found
+
+
+#: make_plan's flattened structures per abstract state (the planner plans one abstract state many times).
+_STRUCTURES = IdentityMemo()
+
+
 def _abstract_cached(abstract: AbstractState, key: str, fn):
     """``fn(abstract)``, once per abstract state (immutable): the flattened structure :func:`make_plan` walks
     for every recipe and mesh."""
-    memo = abstract.__dict__.setdefault("_plan_structure_", {})
+    memo = _STRUCTURES.slot(abstract)
     try:
         return memo[key]
     except KeyError:

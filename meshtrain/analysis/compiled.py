@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.analysis.collectives import Collective, hlo_collectives
+from meshtrain.analysis.layout import cached
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
 from meshtrain.losses import next_token_loss, unpack_loss
@@ -257,11 +258,8 @@ def working_weight_bytes(plan, *, layers_only: bool = False) -> Tuple[int, int]:
     and the part of that which is not the stored parameter itself (gathered or cast copies).
     ``layers_only``: only the stacked layer weights (leading logical axis ``layers``). Once per layout,
     compute dtype and ``layers_only``."""
-    memo = getattr(plan, "cached", None)  # a ShardingPlan: shared by the plans with_recipe makes
-    if memo is None:
-        return _working_weight_bytes(plan, layers_only)
     key = ("working_weight_bytes", layers_only, str(np.dtype(plan.recipe.compute_dtype)))
-    return memo(key, lambda p: _working_weight_bytes(p, layers_only), layout_only=True)
+    return cached(plan, key, lambda p: _working_weight_bytes(p, layers_only), layout_only=True)
 
 
 def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:

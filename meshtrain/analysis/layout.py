@@ -17,6 +17,7 @@ import math
 from typing import Dict, Tuple
 
 from meshtrain.analysis.activations import ActivationSplit
+from meshtrain.plan import IdentityMemo, ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +84,35 @@ def _axes(plan, logical: str) -> Tuple[str, ...]:
     return tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
 
 
+#: The planner's memo of figures derived from plans (immutable): per plan, and per layout (shared by the
+#: variants :func:`plan_variant` makes of one plan).
+_PER_PLAN = IdentityMemo()
+_PER_LAYOUT = IdentityMemo()
+
+
 def cached(plan, key, fn, *, layout_only: bool = False):
-    """``fn(plan)``, memoised on the plan (:meth:`meshtrain.ShardingPlan.cached`; ``layout_only``: ``fn``
-    reads only the leaves, mesh, rules, abstract state and batch, not the recipe's knobs). Anything that
-    is not a ``ShardingPlan`` is computed every time."""
-    memo = getattr(plan, "cached", None)
-    return memo(key, fn, layout_only=layout_only) if memo is not None else fn(plan)
+    """``fn(plan)``, computed once per plan and ``key`` (``layout_only``: ``fn`` reads only the leaves,
+    mesh, rules, abstract state and batch, not the recipe's knobs, so the variants of one plan share it).
+    Anything that is not a ``ShardingPlan`` is computed every time."""
+    if not isinstance(plan, ShardingPlan):
+        return fn(plan)
+    memo = (_PER_LAYOUT if layout_only else _PER_PLAN).slot(plan)
+    try:
+        return memo[key]
+    except KeyError:
+        out = memo[key] = fn(plan)
+        return out
+
+
+def plan_variant(plan, recipe):
+    """``plan`` under ``recipe``, a copy of its recipe that differs only in knobs that do not change any
+    leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention): the
+    planner's variants of one layout, sharing its layout-only figures. The caller vouches for that;
+    nothing is re-resolved."""
+    out = dataclasses.replace(plan, recipe=recipe)
+    if isinstance(plan, ShardingPlan):
+        _PER_LAYOUT.slot(out, share_with=_PER_LAYOUT.slot(plan))
+    return out
 
 
 def layout_of(plan) -> Layout:

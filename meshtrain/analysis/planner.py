@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from meshtrain.analysis.comms import expert_axes
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import cached, layout_of
+from meshtrain.analysis.layout import cached, layout_of, plan_variant
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
 from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
 from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
@@ -251,8 +251,7 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
             mesh = recipe.mesh.abstract(request.num_devices)
             plan = make_plan(abstract, recipe, mesh, batch=BatchSpec(request.global_batch, request.tokens_seq))
         else:
-            plan = base_plan.with_recipe(recipe) if hasattr(base_plan, "with_recipe") else \
-                dataclasses.replace(base_plan, recipe=recipe)
+            plan = plan_variant(base_plan, recipe)
             dp = layout_of(plan).batch_split
             batch_size = cached(plan, "batch_size", lambda p: p.batch.batch_size, layout_only=True)
             if batch_size % (dp * recipe.micro_batches):
