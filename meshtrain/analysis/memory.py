@@ -118,7 +118,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Dict, List, Optional, Tuple
+import functools
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
@@ -127,7 +128,7 @@ from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, ProgramCost, default_loss,  # noqa: F401
                                          has_analytic_model, local_rows, program_cost, working_weight_bytes)
 from meshtrain.analysis.comms import batch_dims
-from meshtrain.analysis.layout import cached, layout_of
+from meshtrain.analysis.layout import Layout, cached, layout_of
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
@@ -158,12 +159,42 @@ TIGHT_FRACTION = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryTerm:
+    """One named part of a component: bytes per device and the formula behind them. ``bytes`` is fractional
+    only where a formula divides (a pipeline's tick weights ÷ r); a term starting "less" is negative."""
+
+    component: Component
+    name: str
+    bytes: float
+    formula: str
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"name": self.name, "bytes": int(self.bytes), "formula": self.formula}
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated bytes per device by component, each with the formula that produced it."""
+    """Estimated bytes per device by component, each with the formula that produced it, and the named
+    terms each component sums (``terms``: those that are not 0 bytes)."""
 
     components: Tuple[Tuple[Component, int], ...]
     formulas: Tuple[Tuple[Component, str], ...]
     source: str = ANALYTIC  # or "from the compiled program" / "from the traced program"
+    terms: Tuple[MemoryTerm, ...] = ()
+
+    @classmethod
+    def of_terms(cls, terms: Tuple[MemoryTerm, ...], formulas: Tuple[Tuple[Component, str], ...],
+                 source: str = ANALYTIC) -> "MemoryEstimate":
+        """Components as the sums of their terms, in the order the terms name them (fractional bytes are
+        summed before truncation)."""
+        sums: Dict[Component, float] = {}
+        for term in terms:
+            sums[term.component] = sums.get(term.component, 0) + term.bytes
+        return cls(tuple((c, int(b)) for c, b in sums.items()), formulas, source,
+                   tuple(t for t in terms if t.bytes))
+
+    def terms_of(self, component: Component) -> List[MemoryTerm]:
+        return [t for t in self.terms if t.component is Component(component)]
 
     @property
     def total(self) -> int:
@@ -183,7 +214,9 @@ class MemoryEstimate:
     def to_dict(self) -> Dict[str, object]:
         f = dict(self.formulas)
         return {"total": self.total, "source": self.source,
-                "components": {c.value: {"bytes": b, "formula": f.get(c, "")} for c, b in self.components}}
+                "components": {c.value: {"bytes": b, "formula": f.get(c, ""),
+                                         "terms": [t.to_dict() for t in self.terms_of(c)]}
+                               for c, b in self.components}}
 
 
 def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost] = None,
@@ -191,9 +224,10 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
     """Per-device memory of ``make_train_step(plan, loss_fn=loss_fn)``.
 
     A decoder ``cfg`` (``DecoderConfig``) uses the analytic formulas (``plan`` may live on an
-    ``AbstractMesh``). Any other ``cfg`` (or ``None``: a user model) is measured on the step's program
-    with ``loss_fn`` (default: the built-in loss of a built-in config), see the module docstring;
-    ``cost`` reuses a :func:`~meshtrain.analysis.compiled.program_cost` already computed.
+    ``AbstractMesh``): each component is a sum of named :class:`MemoryTerm`\\ s (``est.terms``). Any other
+    ``cfg`` (or ``None``: a user model) is measured on the step's program with ``loss_fn`` (default: the
+    built-in loss of a built-in config), see the module docstring; ``cost`` reuses a
+    :func:`~meshtrain.analysis.compiled.program_cost` already computed.
     ``backend``: whose buffer choices to model (``"tpu"``, ``"gpu"``, ``"cpu"`` or a
     :class:`~meshtrain.analysis.comms.Backend`); default: the platform of the plan's devices on a
     ``Mesh``, XLA:CPU's on an ``AbstractMesh`` (see "XLA:TPU" in the module docstring).
@@ -202,6 +236,103 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
         raise ValueError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
     if not has_analytic_model(cfg):
         return program_memory(plan, loss_fn or default_loss(cfg, plan), cost=cost)
+    s = _step_shape(plan, cfg, backend)
+    acts = activation_terms(s)
+    terms = (_state_term(Component.PARAMS, "parameters", s.per["params"], _params_formula(s))
+             + gradient_terms(s, int(_total(acts)))
+             + _state_term(Component.OPTIMIZER, "optimizer state", s.per["optimizer"], _OPTIMIZER_FORMULA)
+             + acts + temporary_terms(s)
+             + _state_term(Component.BATCH, "batch", s.per["batch"], _BATCH_FORMULA))
+    return MemoryEstimate.of_terms(terms, _component_formulas(s))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What the memory terms of one plan and decoder read: the layout, the per-device batch, the activation
+    models, the layer loop, the pipeline and MoE shapes (``L`` layers, ``c`` compute-dtype bytes, ``b_loc``
+    sequences per device per micro-batch, ``t_loc`` their length per device)."""
+
+    plan: Any
+    cfg: Any
+    lay: Layout
+    B: int
+    T: int
+    per: Dict[str, int]
+    elems: int
+    stage_w: int
+    pipe: Any
+    moe: Any
+    acfg: Any
+    wcfg: Any
+    weight_fraction: float
+    model: Any
+    none: Any
+    L: int
+    c: int
+    b_loc: int
+    t_loc: int
+    tpu: bool
+    loop: Any
+    unroll: int
+    straight: bool
+
+    @property
+    def split(self):
+        return self.lay.split()
+
+    @property
+    def remat(self) -> Remat:
+        return self.plan.recipe.remat
+
+    @property
+    def moe_saved(self) -> int:
+        """What an MoE layer saves besides its MLP-width tensors (none with ``remat=full``)."""
+        return self.moe.saved_extra_per_layer if self.moe is not None and self.remat is not Remat.FULL else 0
+
+    @property
+    def layer_saved(self) -> int:
+        """One layer's saved activations under the recipe's remat policy."""
+        return self.model.layer_bytes_per_device(self.acfg, self.B, self.T, self.split) + self.moe_saved
+
+    @property
+    def tensors(self) -> int:
+        """All saved tensors under the recipe's remat policy (MoE extras included)."""
+        return self.model.bytes_per_device(self.acfg, self.B, self.T, self.split) + self.L * self.moe_saved
+
+    @property
+    def casts(self) -> int:
+        """Compute-dtype copies of the weights the backward keeps (every expert's weights are cast)."""
+        B, T, split = self.B, self.T, self.split
+        return (self.model.bytes_per_device(self.wcfg, B, T, split, weight_fraction=self.weight_fraction)
+                - self.model.bytes_per_device(self.wcfg, B, T, split))
+
+    @property
+    def stage_input(self) -> int:
+        """``x = b·T·d·c``: one micro-batch's pipeline stage input on one device."""
+        return self.b_loc * self.t_loc * self.cfg.d_model * self.c
+
+    @functools.cached_property
+    def layer_weights(self) -> int:
+        """``W_layer·c`` where the backward holds the layer's weight gradient as multiplied (scan with a remat
+        policy), ``L·W_layer·c`` unrolled, else 0."""
+        if self.straight:
+            return working_weight_bytes(self.plan, layers_only=True)[0]
+        if self.pipe is None and self.remat is not Remat.NONE and not self.tpu:
+            return working_weight_bytes(self.plan, layers_only=True)[0] // max(self.L, 1)
+        return 0
+
+    @functools.cached_property
+    def attention_blocks(self) -> int:
+        """Bytes of blockwise attention's score blocks (:func:`attention_working_set`)."""
+        return attention_working_set(self.plan, self.cfg, self.b_loc)
+
+    @property
+    def accumulates(self) -> bool:
+        """An f32 gradient accumulator over micro-batches (not pipelines: their schedule accumulates)."""
+        return self.pipe is None and self.lay.micro_batches > 1
+
+
+def _step_shape(plan, cfg, backend) -> StepShape:
     lay = layout_of(plan)
     B, T = batch_dims(plan)
     split = lay.split()
@@ -209,102 +340,162 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
     elems, total_param_bytes, stage_w = cached(plan, "param_elements", _param_elements, layout_only=True)
     pipe = pipeline_shape(plan)
     moe = moe_terms(plan, cfg)
-    acfg = moe.activation_config(cfg) if moe is not None else cfg  # MoE: the dense-equivalent MLP width
     weight_fraction = 0.0
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
         weight_fraction = per["params"] / total_param_bytes
-    attention = plan.recipe.attention
-    remat = plan.recipe.remat
-    L = cfg.n_layers
-    model = saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention)
-    none = saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention)
-    moe_saved = moe.saved_extra_per_layer if moe is not None and remat is not Remat.FULL else 0
-    layer_saved = model.layer_bytes_per_device(acfg, B, T, split) + moe_saved
-    tensors = model.bytes_per_device(acfg, B, T, split) + L * moe_saved
-    wcfg = moe.weight_config(cfg) if moe is not None else cfg  # MoE: every expert's weights are cast
-    casts = model.bytes_per_device(wcfg, B, T, split, weight_fraction=weight_fraction) - \
-        model.bytes_per_device(wcfg, B, T, split)  # compute-dtype copies of the weights the backward keeps
-    layer = none.layer_bytes_per_device(acfg, B, T, split)
-    if moe is not None:
-        layer += moe.saved_extra_per_layer + moe.gathered_per_layer
-    b_loc = B // (split.batch * split.micro_batches)
+    attention, remat = plan.recipe.attention, plan.recipe.remat
     c = np.dtype(lay.compute_dtype).itemsize
-    t_loc = T // max(lay.context, lay.sequence, 1)
-    grads = gradient_bytes(plan)
-    extra_temp, logits_rows, acc = 0, b_loc, ""
     tpu = pipe is None and backend_name(plan, backend) == "tpu" and c < np.dtype(lay.param_dtype).itemsize
-    if tpu:
-        # XLA:TPU fuses f32 upcasts into their consumers: it keeps the backward's compute-dtype gradients
-        # (upcast in the reduction and optimizer update), the compute-dtype logits (upcast in the softmax)
-        # and no f32 copy of the residual stream (upcast in the norms); it keeps the saved residual stream of
-        # the layers twice (the backward loop reads a copy of the forward loop's stack)
-        grads = gradient_bytes(plan, itemsize=c)
-        btd = dict(dims=("B", "T", "d"))
-        tensors += (model.tensor_bytes_per_device(acfg, B, T, split, dtype=lay.compute_dtype, stacked=True, **btd)
-                    - model.tensor_bytes_per_device(acfg, B, T, split) * (4 - c) // 4
-                    - model.tensor_bytes_per_device(acfg, B, T, split, **btd))
-        layer -= none.tensor_bytes_per_device(acfg, B, T, split, per_layer=True, **btd)
     # the layer loop the step runs (scan_layers resolves `auto` with the same function)
-    loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, L, remat, plan.recipe.scan_unroll)
-    straight = pipe is None and not tpu and unroll >= L  # unrolled (or unroll ≥ L): straight-line layers
-    w_layers = 0
-    if straight:
-        # Unrolled, XLA schedules across layers (measured on XLA:CPU, tests/test_analysis_small.py):
-        # * a remat policy saves nothing (the recomputation is scheduled early and kept alive): the residuals
-        #   are remat=none's, less the loop constants (the T² attention mask, fused into each consumer);
-        # * each layer's weights as multiplied stay live from its forward to its backward (slices of the
-        #   stacked parameters; under FSDP the full-size partial weight gradients, which XLA:CPU's merged
-        #   all-reduce keeps until the end of the backward): L·W_layer·c;
-        # * no separate working set: a layer's backward reuses its own residuals' memory; and the gradients
-        #   grow as the residuals die, so only the part of them beyond the residuals adds.
-        moe_none = moe.saved_extra_per_layer if moe is not None else 0
-        acts = (none.bytes_per_device(acfg, B, T, split) + L * moe_none
-                - none.loop_constant_bytes_per_device(acfg, B, T, split))
-        w_layers = working_weight_bytes(plan, layers_only=True)[0]
-        grads = max(grads - acts, 0)
-        layer = w_layers
-        if lay.micro_batches > 1:
-            grads += 4 * elems
-            acc = " + f32 accumulator 4 B × elements per device (micro-batches)"
-    elif pipe is None:
-        acts = tensors + casts
-        if remat is not Remat.NONE and not tpu:
-            # the body's backward holds the recomputed residuals (one layer with remat=none) *and* the layer's
-            # weight gradient as multiplied (full size before its reduction; measured on XLA:CPU: without it
-            # remat=full is 10–15 % under); with remat=none the residuals are already in the activations
-            w_layers = working_weight_bytes(plan, layers_only=True)[0] // max(L, 1)
-            layer += w_layers
-        layer *= unroll  # scan_unroll = k: the loop body's backward holds k layers' working sets
-        if lay.micro_batches > 1:
-            grads += 4 * elems
-            acc = " + f32 accumulator 4 B × elements per device (micro-batches)"
+    loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
+    return StepShape(
+        plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
+        moe.activation_config(cfg) if moe is not None else cfg,  # MoE: the dense-equivalent MLP width
+        moe.weight_config(cfg) if moe is not None else cfg,  # MoE: every expert's weights are cast
+        weight_fraction,
+        saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention),
+        saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention),
+        cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
+        loop, unroll, pipe is None and not tpu and unroll >= cfg.n_layers)  # straight: unrolled (or unroll ≥ L)
+
+
+def _total(terms: Tuple[MemoryTerm, ...]) -> float:
+    return sum(t.bytes for t in terms)
+
+
+def _state_term(component: Component, name: str, nbytes: int, formula: str) -> Tuple[MemoryTerm, ...]:
+    return (MemoryTerm(component, name, nbytes, formula),)
+
+
+def gradient_terms(s: StepShape, activations: int) -> Tuple[MemoryTerm, ...]:
+    """The gradients: ``P`` at the gradients' shardings (XLA:TPU: in the compute dtype); unrolled, only the
+    part beyond the saved activations; plus an f32 accumulator with micro-batches (1f1b: f32 accumulators
+    instead, where larger). ``activations``: the activation component's bytes."""
+    G = Component.GRADIENTS
+    if s.tpu:
+        grads = MemoryTerm(G, "gradients (compute dtype)", gradient_bytes(s.plan, itemsize=s.c),
+                           "elements per device × compute-dtype bytes at the gradients' shardings")
+    elif s.straight:
+        grads = MemoryTerm(G, "gradients beyond the saved activations",
+                           max(gradient_bytes(s.plan) - activations, 0),
+                           "max(P − activations, 0): unrolled, each layer's gradient is made as its residuals die")
     else:
-        m, p = pipe.micro_batches, pipe.stages
-        x = b_loc * t_loc * cfg.d_model * c  # one micro-batch's stage input on one device
-        rest = tensors - L * layer_saved  # embedding output, final norm, logits: outside the stack
-        stack = pipe.stage_activation_bytes(L, layer_saved, x)
-        if pipe.one_f_one_b:
-            acts = stack + rest + m * x + casts  # stash + one micro-batch's head + the embedding outputs
-            # a stage's VJP + the f32 input cotangents + the tick's f32 weight gradient and the new accumulator
-            extra_temp = (L // p) * layer_saved + 4 * m * x // c + 2 * 4 * stage_w
-            if 4 * elems > grads:
-                grads, acc = 4 * elems, " (1f1b: f32 accumulators, 4 B × elements per device)"
-        else:
-            # head on the whole batch + the ring of stage outputs; each tick also keeps the layer group it
-            # indexed (a residual of the tick loop, measured on XLA:CPU)
-            acts = stack + m * (rest + x) + casts + pipe.ticks * stage_w * c / pipe.repeats
-            logits_rows = b_loc * m
-    vocab_split = lay.size(lay.vocab_axes)
-    logits_grad = 4 * logits_rows * (T // lay.context) * cfg.vocab_size // vocab_split
-    blocks = attention_working_set(plan, cfg, b_loc)
-    comps = ((Component.PARAMS, per["params"]), (Component.GRADIENTS, grads), (Component.OPTIMIZER, per["optimizer"]),
-             (Component.ACTIVATIONS, int(acts)),
-             (Component.TEMPORARIES, int((max(layer + blocks, logits_grad) if tpu else layer + logits_grad + blocks)
-                                         + extra_temp)),
-             (Component.BATCH, per["batch"]))
-    act_formula = (f"saved tensors under remat={remat.value}, {lay.compute_dtype}, b={b_loc} per device "
+        grads = MemoryTerm(G, "gradients", gradient_bytes(s.plan), "P: the parameters' bytes at the gradients' "
+                                                                 "shardings")
+    f32 = 4 * s.elems
+    if s.pipe is not None and s.pipe.one_f_one_b and f32 > grads.bytes:
+        return (MemoryTerm(G, "f32 gradient accumulators (1f1b)", f32, "4 B × parameter elements per device"),)
+    if s.accumulates:
+        return grads, MemoryTerm(G, "f32 accumulator (micro-batches)", f32, "4 B × parameter elements per device")
+    return (grads,)
+
+
+def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """What the backward keeps: the saved tensors of the layer loop the step runs (scan, unrolled or a
+    pipeline schedule) and the compute-dtype copies of the weights."""
+    A, B, T, split, L = Component.ACTIVATIONS, s.B, s.T, s.split, s.L
+    casts = MemoryTerm(A, "weight casts", s.casts, "compute-dtype copies of the weights the backward keeps")
+    if s.straight:
+        moe_none = s.moe.saved_extra_per_layer if s.moe is not None else 0
+        return (MemoryTerm(A, "saved tensors (remat=none)", s.none.bytes_per_device(s.acfg, B, T, split),
+                           "unrolled: remat=none's residuals whatever the policy"),
+                MemoryTerm(A, "MoE dispatch buffers", L * moe_none, "L × dispatched rows, expert outputs, f32 router "
+                                                                   "logits/probabilities"),
+                MemoryTerm(A, "less loop constants", -s.none.loop_constant_bytes_per_device(s.acfg, B, T, split),
+                           "the T² loop constants (the dense mask, fused into each consumer)"))
+    if s.pipe is None:
+        saved = (MemoryTerm(A, "saved tensors", s.model.bytes_per_device(s.acfg, B, T, split),
+                            f"the tensors remat={s.remat.value} saves, all layers"),
+                 MemoryTerm(A, "MoE dispatch buffers", L * s.moe_saved, "L × dispatched rows, expert outputs, f32 "
+                                                                        "router logits/probabilities"))
+        return saved + _tpu_activation_terms(s) + (casts,)
+    x, m, pipe = s.stage_input, s.pipe.micro_batches, s.pipe
+    stack = MemoryTerm(A, "pipeline stack", pipe.stage_activation_bytes(L, s.layer_saved, x),
+                       "2p stage inputs 2·p·x (stash)" if pipe.one_f_one_b else "ticks·L/(p·r)·a_layer")
+    rest = s.tensors - L * s.layer_saved  # embedding output, final norm, logits: outside the stack
+    if pipe.one_f_one_b:
+        return (stack, MemoryTerm(A, "outside the stack", rest, "one micro-batch's embedding output, norm, logits"),
+                MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts)
+    return (stack, MemoryTerm(A, "outside the stack and stage outputs", m * (rest + x),
+                              "m × (embedding output, norm, logits + the ring's stage output x)"), casts,
+            MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
+                       "ticks·W_stage·c/r"))
+
+
+def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:TPU's differences from the traced residuals: the logits and the residual stream in the compute
+    dtype (no f32 copies), and the layers' residual stream counted twice (the backward loop reads a copy)."""
+    if not s.tpu:
+        return ()
+    A, B, T, split = Component.ACTIVATIONS, s.B, s.T, s.split
+    btd = dict(dims=("B", "T", "d"))
+    return (MemoryTerm(A, "residual stream copy (XLA:TPU)",
+                       s.model.tensor_bytes_per_device(s.acfg, B, T, split, dtype=s.lay.compute_dtype, stacked=True,
+                                                       **btd), "the layers' saved (b, T, d) stack once more"),
+            MemoryTerm(A, "less f32 upcasts (XLA:TPU)", -(s.model.tensor_bytes_per_device(s.acfg, B, T, split)
+                                                          * (4 - s.c) // 4), "f32 tensors held in the compute dtype"),
+            MemoryTerm(A, "less f32 residual stream (XLA:TPU)",
+                       -s.model.tensor_bytes_per_device(s.acfg, B, T, split, **btd), "no f32 copy of (b, T, d)"))
+
+
+def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """The backward's working set: one layer's (``scan_unroll`` layers'; unrolled: every layer's weights as
+    multiplied), the f32 logits gradient, blockwise attention's score blocks and a pipeline's extras."""
+    M, B, T, split, L = Component.TEMPORARIES, s.B, s.T, s.split, s.L
+    k = s.unroll if s.pipe is None and not s.straight else 1
+    times = f"{k} × " if k > 1 else ""
+    if s.straight:
+        layer = (MemoryTerm(M, "layers' weights as multiplied", s.layer_weights, "L·W_layer·c"),)
+    else:
+        layer = (MemoryTerm(M, "one layer's working set", k * s.none.layer_bytes_per_device(s.acfg, B, T, split),
+                            f"{times}one layer with remat=none"),)
+        if s.moe is not None:
+            layer += (MemoryTerm(M, "MoE buffers and gathered expert weights",
+                                 k * (s.moe.saved_extra_per_layer + s.moe.gathered_per_layer),
+                                 f"{times}(dispatch buffers + expert weights gathered over FSDP and their gradient)"),)
+        if s.tpu:
+            layer += (MemoryTerm(M, "less f32 residual stream (XLA:TPU)",
+                                 -k * s.none.tensor_bytes_per_device(s.acfg, B, T, split, per_layer=True,
+                                                                     dims=("B", "T", "d")),
+                                 "no f32 copy of one layer's (b, T, d)"),)
+        if s.layer_weights:
+            layer += (MemoryTerm(M, "layer's weight gradient as multiplied", k * s.layer_weights,
+                                 f"{times}W_layer·c (remat: recomputed residuals and weight gradient together)"),)
+    blocks = MemoryTerm(M, "attention score blocks", s.attention_blocks,
+                        "4 × 4 B·b·n·bq·bk (blockwise kernels)")
+    logits_rows = s.b_loc * s.pipe.micro_batches if s.pipe is not None and not s.pipe.one_f_one_b else s.b_loc
+    logits_grad = 4 * logits_rows * (T // s.lay.context) * s.cfg.vocab_size // s.lay.size(s.lay.vocab_axes)
+    if s.tpu:  # XLA:TPU finishes the head's backward before the layers': the larger of the two
+        beyond = max(logits_grad - int(_total(layer + (blocks,))), 0)
+        return layer + (blocks, MemoryTerm(M, "f32 logits gradient beyond the working set", beyond,
+                                           "max(4·b·T·V/t − the above, 0)"))
+    terms = layer + (MemoryTerm(M, "f32 logits gradient", logits_grad, "4·b·T·V/t"), blocks)
+    if s.pipe is not None and s.pipe.one_f_one_b:
+        x, m, p = s.stage_input, s.pipe.micro_batches, s.pipe.stages
+        terms += (MemoryTerm(M, "one stage's VJP", (L // p) * s.layer_saved, "L/p layers' saved activations"),
+                  MemoryTerm(M, "f32 input cotangents", 4 * m * x // s.c, "4·m·x/c"),
+                  MemoryTerm(M, "tick's f32 weight gradient and accumulator", 2 * 4 * s.stage_w, "2·4 B·W_stage"))
+    return terms
+
+
+def _params_formula(s: StepShape) -> str:
+    formula = _PARAMS_FORMULA
+    if s.moe is not None:
+        formula += (f"; expert weights {s.moe.expert_bytes_per_device:,} B per device of "
+                    f"{s.moe.expert_bytes_total:,} (÷{s.moe.ep} expert-parallel and the other shardings)")
+    return formula
+
+
+def _component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
+    """Each component's formula in words, with the figures it used (the terms give the parts)."""
+    lay, moe, pipe, L, w_layers = s.lay, s.moe, s.pipe, s.L, s.layer_weights
+    unroll, straight, blocks = s.unroll, s.straight, s.attention_blocks
+    acc = " + f32 accumulator 4 B × elements per device (micro-batches)" if s.accumulates else ""
+    if pipe is not None and pipe.one_f_one_b and 4 * s.elems > gradient_bytes(s.plan):
+        acc = " (1f1b: f32 accumulators, 4 B × elements per device)"
+    act_formula = (f"saved tensors under remat={s.remat.value}, {lay.compute_dtype}, b={s.b_loc} per device "
                    f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"
-                   + (f", ÷{lay.context} on the sequence (context, attention {attention.value})"
+                   + (f", ÷{lay.context} on the sequence (context, attention {s.plan.recipe.attention.value})"
                       if lay.context > 1 else ""))
     temp_formula = ((f"{unroll} layers (scan_unroll) " if unroll > 1 and not straight else "one layer ")
                     + "with remat=none (backward working set)"
@@ -314,7 +505,7 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
                     + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
     grad_formula = "= parameters (same shardings and dtype)"
     if straight:
-        act_formula = (f"layers unrolled ({loop.value}): saved tensors under remat=none (XLA keeps the "
+        act_formula = (f"layers unrolled ({s.loop.value}): saved tensors under remat=none (XLA keeps the "
                        f"recomputation of any remat policy alive), less the T² loop constants; " + act_formula)
         temp_formula = (f"the {L} layers' weights as multiplied L·W_layer·c = {w_layers:,} B (kept from each "
                         "layer's forward to its backward: slices of the stacked parameters, or under FSDP the "
@@ -322,15 +513,12 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
         grad_formula = ("the part of the gradients (= parameters) beyond the saved activations: unrolled, each "
                         "layer's gradient is made as its residuals die")
-    params_formula = "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"
-    if tpu:
+    if s.tpu:
         temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
                         "XLA:TPU finishes the head's backward before the layers'"
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk" if blocks else ""))
         act_formula += "; XLA:TPU: logits in the compute dtype, no f32 copy of the residual stream"
     if moe is not None:
-        params_formula += (f"; expert weights {moe.expert_bytes_per_device:,} B per device of "
-                           f"{moe.expert_bytes_total:,} (÷{moe.ep} expert-parallel and the other shardings)")
         act_formula += (f"; MoE: MLP width → rows·f_e + shared = {moe.d_ff_equivalent} ({moe.rows:.3g} expert rows "
                         f"per token), + dispatched rows, expert outputs and f32 router logits/probabilities "
                         f"{moe.saved_extra_per_layer:,} B per layer")
@@ -338,6 +526,7 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
                                                           f"gradient {moe.gathered_per_layer:,} B"
                                                           if moe.gathered_per_layer else ""))
     if pipe is not None:
+        p, x = pipe.stages, s.stage_input
         if pipe.one_f_one_b:
             act_formula += (f"; pipeline {pipe.describe()}: stash of 2p stage inputs 2·{p}·x + one micro-batch "
                             f"outside the stack + m embedding outputs (x = b·T·d·c = {x:,} B)")
@@ -348,16 +537,20 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
                             f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B) + the layer group "
                             f"each tick indexes ticks·W_stage·c/r")
             temp_formula += "; logits gradient over the whole batch (b·m rows: the head runs after the schedule)"
-    formulas = (
-        (Component.PARAMS, params_formula),
+    return (
+        (Component.PARAMS, _params_formula(s)),
         (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
-                               "optimizer update)" if tpu else grad_formula) + acc),
-        (Component.OPTIMIZER, "Σ optimizer-state leaves ÷ shards (plan)"),
+                               "optimizer update)" if s.tpu else grad_formula) + acc),
+        (Component.OPTIMIZER, _OPTIMIZER_FORMULA),
         (Component.ACTIVATIONS, act_formula),
         (Component.TEMPORARIES, temp_formula),
-        (Component.BATCH, "input arrays (plan)"),
+        (Component.BATCH, _BATCH_FORMULA),
     )
-    return MemoryEstimate(comps, formulas)
+
+
+_PARAMS_FORMULA = "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"
+_OPTIMIZER_FORMULA = "Σ optimizer-state leaves ÷ shards (plan)"
+_BATCH_FORMULA = "input arrays (plan)"
 
 
 def attention_working_set(plan, cfg, b_loc: int) -> int:
@@ -376,9 +569,9 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
     """Per-device memory of the step of any model, from its compiled or traced program (module docstring)."""
     cost = cost if cost is not None else program_cost(plan, loss_fn)
     per = plan.per_device_bytes()
-    state = ((Component.PARAMS, per["params"], "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"),
-             (Component.OPTIMIZER, per["optimizer"], "Σ optimizer-state leaves ÷ shards (plan)"),
-             (Component.BATCH, per["batch"], "input arrays (plan)"))
+    state = ((Component.PARAMS, per["params"], _PARAMS_FORMULA),
+             (Component.OPTIMIZER, per["optimizer"], _OPTIMIZER_FORMULA),
+             (Component.BATCH, per["batch"], _BATCH_FORMULA))
     if cost.source == COMPILED:
         m = cost.memory
         other = m.argument + m.output - m.alias - per["params"] - per["optimizer"] - per["batch"]
@@ -404,7 +597,13 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
                                            "FSDP axes or cast to the compute dtype (Σ E·c ÷ non-batch shards); "
                                            "XLA working buffers not included"),
             (Component.OTHER, per.get("model_state", 0), "model state (plan)"))
-    return MemoryEstimate(tuple((c, int(b)) for c, b, _ in rows), tuple((c, f) for c, _, f in rows), cost.source)
+    return _of_rows(rows, cost.source)
+
+
+def _of_rows(rows, source: str) -> MemoryEstimate:
+    """An estimate of one term per component from ``(component, bytes, formula)`` rows."""
+    return MemoryEstimate.of_terms(tuple(MemoryTerm(c, c.value, int(b), f) for c, b, f in rows),
+                                   tuple((c, f) for c, _, f in rows), source)
 
 
 _GRAD_FORMULA = ("Σ parameter elements × dtype bytes ÷ the shards of the gradient's sharding (the parameter's; "
@@ -464,12 +663,12 @@ def state_memory(plan) -> MemoryEstimate:
     """Parameters, gradients (``P``), optimizer state, batch and model state per device, from the plan
     alone: what is known without a loss function (a lower bound on the step's memory)."""
     per = plan.per_device_bytes()
-    rows = ((Component.PARAMS, per["params"], "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"),
+    rows = ((Component.PARAMS, per["params"], _PARAMS_FORMULA),
             (Component.GRADIENTS, gradient_bytes(plan), _GRAD_FORMULA),
-            (Component.OPTIMIZER, per["optimizer"], "Σ optimizer-state leaves ÷ shards (plan)"),
-            (Component.BATCH, per["batch"], "input arrays (plan)"),
+            (Component.OPTIMIZER, per["optimizer"], _OPTIMIZER_FORMULA),
+            (Component.BATCH, per["batch"], _BATCH_FORMULA),
             (Component.OTHER, per.get("model_state", 0), "model state (plan)"))
-    return MemoryEstimate(tuple((c, int(b)) for c, b, _ in rows), tuple((c, f) for c, _, f in rows), STATE_ONLY)
+    return _of_rows(rows, STATE_ONLY)
 
 
 class ZeroStage(int, enum.Enum):

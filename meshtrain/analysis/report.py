@@ -266,6 +266,9 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
     formulas = dict(mem.formulas)
     for c, b in mem.components:
         lines.append(f"  {c.value:16s} {fmt_bytes(b, SIG3):>12s}  {formulas[c]}")
+        terms = mem.terms_of(c)
+        if len(terms) > 1:  # the sum's parts, each with its formula
+            lines += [f"  {'':16s} {fmt_bytes(t.bytes, SIG3):>12s}    + {t.name}: {t.formula}" for t in terms]
     lines += ["", f"collectives per step ({a['ops_source']}; bytes = result per device):"]
     lines += _collective_rows(a)
     lines += moe_lines(moe_summary(plan, cfg, a["backend"]))
