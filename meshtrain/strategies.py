@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
-from meshtrain.axes import MESH_AXES
+from meshtrain.axes import LOGICAL_AXES, MESH_AXES
 from meshtrain.errors import RecipeError
 from meshtrain.rules import TABLES, AxisRules, Rule
 
@@ -95,9 +95,33 @@ def strategies() -> Dict[str, Strategy]:
     return dict(_STRATEGIES)
 
 
+#: compose() / step_options() results by (names, the registered Strategy objects, logical axes known):
+#: pure functions of those, and recipes call them on every copy (the planner makes thousands).
+_COMPOSED: Dict[Tuple, Tuple[AxisRules, Dict[str, str]]] = {}
+_OPTIONS: Dict[Tuple, Dict[str, Any]] = {}
+
+
+def _cache_key(names: Tuple[str, ...]):
+    try:
+        return names, tuple(_STRATEGIES[n] for n in names), tuple(LOGICAL_AXES)
+    except KeyError:  # an unknown name: not cached, the uncached path raises the error
+        return None
+
+
 def compose(names: Iterable[str]) -> Tuple[AxisRules, Dict[str, str]]:
     """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy)."""
-    return _compose(tuple(names))
+    names = tuple(names)
+    key = _cache_key(names)
+    try:
+        hit = _COMPOSED.get(key) if key is not None else None
+    except TypeError:  # a strategy with unhashable options
+        key, hit = None, None
+    if hit is None:
+        hit = _compose(names)
+        if key is not None:
+            _COMPOSED[key] = hit
+    rules, owners = hit
+    return rules, dict(owners)
 
 
 def _compose(names: Tuple[str, ...]) -> Tuple[AxisRules, Dict[str, str]]:
@@ -131,7 +155,17 @@ def _compose(names: Tuple[str, ...]) -> Tuple[AxisRules, Dict[str, str]]:
 def step_options(names: Iterable[str]) -> Dict[str, Any]:
     """The step options the strategies ``names`` set together; two strategies setting one option to
     different values is an error naming both."""
-    return _step_options(tuple(names))
+    names = tuple(names)
+    key = _cache_key(names)
+    try:
+        hit = _OPTIONS.get(key) if key is not None else None
+    except TypeError:
+        key, hit = None, None
+    if hit is None:
+        hit = _step_options(names)
+        if key is not None:
+            _OPTIONS[key] = hit
+    return dict(hit)
 
 
 def _step_options(names: Tuple[str, ...]) -> Dict[str, Any]:

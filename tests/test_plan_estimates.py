@@ -100,7 +100,7 @@ def test_the_planner_memo_lives_in_the_planner_not_in_the_core_objects():
     assert layout_of(variant) is not layout_of(plan)  # per plan: the layout reads the recipe's knobs
 
     # dropped with the plan
-    slots = (len(_PER_PLAN._slots), len(_PER_LAYOUT._slots), len(_STRUCTURES._slots))
+    slots = (len(_PER_PLAN), len(_PER_LAYOUT), len(_STRUCTURES))
     del plan, variant, first, calls
     gc.collect()
-    assert (len(_PER_PLAN._slots), len(_PER_LAYOUT._slots), len(_STRUCTURES._slots)) < slots
+    assert (len(_PER_PLAN), len(_PER_LAYOUT), len(_STRUCTURES)) < slots

@@ -78,9 +78,9 @@ class Layout:
         return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
 
 
-def _axes(plan, logical: str) -> Tuple[str, ...]:
-    rule = plan.rules.table("activations").get(logical)
-    sizes = plan.mesh_sizes
+def _split_axes(table, sizes, logical: str) -> Tuple[str, ...]:
+    """The mesh axes (of size > 1) the activation rule for ``logical`` splits over."""
+    rule = table.get(logical)
     return tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
 
 
@@ -94,9 +94,12 @@ def cached(plan, key, fn, *, layout_only: bool = False):
     """``fn(plan)``, computed once per plan and ``key`` (``layout_only``: ``fn`` reads only the leaves,
     mesh, rules, abstract state and batch, not the recipe's knobs, so the variants of one plan share it).
     Anything that is not a ``ShardingPlan`` is computed every time."""
-    if not isinstance(plan, ShardingPlan):
-        return fn(plan)
-    memo = (_PER_LAYOUT if layout_only else _PER_PLAN).slot(plan)
+    memos = _PER_LAYOUT if layout_only else _PER_PLAN
+    memo = memos.get(id(plan))  # the planner asks this ~20 times per candidate: the fast path first
+    if memo is None:
+        if not isinstance(plan, ShardingPlan):
+            return fn(plan)
+        memo = memos.slot(plan)
     try:
         return memo[key]
     except KeyError:
@@ -123,6 +126,7 @@ def layout_of(plan) -> Layout:
 def _layout_of(plan) -> Layout:
     r = plan.recipe
     dcn = tuple(a for a, s in r.mesh.dcn if s > 1)
-    return Layout(tuple(plan.mesh_sizes.items()), _axes(plan, "batch"), _axes(plan, "heads"),
-                  _axes(plan, "residual_seq"), _axes(plan, "vocab"), r.micro_batches, r.param_dtype,
-                  r.compute_dtype, dcn, _axes(plan, "seq"))
+    sizes, table = plan.mesh_sizes, plan.rules.table("activations")  # read once for the five axes
+    axes = lambda logical: _split_axes(table, sizes, logical)  # noqa: E731
+    return Layout(tuple(sizes.items()), axes("batch"), axes("heads"), axes("residual_seq"), axes("vocab"),
+                  r.micro_batches, r.param_dtype, r.compute_dtype, dcn, axes("seq"))

@@ -41,7 +41,7 @@ class Component(str, enum.Enum):
     OTHER = "other"  # model state, step counter, non-donated outputs (estimates for any model)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # thousands per planner search: no __dict__ each
 class MemoryTerm:
     """One named part of a component: bytes per device and the formula behind them. ``bytes`` is fractional
     only where a formula divides (a pipeline's tick weights ÷ r); a term starting "less" is negative."""
@@ -106,29 +106,29 @@ class StepShape:
     def remat(self) -> Remat:
         return self.plan.recipe.remat
 
-    @property
+    @functools.cached_property
     def moe_saved(self) -> int:
         """What an MoE layer saves besides its MLP-width tensors (none with ``remat=full``)."""
         return self.moe.saved_extra_per_layer if self.moe is not None and self.remat is not Remat.FULL else 0
 
-    @property
+    @functools.cached_property
     def layer_saved(self) -> int:
         """One layer's saved activations under the recipe's remat policy."""
         return self.model.layer_bytes_per_device(self.acfg, self.B, self.T, self.split) + self.moe_saved
 
-    @property
+    @functools.cached_property
     def tensors(self) -> int:
         """All saved tensors under the recipe's remat policy (MoE extras included)."""
         return self.model.bytes_per_device(self.acfg, self.B, self.T, self.split) + self.L * self.moe_saved
 
-    @property
+    @functools.cached_property
     def casts(self) -> int:
         """Compute-dtype copies of the weights the backward keeps (every expert's weights are cast)."""
         B, T, split = self.B, self.T, self.split
         return (self.model.bytes_per_device(self.wcfg, B, T, split, weight_fraction=self.weight_fraction)
                 - self.model.bytes_per_device(self.wcfg, B, T, split))
 
-    @property
+    @functools.cached_property
     def stage_input(self) -> int:
         """``x = b·T·d·c``: one micro-batch's pipeline stage input on one device."""
         return self.b_loc * self.t_loc * self.cfg.d_model * self.c
@@ -158,7 +158,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     lay = layout_of(plan)
     B, T = batch_dims(plan)
     split = lay.split()
-    per = plan.per_device_bytes()
+    # the variants of one layout share its bytes per group (their recipes differ in no placement)
+    per = cached(plan, "per_device_bytes", lambda p: p.per_device_bytes(), layout_only=True)
     elems, total_param_bytes, stage_w = cached(plan, "param_elements", _param_elements, layout_only=True)
     pipe = pipeline_shape(plan)
     moe = moe_terms(plan, cfg)
