@@ -107,6 +107,12 @@ def cached(plan, key, fn, *, layout_only: bool = False):
         return out
 
 
+def per_device_bytes(plan) -> Dict[str, int]:
+    """``plan.per_device_bytes()``, once per layout (a variant's recipe places nothing differently); not to
+    be modified."""
+    return cached(plan, "per_device_bytes", lambda p: p.per_device_bytes(), layout_only=True)
+
+
 def plan_variant(plan, recipe):
     """``plan`` under ``recipe``, a copy of its recipe that differs only in knobs that do not change any
     leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention): the

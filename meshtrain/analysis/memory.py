@@ -135,12 +135,20 @@ TIGHT_FRACTION = 0.9
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Estimated bytes per device by component, each with the formula that produced it, and the named
-    terms each component sums (``terms``: those that are not 0 bytes)."""
+    terms each component sums (:attr:`terms`: those that are not 0 bytes).
+
+    The terms are kept as plain ``(component, name, bytes, formula)`` tuples of strings and numbers
+    (``term_rows``), which the garbage collector stops tracking: the planner keeps an estimate for each of
+    thousands of candidates, and tracked objects make every full collection slower."""
 
     components: Tuple[Tuple[Component, int], ...]
     formulas: Tuple[Tuple[Component, str], ...]
     source: str = ANALYTIC  # or "from the compiled program" / "from the traced program"
-    terms: Tuple[MemoryTerm, ...] = ()
+    term_rows: Tuple[Tuple[str, str, float, str], ...] = ()
+
+    @property
+    def terms(self) -> Tuple[MemoryTerm, ...]:
+        return tuple(MemoryTerm(Component(c), name, b, f) for c, name, b, f in self.term_rows)
 
     @classmethod
     def of_terms(cls, terms: Tuple[MemoryTerm, ...], formulas: Tuple[Tuple[Component, str], ...],
@@ -151,7 +159,7 @@ class MemoryEstimate:
         for term in terms:
             sums[term.component] = sums.get(term.component, 0) + term.bytes
         return cls(tuple((c, int(b)) for c, b in sums.items()), formulas, source,
-                   tuple(t for t in terms if t.bytes))
+                   tuple((t.component.value, t.name, t.bytes, t.formula) for t in terms if t.bytes))
 
     def terms_of(self, component: Component) -> List[MemoryTerm]:
         return [t for t in self.terms if t.component is Component(component)]

@@ -23,7 +23,7 @@ import numpy as np
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import working_weight_bytes
 from meshtrain.analysis.comms import batch_dims
-from meshtrain.analysis.layout import Layout, cached, layout_of
+from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
@@ -158,8 +158,7 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     lay = layout_of(plan)
     B, T = batch_dims(plan)
     split = lay.split()
-    # the variants of one layout share its bytes per group (their recipes differ in no placement)
-    per = cached(plan, "per_device_bytes", lambda p: p.per_device_bytes(), layout_only=True)
+    per = per_device_bytes(plan)
     elems, total_param_bytes, stage_w = cached(plan, "param_elements", _param_elements, layout_only=True)
     pipe = pipeline_shape(plan)
     moe = moe_terms(plan, cfg)
