@@ -28,7 +28,8 @@ from meshtrain.recipes import (BUILTIN_RECIPES, AttentionKind, LayerLoop, Offloa
 from meshtrain.rules import AxisRules, Rule
 from meshtrain.strategies import register_strategy
 from meshtrain.state import TrainState, abstract_train_state, init_state, state_shardings
-from meshtrain.train.step import LossFn, NonFinite, make_eval_step, make_grad_fn, make_train_step, next_token_loss
+from meshtrain.losses import LossFn, next_token_loss
+from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_train_step
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -102,38 +103,10 @@ class ShardingPlan:
     abstract: AbstractState
     batch: Optional[BatchLayout]
 
-    # -- memo -------------------------------------------------------------------------------
-    # The plan is immutable: figures derived from it are computed once (functools.cached_property
-    # stores them in the instance's __dict__, which a frozen dataclass allows).
-    @functools.cached_property
-    def _memo(self) -> Dict[Any, Any]:
-        return {}
-
-    @functools.cached_property
-    def _shared(self) -> Dict[Any, Any]:
-        """Results that depend only on the layout: shared with the plans :meth:`with_recipe` makes."""
-        return {}
-
-    def cached(self, key, fn, *, layout_only: bool = False):
-        """``fn(self)``, computed once per plan and ``key``. ``layout_only``: ``fn`` reads only the leaves,
-        mesh, rules, abstract state and batch (not the recipe), so plans from :meth:`with_recipe` share it."""
-        memo = self._shared if layout_only else self._memo
-        try:
-            return memo[key]
-        except KeyError:
-            out = memo[key] = fn(self)
-            return out
-
-    def with_recipe(self, recipe: Recipe) -> "ShardingPlan":
-        """This plan under ``recipe``, a copy of :attr:`recipe` that differs only in knobs that do not change
-        any leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention):
-        the planner's variants of one layout. The caller vouches for that; nothing is re-resolved."""
-        out = dataclasses.replace(self, recipe=recipe)
-        for name in ("_shared", "_groups", "_sizes"):  # the same leaves and mesh
-            out.__dict__[name] = getattr(self, name)
-        return out
-
     # -- numbers ----------------------------------------------------------------------------
+    # The plan is immutable: its own indexes (sizes, groups, bytes per group) are computed once
+    # (functools.cached_property). Figures the planner derives from a plan live in the planner's memo
+    # (meshtrain.analysis.layout.cached), not here.
     @functools.cached_property
     def _sizes(self) -> Dict[str, int]:
         return dict(self.mesh.shape)
@@ -166,12 +139,20 @@ class ShardingPlan:
         the model has non-parameter variables) and ``total`` (the state: all but ``batch``). With
         ``offload="optimizer"`` the optimizer state's bytes move to ``optimizer_host`` (each device's
         share of host memory) and ``optimizer`` is 0."""
-        sums = self.cached("group_bytes", _group_bytes, layout_only=True)
+        sums = self._group_bytes
         groups = ("params", "optimizer", "batch") + (("model_state",) if self.group("model_state") else ())
         out = {g: sums.get(g, 0) for g in groups}
         if self.recipe.offload is Offload.OPTIMIZER:  # in host memory: off the device's books
             out["optimizer_host"], out["optimizer"] = out["optimizer"], 0
         out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0)
+        return out
+
+    @functools.cached_property
+    def _group_bytes(self) -> Dict[str, int]:
+        """Σ bytes per device of each group's leaves."""
+        out: Dict[str, int] = {}
+        for leaf in self.leaves:
+            out[leaf.group] = out.get(leaf.group, 0) + leaf.bytes_per_device
         return out
 
     def check_batch(self, batch) -> None:
@@ -217,33 +198,35 @@ class ShardingPlan:
                 rows.append((g, leaf.path, "×".join(map(str, leaf.shape)) or "()",
                              ",".join(str(a) for a in leaf.logical_axes) or "-",
                              str(tuple(leaf.spec)) if leaf.spec else "replicated",
-                             _fmt_bytes(leaf.bytes_per_device), leaf.rule
+                             fmt_bytes(leaf.bytes_per_device), leaf.rule
                              + (" | " + "; ".join(leaf.replicated_dims) if leaf.replicated_dims else "")))
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
         fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         lines += [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 4,))] + [fmt(r) for r in rows]
         b = self.per_device_bytes()
-        lines.append("per device: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in b.items()))
+        lines.append("per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items()))
         return "\n".join(lines)
 
     def __str__(self) -> str:  # printing a plan shows the table
         return self.describe()
 
 
-def _group_bytes(plan: ShardingPlan) -> Dict[str, int]:
-    """Σ bytes per device of each group's leaves."""
-    out: Dict[str, int] = {}
-    for leaf in plan.leaves:
-        out[leaf.group] = out.get(leaf.group, 0) + leaf.bytes_per_device
-    return out
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+def fmt_bytes(n: float, spec: str = ".2f", unit: Optional[str] = None) -> str:
+    """``n`` bytes in the largest binary unit it reaches (up to TiB), or in ``unit``, the number formatted
+    with ``spec``; whole bytes print as an integer, infinity as ``unlimited``. The one byte formatter:
+    ``fmt_bytes(3 * 2 ** 29)`` → ``'1.50 GiB'``, ``fmt_bytes(n, ".3g")`` → 3 significant digits."""
+    if math.isinf(n):
+        return "unlimited"
+    if unit is None:
+        power = next((p for p in range(len(BYTE_UNITS) - 1, 0, -1) if abs(n) >= 1024 ** p), 0)
+    else:
+        power = BYTE_UNITS.index(unit)
+    if power == 0:
+        return f"{n:.0f} B"
+    return f"{n / 1024 ** power:{spec}} {BYTE_UNITS[power]}"
 
 
 def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe, memo=None
@@ -348,10 +331,48 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     return plan
 
 
+class _KeyedRef(weakref.ref):
+    """A weak reference that remembers the memo key of its object."""
+
+    __slots__ = ("key",)
+
+
+class IdentityMemo(Dict[int, Dict[Any, Any]]):
+    """Results derived from immutable objects, kept per live object (by identity) and dropped when the object
+    is collected: a memo owned by whoever computes the results, not written into the objects themselves.
+
+    ``memo.slot(obj)`` is ``obj``'s dict of results (``memo.get(id(obj))``: the same, ``None`` before the
+    first); ``share_with``: a new object's slot is that dict (a variant of ``obj`` whose results of that kind
+    are the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: Dict[int, _KeyedRef] = {}
+
+    def slot(self, obj, share_with: Optional[Dict[Any, Any]] = None) -> Dict[Any, Any]:
+        key = id(obj)
+        found = self.get(key)
+        if found is None:
+            found = self[key] = {} if share_with is None else share_with
+            # dropped when obj is collected, before its id can be reused (a bare weak reference: the planner
+            # makes thousands of plans, and heavier finalizers cost garbage-collector time)
+            ref = self._refs[key] = _KeyedRef(obj, self._drop)
+            ref.key = key
+        return found
+
+    def _drop(self, ref: _KeyedRef) -> None:
+        self.pop(ref.key, None)
+        self._refs.pop(ref.key, None)
+
+
+#: make_plan's flattened structures per abstract state (the planner plans one abstract state many times).
+_STRUCTURES = IdentityMemo()
+
+
 def _abstract_cached(abstract: AbstractState, key: str, fn):
     """``fn(abstract)``, once per abstract state (immutable): the flattened structure :func:`make_plan` walks
     for every recipe and mesh."""
-    memo = abstract.__dict__.setdefault("_plan_structure_", {})
+    memo = _STRUCTURES.slot(abstract)
     try:
         return memo[key]
     except KeyError:
@@ -442,6 +463,31 @@ def _plan_batch(rules: AxisRules, mesh, recipe: Recipe, layout: BatchLayout):
     return out, layout.map(lambda path, _: plans[path])
 
 
+def gradient_shardings(plan: ShardingPlan):
+    """Where the step keeps the gradients between the backward pass and the optimizer update.
+
+    By default the parameters' shardings (DP all-reduces gradients; FSDP reduce-scatters them
+    because the parameters are sharded). When the recipe's strategies set the step option
+    ``shard_gradients`` (``zero2``), each gradient takes its parameter's *optimizer-state* sharding
+    (the ``optimizer`` rules applied to the parameter's logical axes): the data-parallel reduction
+    becomes a reduce-scatter (XLA:CPU emits all-reduce + dynamic-slice instead), each device keeps
+    and updates 1/N of every gradient, and the updated parameters are all-gathered back to their
+    own (replicated) sharding by the step's output shardings.
+    """
+    if not plan.recipe.shard_gradients:
+        return plan.param_shardings
+    sizes = plan.mesh_sizes
+    replicate_ok = frozenset(plan.recipe.replicate_indivisible)
+
+    def one(keypath, sds):
+        path = path_str(keypath)
+        res = plan.rules.resolve("optimizer", plan.abstract.param_axes[path], sds.shape, sizes, path=path,
+                                 replicate_ok=replicate_ok)
+        return NamedSharding(plan.mesh, res.spec)
+
+    return jax.tree_util.tree_map_with_path(one, plan.abstract.params)
+
+
 def _replication_guard(plan: ShardingPlan) -> None:
     """Fail a sharded recipe that leaves too many bytes replicated, naming the largest leaves."""
     sizes = plan.mesh_sizes
@@ -454,7 +500,7 @@ def _replication_guard(plan: ShardingPlan) -> None:
         repl = plan.replicated(group)
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
-            top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({_fmt_bytes(l.bytes_total)})" for l in repl[:5])
+            top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])
             raise PlanError(
                 f"recipe {plan.recipe.name!r} shards {group} but leaves {fraction:.1%} of their bytes replicated "
                 f"(limit {plan.recipe.max_replicated_fraction:.1%}); largest replicated: {top}. Give these "

@@ -33,7 +33,8 @@ class MasterWeightsState(NamedTuple):
     inner: Any
 
 
-def _floats_as(tree, dtype):
+def cast_floats(tree, dtype):
+    """Every floating leaf of ``tree`` as ``dtype`` (integer and key leaves unchanged)."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
@@ -48,13 +49,13 @@ def master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> op
     dtype = jnp.dtype(dtype)
 
     def init(params):
-        master = _floats_as(params, dtype)
+        master = cast_floats(params, dtype)
         return MasterWeightsState(master, inner.init(master))
 
     def update(grads, state, params=None):
         if params is None:
             raise ValueError("master_weights.update needs params (the working parameters it rounds to)")
-        updates, inner_state = inner.update(_floats_as(grads, dtype), state.inner, state.master)
+        updates, inner_state = inner.update(cast_floats(grads, dtype), state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
         # f32 differences: p + (round(m) - p) is exact in f32 for any two bf16 values, so apply_updates
         # (which adds in f32 and casts back) yields round(m) bit for bit.

@@ -108,20 +108,14 @@ class AxisRules:
         return cls.of(params=base, activations=base, source="default")
 
     def table(self, kind: str) -> Dict[str, Rule]:
-        return dict(self._table(kind))  # each caller gets its own copy
+        return self._table(kind)
 
     def _table(self, kind: str) -> Dict[str, Rule]:
-        """:meth:`table`, built once per instance (the rules are immutable): not to be modified."""
-        tables = self.__dict__.setdefault("_tables", {})
-        hit = tables.get(kind)
-        if hit is None:
-            if kind not in TABLES:
-                raise RulesError(f"unknown rules table {kind!r}; use one of {TABLES}")
-            hit = {r.logical: r for r in getattr(self, kind)}
-            if kind == "optimizer":
-                hit = {**self._table("params"), **hit}
-            tables[kind] = hit
-        return hit
+        """``{logical name: rule}`` of table ``kind`` (``optimizer``: over ``params``), a new dict per call."""
+        if kind not in TABLES:
+            raise RulesError(f"unknown rules table {kind!r}; use one of {TABLES}")
+        table = {r.logical: r for r in getattr(self, kind)}
+        return {**self._table("params"), **table} if kind == "optimizer" else table
 
     def overridden_by(self, other: "AxisRules") -> "AxisRules":
         """A copy where every rule of ``other`` replaces this one's rule for the same name (a

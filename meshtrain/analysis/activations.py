@@ -34,11 +34,12 @@ import numpy as np
 
 from meshtrain.abstract import abstract_state
 from meshtrain.annotate import StepContext, step_context
+from meshtrain.losses import next_token_loss
 from meshtrain.mesh import MeshSpec
 from meshtrain.models.decoder import Decoder, DecoderConfig
+from meshtrain.precision import cast_floats
 from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.rules import AxisRules
-from meshtrain.train.step import cast_floats, next_token_loss
 
 #: Probe sizes: distinct primes, so every dimension of a saved tensor factors into them.
 #: ``n_heads = kv·g`` and ``head_dim = 2·hh`` (rotary embeddings split the head in halves).

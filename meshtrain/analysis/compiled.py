@@ -42,14 +42,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.analysis.collectives import Collective, hlo_collectives
+from meshtrain.analysis.layout import cached
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
+from meshtrain.losses import next_token_loss, unpack_loss
 from meshtrain.models.bert import BertConfig, mlm_loss
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.flops import jaxpr_flops  # noqa: F401 (re-export)
 from meshtrain.models.vit import ViTConfig, vit_loss
+from meshtrain.precision import cast_floats
 from meshtrain.state import abstract_train_state
-from meshtrain.train.step import make_train_step, next_token_loss, unpack_loss
+from meshtrain.train.step import make_train_step
 
 #: Where a figure came from (``MemoryEstimate.source``, ``StepTimeEstimate.source``).
 ANALYTIC = "analytic"
@@ -210,8 +213,8 @@ def _residuals(plan, loss_fn, rows: int):
     def residuals(params, model_state, batch):
         def loss(params):
             with step_context(ctx):
-                cast = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-                return unpack_loss(loss_fn(nnx.merge(graphdef, cast, model_state), batch), loss_fn)[0]
+                model = nnx.merge(graphdef, cast_floats(params, dtype), model_state)
+                return unpack_loss(loss_fn(model, batch), loss_fn)[0]
         return jax.tree.leaves(jax.vjp(loss, params)[1])
 
     with jax.sharding.use_abstract_mesh(mesh):
@@ -255,11 +258,8 @@ def working_weight_bytes(plan, *, layers_only: bool = False) -> Tuple[int, int]:
     and the part of that which is not the stored parameter itself (gathered or cast copies).
     ``layers_only``: only the stacked layer weights (leading logical axis ``layers``). Once per layout,
     compute dtype and ``layers_only``."""
-    memo = getattr(plan, "cached", None)  # a ShardingPlan: shared by the plans with_recipe makes
-    if memo is None:
-        return _working_weight_bytes(plan, layers_only)
     key = ("working_weight_bytes", layers_only, str(np.dtype(plan.recipe.compute_dtype)))
-    return memo(key, lambda p: _working_weight_bytes(p, layers_only), layout_only=True)
+    return cached(plan, key, lambda p: _working_weight_bytes(p, layers_only), layout_only=True)
 
 
 def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:

@@ -17,6 +17,7 @@ import math
 from typing import Dict, Tuple
 
 from meshtrain.analysis.activations import ActivationSplit
+from meshtrain.plan import IdentityMemo, ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,18 +78,50 @@ class Layout:
         return ActivationSplit(self.batch_split, self.tensor, self.sequence, self.micro_batches, self.context)
 
 
-def _axes(plan, logical: str) -> Tuple[str, ...]:
-    rule = plan.rules.table("activations").get(logical)
-    sizes = plan.mesh_sizes
+def _split_axes(table, sizes, logical: str) -> Tuple[str, ...]:
+    """The mesh axes (of size > 1) the activation rule for ``logical`` splits over."""
+    rule = table.get(logical)
     return tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
 
 
+#: The planner's memo of figures derived from plans (immutable): per plan, and per layout (shared by the
+#: variants :func:`plan_variant` makes of one plan).
+_PER_PLAN = IdentityMemo()
+_PER_LAYOUT = IdentityMemo()
+
+
 def cached(plan, key, fn, *, layout_only: bool = False):
-    """``fn(plan)``, memoised on the plan (:meth:`meshtrain.ShardingPlan.cached`; ``layout_only``: ``fn``
-    reads only the leaves, mesh, rules, abstract state and batch, not the recipe's knobs). Anything that
-    is not a ``ShardingPlan`` is computed every time."""
-    memo = getattr(plan, "cached", None)
-    return memo(key, fn, layout_only=layout_only) if memo is not None else fn(plan)
+    """``fn(plan)``, computed once per plan and ``key`` (``layout_only``: ``fn`` reads only the leaves,
+    mesh, rules, abstract state and batch, not the recipe's knobs, so the variants of one plan share it).
+    Anything that is not a ``ShardingPlan`` is computed every time."""
+    memos = _PER_LAYOUT if layout_only else _PER_PLAN
+    memo = memos.get(id(plan))  # the planner asks this ~20 times per candidate: the fast path first
+    if memo is None:
+        if not isinstance(plan, ShardingPlan):
+            return fn(plan)
+        memo = memos.slot(plan)
+    try:
+        return memo[key]
+    except KeyError:
+        out = memo[key] = fn(plan)
+        return out
+
+
+def per_device_bytes(plan) -> Dict[str, int]:
+    """``plan.per_device_bytes()``, once per layout (a variant's recipe places nothing differently); not to
+    be modified."""
+    return cached(plan, "per_device_bytes", lambda p: p.per_device_bytes(), layout_only=True)
+
+
+def plan_variant(plan, recipe):
+    """``plan`` under ``recipe``, a copy of its recipe that differs only in knobs that do not change any
+    leaf's layout (remat, micro-batches, pipeline schedule and repeats, compute dtype, attention): the
+    planner's variants of one layout, sharing its layout-only figures. The caller vouches for that;
+    nothing is re-resolved."""
+    out = dataclasses.replace(plan, recipe=recipe)
+    if isinstance(plan, ShardingPlan):
+        _PER_LAYOUT.slot(out, share_with=_PER_LAYOUT.slot(plan))
+    return out
 
 
 def layout_of(plan) -> Layout:
@@ -99,6 +132,7 @@ def layout_of(plan) -> Layout:
 def _layout_of(plan) -> Layout:
     r = plan.recipe
     dcn = tuple(a for a, s in r.mesh.dcn if s > 1)
-    return Layout(tuple(plan.mesh_sizes.items()), _axes(plan, "batch"), _axes(plan, "heads"),
-                  _axes(plan, "residual_seq"), _axes(plan, "vocab"), r.micro_batches, r.param_dtype,
-                  r.compute_dtype, dcn, _axes(plan, "seq"))
+    sizes, table = plan.mesh_sizes, plan.rules.table("activations")  # read once for the five axes
+    axes = lambda logical: _split_axes(table, sizes, logical)  # noqa: E731
+    return Layout(tuple(sizes.items()), axes("batch"), axes("heads"), axes("residual_seq"), axes("vocab"),
+                  r.micro_batches, r.param_dtype, r.compute_dtype, dcn, axes("seq"))

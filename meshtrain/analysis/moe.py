@@ -27,6 +27,7 @@ import numpy as np
 from meshtrain.analysis.comms import Backend, batch_dims, expert_axes, moe_exchange_bytes
 from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.parallel.moe import capacity_for
+from meshtrain.plan import fmt_bytes
 
 
 def moe_summary(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Optional[Dict[str, object]]:
@@ -54,7 +55,7 @@ def moe_lines(summary: Optional[Dict[str, object]]) -> list:
     """Report lines for :func:`moe_summary` (empty for a dense model)."""
     if not summary:
         return []
-    gib = lambda n: f"{n / 2 ** 30:.3f} GiB" if n >= 2 ** 26 else f"{n / 2 ** 10:,.1f} KiB"  # noqa: E731
+    gib = lambda n: fmt_bytes(n, ".3f", "GiB") if n >= 2 ** 26 else fmt_bytes(n, ",.1f", "KiB")  # noqa: E731
     s = summary
     return ["", f"mixture of experts: {s['experts']} experts, top-{s['top_k']}, {s['shared_experts']} shared, "
                 f"{s['dispatch']}; {s['params']:,} parameters, {s['active_params']:,} active per token "

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from meshtrain.analysis.layout import cached
 from meshtrain.parallel.pipeline import PipelineConfig, bubble_fraction, bubble_warning, config_for, schedule_table
 from meshtrain.errors import ConfigError
 from meshtrain.recipes import Remat, Schedule
@@ -169,8 +170,7 @@ class PipelineShape:
 def pipeline_shape(plan) -> Optional[PipelineShape]:
     """The :class:`PipelineShape` of a plan whose recipe has the ``pp`` strategy (``None`` otherwise).
     One stage still runs the schedule (the train step does): gpipe then keeps all ``m`` micro-batches."""
-    memo = getattr(plan, "cached", None)
-    return memo("pipeline_shape", _pipeline_shape) if memo is not None else _pipeline_shape(plan)
+    return cached(plan, "pipeline_shape", _pipeline_shape)
 
 
 def _pipeline_shape(plan) -> Optional[PipelineShape]:

@@ -34,12 +34,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from meshtrain.analysis.comms import expert_axes
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import cached, layout_of
+from meshtrain.analysis.layout import cached, layout_of, plan_variant
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
 from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
 from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.parallel.pipeline import bubble_warning, config_for
+from meshtrain.plan import fmt_bytes
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule
 
 AUTO_REMATS = (Remat.NONE, Remat.DOTS_NO_BATCH, Remat.FULL)
@@ -250,8 +251,7 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
             mesh = recipe.mesh.abstract(request.num_devices)
             plan = make_plan(abstract, recipe, mesh, batch=BatchSpec(request.global_batch, request.tokens_seq))
         else:
-            plan = base_plan.with_recipe(recipe) if hasattr(base_plan, "with_recipe") else \
-                dataclasses.replace(base_plan, recipe=recipe)
+            plan = plan_variant(base_plan, recipe)
             dp = layout_of(plan).batch_split
             batch_size = cached(plan, "batch_size", lambda p: p.batch.batch_size, layout_only=True)
             if batch_size % (dp * recipe.micro_batches):
@@ -268,8 +268,9 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
     warnings = tuple(rule_warnings(cfg, plan, hw, step))
     rejected = None
     if fit is Fit.DOES_NOT_FIT:
-        top = ", ".join(f"{c.value} {b / 2 ** 30:.1f} GiB" for c, b in memory.largest(2))
-        rejected = f"does not fit: {memory.total / 2 ** 30:.1f} GiB > {hw.hbm_bytes / 2 ** 30:.1f} GiB ({top})"
+        top = ", ".join(f"{c.value} {fmt_bytes(b, '.1f', 'GiB')}" for c, b in memory.largest(2))
+        rejected = (f"does not fit: {fmt_bytes(memory.total, '.1f', 'GiB')} > "
+                    f"{fmt_bytes(hw.hbm_bytes, '.1f', 'GiB')} ({top})")
     return Candidate(recipe, sizes, plan, memory, step, fit, rejected, warnings)
 
 
@@ -294,13 +295,15 @@ class AutoResult:
     def why(self) -> str:
         w = self.winner
         others = [c for c in self.ranked[1:] if c.recipe.name != w.recipe.name]
-        lines = [f"{w.label}: {w.step.step_s:.3g} s/step, MFU {w.step.mfu:.1%}, {w.memory.total / 2 ** 30:.1f} GiB "
+        lines = [f"{w.label}: {w.step.step_s:.3g} s/step, MFU {w.step.mfu:.1%}, "
+                 f"{fmt_bytes(w.memory.total, '.1f', 'GiB')} "
                  f"per device ({w.fit.value}); {w.step.bound.value}-bound"]
         if others:
             r = others[0]
             if r.step.step_s < w.step.step_s and r.fit is not w.fit:
                 lines.append(f"ranked before the best other recipe, {r.label} ({r.step.step_s:.3g} s/step): that "
-                             f"one is faster but {r.fit.value} ({r.memory.total / 2 ** 30:.1f} GiB; layouts with 10 % "
+                             f"one is faster but {r.fit.value} ({fmt_bytes(r.memory.total, '.1f', 'GiB')}; "
+                             f"layouts with 10 % "
                              f"headroom come first)")
             elif r.step.step_s <= w.step.step_s * 1.005:
                 tie = ("ranked first for less memory" if w.memory.total < r.memory.total else
@@ -335,7 +338,7 @@ class AutoResult:
                 if b is runner_up:
                     continue  # already named as the runner-up
                 head = (f"best {name} layout: {b.label} ({b.step.step_s:.3g} s/step, MFU {b.step.mfu:.1%}, "
-                        f"{b.memory.total / 2 ** 30:.1f} GiB)")
+                        f"{fmt_bytes(b.memory.total, '.1f', 'GiB')})")
                 if b.step.step_s < w.step.step_s and b.fit is not w.fit:
                     cap = self.request.hw().hbm_bytes
                     out.append(f"{head}: faster, but {b.fit.value} ({b.memory.total / cap:.0%} of the device's "

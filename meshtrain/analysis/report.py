@@ -30,19 +30,11 @@ from meshtrain.analysis.pipeline import pipeline_lines, pipeline_shape, pipeline
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
 from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collectives, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.plan import fmt_bytes
 from meshtrain.recipes import Remat, Schedule
 
 GiB = 2 ** 30
-
-
-def _gib(n: float) -> str:
-    """Bytes with a binary unit that keeps 3 significant digits (``unlimited`` for inf)."""
-    if math.isinf(n):
-        return "unlimited"
-    for unit, size in (("TiB", 2 ** 40), ("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
+SIG3 = ".3g"  # byte figures in the report: 3 significant digits
 
 
 def _rate(x: float, unit: str) -> str:
@@ -239,8 +231,9 @@ def _collective_rows(a) -> List[str]:
             + f" {'wire/device':>12s} {'time':>10s} {'exposed':>10s}"]
     for key, kv in sorted(per.items()):
         t = times.get(key)
-        rows.append(f"  {key:14s} {t.link.value if t else '':5s} " + " ".join(f"{_gib(kv.get(k, 0)):>15s}" for k in kinds[:3])
-                    + f" {_gib(t.wire_bytes) if t else '':>12s} {_secs(t.seconds) if t else '':>10s}"
+        rows.append(f"  {key:14s} {t.link.value if t else '':5s} "
+                    + " ".join(f"{fmt_bytes(kv.get(k, 0), SIG3):>15s}" for k in kinds[:3])
+                    + f" {fmt_bytes(t.wire_bytes, SIG3) if t else '':>12s} {_secs(t.seconds) if t else '':>10s}"
                     + f" {_secs(t.exposed_seconds) if t else '':>10s}")
     return rows if per else ["  none (one device, or nothing sharded)"]
 
@@ -259,7 +252,7 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
     r = plan.recipe
     lines = [plan.describe(max_rows=None)] if table else []
     lines += ["", f"hardware {hw.name}: {hw.description}; peak {_rate(hw.peak_flops, 'FLOP/s')}, HBM "
-                  f"{_gib(hw.hbm_bytes)} at {_rate(hw.hbm_bytes_per_s, 'B/s')}, fast links "
+                  f"{fmt_bytes(hw.hbm_bytes, SIG3)} at {_rate(hw.hbm_bytes_per_s, 'B/s')}, fast links "
                   f"{_rate(hw.fast_link_bytes_per_s, 'B/s')} within {hw.fast_domain}, slow links "
                   f"{_rate(hw.slow_link_bytes_per_s, 'B/s')} (sources: meshtrain.analysis.hardware)",
               f"model {_model_name(cfg, model_name)}; {_batch_line(plan)}; params {r.param_dtype}, compute "
@@ -267,11 +260,15 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
               _flags_line(hw), ""]
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
     source = "" if mem.source == ANALYTIC else f" ({mem.source})"
-    lines.append(f"memory per device{source}: {_gib(mem.total)} of {_gib(hw.hbm_bytes)} — {a['fit'].value}{frac}")
-    lines.append("  largest: " + ", ".join(f"{c.value} {_gib(b)}" for c, b in mem.largest(3)))
+    lines.append(f"memory per device{source}: {fmt_bytes(mem.total, SIG3)} of {fmt_bytes(hw.hbm_bytes, SIG3)} — "
+                 f"{a['fit'].value}{frac}")
+    lines.append("  largest: " + ", ".join(f"{c.value} {fmt_bytes(b, SIG3)}" for c, b in mem.largest(3)))
     formulas = dict(mem.formulas)
     for c, b in mem.components:
-        lines.append(f"  {c.value:16s} {_gib(b):>12s}  {formulas[c]}")
+        lines.append(f"  {c.value:16s} {fmt_bytes(b, SIG3):>12s}  {formulas[c]}")
+        terms = mem.terms_of(c)
+        if len(terms) > 1:  # the sum's parts, each with its formula
+            lines += [f"  {'':16s} {fmt_bytes(t.bytes, SIG3):>12s}    + {t.name}: {t.formula}" for t in terms]
     lines += ["", f"collectives per step ({a['ops_source']}; bytes = result per device):"]
     lines += _collective_rows(a)
     lines += moe_lines(moe_summary(plan, cfg, a["backend"]))
@@ -291,13 +288,14 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
     if chk.get("check") in ("compile", "tpu"):
         m = chk["measured_memory"]
         lines += ["", f"check ({chk['check']}{' ' + chk['topology'] if 'topology' in chk else ''}): XLA peak "
-                      f"{_gib(m['peak'])} (argument + output − alias + temp) vs estimate {_gib(mem.total)} "
+                      f"{fmt_bytes(m['peak'], SIG3)} (argument + output − alias + temp) vs estimate "
+                      f"{fmt_bytes(mem.total, SIG3)} "
                       f"({chk['memory_error']:+.1%})"]
         ana = chk.get("analytic_bytes_per_axis_cpu", {})
         for key, kv in sorted(chk["hlo_bytes_per_axis"].items()):
             est = ana.get(key, {}).get("total")
-            lines.append(f"  HLO collectives over {key}: {_gib(kv['total'])}"
-                         + (f" vs analytic (cpu) {_gib(est)}" if est is not None else ""))
+            lines.append(f"  HLO collectives over {key}: {fmt_bytes(kv['total'], SIG3)}"
+                         + (f" vs analytic (cpu) {fmt_bytes(est, SIG3)}" if est is not None else ""))
     elif chk.get("check") == "lower":
         lines += ["", f"check (lower for {chk['platform']} on an AbstractMesh): {chk['arguments']} arguments, "
                       f"{chk['sharded_arguments']} sharded"]
@@ -364,7 +362,7 @@ def auto_text(result, args) -> str:
     lines = [_auto_header(result), "",
              f"  {'#':>2s} {'layout':72s} {'memory':>10s} {'fit':>6s} {'step':>9s} {'MFU':>6s} bound"]
     for i, c in enumerate(result.ranked[:top], 1):
-        lines.append(f"  {i:2d} {c.label:72s} {_gib(c.memory.total):>10s} {c.fit.value:>6s} "
+        lines.append(f"  {i:2d} {c.label:72s} {fmt_bytes(c.memory.total, SIG3):>10s} {c.fit.value:>6s} "
                      f"{_secs(c.step.step_s):>9s} {c.step.mfu:6.1%} {c.step.bound.value}"
                      + (" (!)" if c.warnings else ""))
     lines += ["", "why: " + result.why.replace("\n", "\n     "), "", "winner:"]

@@ -68,7 +68,7 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, defaul
                                          program_cost, saved_activation_bytes, working_weight_bytes)
 from meshtrain.analysis.flops import StepFlops, step_flops
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import Layout, cached, layout_of
+from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.memory import estimate_memory
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
@@ -205,7 +205,7 @@ def hbm_traffic(plan, cfg, lay: Layout) -> float:
     a_none = _activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     a_saved = _activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3
-    per = plan.per_device_bytes()
+    per = per_device_bytes(plan)
     pipe = pipeline_shape(plan)
     # a pipeline reads its stage's weights every tick with work and runs m·L/(p·(1-bubble)) layer passes
     # (L·m without one)
@@ -347,7 +347,7 @@ def program_step_time(plan, hardware: "Hardware | str", loss_fn, *, backend: Opt
     weights, _ = working_weight_bytes(plan)
     acts = cost.activations if cost.activations is not None else saved_activation_bytes(plan, loss_fn)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3
-    per = plan.per_device_bytes()
+    per = per_device_bytes(plan)
     traffic = lay.micro_batches * (passes * weights + 3 * acts) + 3 * per["params"] + 2 * per["optimizer"]
     memory = traffic / hw.hbm_bytes_per_s
     if collectives is not None:

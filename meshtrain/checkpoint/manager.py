@@ -44,6 +44,7 @@ from meshtrain.checkpoint.layout import (describe_tree, from_nested, key_name, m
                                         to_nested)
 from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
                                         SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.plan import fmt_bytes as plan_fmt_bytes
 from meshtrain.precision import MasterWeightsState, has_master_weights
 from meshtrain.state import TrainState, abstract_train_state
 
@@ -61,11 +62,7 @@ def _free_bytes(path: Path) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    return plan_fmt_bytes(n, ".1f")  # checkpoint messages keep one decimal
 
 
 def _json_problem(obj, where: str) -> Optional[str]:

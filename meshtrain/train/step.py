@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +28,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.abstract import path_str
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
-from meshtrain.models.moe import moe_loss_terms, pop_moe_stats
+from meshtrain.losses import (RESERVED_METRICS, LossFn, next_token_loss,  # noqa: F401 (re-export)
+                              unpack_loss)
 from meshtrain.parallel import pipeline as pipe
-from meshtrain.plan import ShardingPlan
+from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
+from meshtrain.precision import cast_floats
 from meshtrain.recipes import Schedule
 from meshtrain.state import TrainState, state_shardings
-
-#: ``loss_fn(model, batch) -> (loss_sum, weight)`` or ``(loss_sum, weight, {name: scalar sum})``.
-LossFn = Callable[[nnx.Module, Any], Union[Tuple[jax.Array, jax.Array],
-                                          Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]]]
-
-#: Keys the step reports itself; a user metric may not reuse them.
-RESERVED_METRICS = ("loss", "grad_norm", "weight", "tokens", "finite")
 
 
 class NonFinite(str, enum.Enum):
@@ -53,104 +47,10 @@ class NonFinite(str, enum.Enum):
     SKIP = "skip"
 
 
-def next_token_loss(model: nnx.Module, batch: Dict[str, jax.Array]):
-    """Cross-entropy of ``targets`` under ``model(inputs, positions, segment_ids)``; targets < 0 are
-    ignored (padding). Returns ``(sum, count)`` in f32; for a model with MoE layers
-    (:mod:`meshtrain.models.moe`) ``(sum + router penalty · count, count, {"moe_aux_loss", "moe_z_loss",
-    "moe_load_max", "moe_drop_frac"} sums)``: the loss includes ``aux_coef·aux + z_coef·z``."""
-    logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
-    targets = batch["targets"]
-    mask = (targets >= 0).astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
-    total, count = jnp.sum(ce * mask), jnp.sum(mask)
-    stats = pop_moe_stats(model)
-    if stats is None:
-        return total, count
-    extra, metrics = moe_loss_terms(stats, count)
-    return total + extra, count, metrics
-
-
-def cast_floats(tree, dtype):
-    """Every floating leaf of ``tree`` as ``dtype`` (integer and key leaves unchanged)."""
-    return _cast_floats(tree, dtype)
-
-
-def _cast_floats(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
 def step_context_for(plan: ShardingPlan) -> StepContext:
     r = plan.recipe
     return StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat, r.attention,
                        tuple(sorted(r.step_options().items())), r.layer_loop, r.scan_unroll)
-
-
-def gradient_shardings(plan: ShardingPlan):
-    """Where the step keeps the gradients between the backward pass and the optimizer update.
-
-    By default the parameters' shardings (DP all-reduces gradients; FSDP reduce-scatters them
-    because the parameters are sharded). When the recipe's strategies set the step option
-    ``shard_gradients`` (``zero2``), each gradient takes its parameter's *optimizer-state* sharding
-    (the ``optimizer`` rules applied to the parameter's logical axes): the data-parallel reduction
-    becomes a reduce-scatter (XLA:CPU emits all-reduce + dynamic-slice instead), each device keeps
-    and updates 1/N of every gradient, and the updated parameters are all-gathered back to their
-    own (replicated) sharding by the step's output shardings.
-    """
-    if not plan.recipe.shard_gradients:
-        return plan.param_shardings
-    sizes = plan.mesh_sizes
-    replicate_ok = frozenset(plan.recipe.replicate_indivisible)
-
-    def one(keypath, sds):
-        path = path_str(keypath)
-        res = plan.rules.resolve("optimizer", plan.abstract.param_axes[path], sds.shape, sizes, path=path,
-                                 replicate_ok=replicate_ok)
-        return NamedSharding(plan.mesh, res.spec)
-
-    return jax.tree_util.tree_map_with_path(one, plan.abstract.params)
-
-
-def _describe(x) -> str:
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)} (" + ", ".join(_describe(e) for e in x) + ")"
-    if isinstance(x, Mapping):
-        return f"a dict with keys {list(x)}"
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"an array {x.dtype}{list(x.shape)}"
-    return f"a {type(x).__name__}"
-
-
-def _is_scalar(x) -> bool:
-    if isinstance(x, (bool, int, float)):
-        return True
-    return hasattr(x, "shape") and hasattr(x, "dtype") and tuple(x.shape) == () \
-        and (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_))
-
-
-def unpack_loss(out, loss_fn=None) -> Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]:
-    """``(loss_sum, weight, metrics)`` in f32 from what a loss function returned; ``ConfigError``
-    naming what came back when it is not ``(loss_sum, weight[, metrics])`` of scalars."""
-    name = getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
-    expected = ("expected (loss_sum, weight) or (loss_sum, weight, metrics): loss_sum and weight scalar sums "
-                "over the batch (e.g. jnp.sum(per_example_loss * mask), jnp.sum(mask)) and metrics a dict of "
-                "scalar sums that the step divides by the global weight")
-    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
-        raise ConfigError(f"loss_fn {name} returned {_describe(out)}; {expected}")
-    for what, value in (("loss_sum", out[0]), ("weight", out[1])):
-        if not _is_scalar(value):
-            raise ConfigError(f"loss_fn {name} returned {what} = {_describe(value)} (in {_describe(out)}); {expected}")
-    metrics = out[2] if len(out) == 3 else {}
-    if not isinstance(metrics, Mapping):
-        raise ConfigError(f"loss_fn {name} returned metrics = {_describe(metrics)}; {expected}")
-    for key, value in metrics.items():
-        if not isinstance(key, str) or key in RESERVED_METRICS:
-            raise ConfigError(f"loss_fn {name} returned a metric named {key!r}; metric names are strings other than "
-                              f"{RESERVED_METRICS} (the step reports those itself)")
-        if not _is_scalar(value):
-            raise ConfigError(f"loss_fn {name} returned metric {key!r} = {_describe(value)}; each metric must be a "
-                              f"scalar sum over the batch (the step divides it by the global weight)")
-    f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
-    return f32(out[0]), f32(out[1]), {k: f32(v) for k, v in metrics.items()}
 
 
 def pipeline_config(plan: ShardingPlan) -> Optional[pipe.PipelineConfig]:
@@ -201,7 +101,7 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
 
     def summed(params, model_state, batch):
         # Cast before use: under FSDP the all-gathers then move compute-dtype bytes.
-        model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
+        model = nnx.merge(graphdef, cast_floats(params, compute_dtype), model_state)
         if pipeline is None:
             out = loss_fn(model, batch)
         else:  # gpipe / circular: the stack runs through the schedule inside model(...), autodiff replays it
@@ -221,7 +121,7 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
 
     def one_f_one_b(params, model_state, batch):
         # 1F1B: the backward is written out per stage inside the schedule (no jax.grad over the pipeline).
-        build = lambda p: nnx.merge(graphdef, _cast_floats(p, compute_dtype), model_state)  # noqa: E731
+        build = lambda p: nnx.merge(graphdef, cast_floats(p, compute_dtype), model_state)  # noqa: E731
         total, weight, metrics, grads = pipe.value_and_grad_1f1b(
             build, params, loss_fn, _split_batch(batch, plan, pipeline.micro_batches), pipeline,
             lambda out: unpack_loss(out, loss_fn))
@@ -384,7 +284,7 @@ def make_eval_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None, eval
 
     def evaluate(state: TrainState, batch):
         with step_context(step_context_for(plan)):
-            model = nnx.merge(graphdef, _cast_floats(state.params, compute_dtype), state.model_state)
+            model = nnx.merge(graphdef, cast_floats(state.params, compute_dtype), state.model_state)
             if eval_mode:
                 model.eval()
             total, weight, metrics = unpack_loss(loss_fn(model, batch), loss_fn)

@@ -1,0 +1,436 @@
+"""The analytic memory model of a decoder's train step as named terms: each component (parameters,
+gradients, optimizer state, activations, temporaries, batch) is a sum of :class:`MemoryTerm`\\ s, each with
+its bytes per device and its formula; :func:`meshtrain.analysis.memory.estimate_memory` adds them up.
+
+Example::
+
+    shape = step_shape(plan, cfg)                 # what the terms read: layout, batch, loop, pipeline, MoE
+    temporary_terms(shape)                        # (MemoryTerm(TEMPORARIES, "one layer's working set", ...), ...)
+
+The formulas, and what they model, are in :mod:`meshtrain.analysis.memory`'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import numpy as np
+
+from meshtrain.analysis.activations import saved_activations
+from meshtrain.analysis.compiled import working_weight_bytes
+from meshtrain.analysis.comms import batch_dims
+from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
+from meshtrain.analysis.moe import moe_terms
+from meshtrain.analysis.pipeline import pipeline_shape
+from meshtrain.parallel.context import attention_block_shape, plan_layout
+from meshtrain.plan import gradient_shardings
+from meshtrain.recipes import AttentionKind, Remat, resolve_layer_loop
+
+
+class Component(str, enum.Enum):
+    PARAMS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer state"
+    ACTIVATIONS = "activations"
+    TEMPORARIES = "temporaries"
+    BATCH = "batch"
+    OTHER = "other"  # model state, step counter, non-donated outputs (estimates for any model)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)  # thousands per planner search: no __dict__ each
+class MemoryTerm:
+    """One named part of a component: bytes per device and the formula behind them. ``bytes`` is fractional
+    only where a formula divides (a pipeline's tick weights ÷ r); a term starting "less" is negative."""
+
+    component: Component
+    name: str
+    bytes: float
+    formula: str
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"name": self.name, "bytes": int(self.bytes), "formula": self.formula}
+
+
+def analytic_terms(plan, cfg, backend=None) -> Tuple[Tuple[MemoryTerm, ...], Tuple[Tuple[Component, str], ...]]:
+    """``(terms, each component's formula)`` of a decoder ``cfg``'s step under ``plan`` (``backend``: see
+    :func:`meshtrain.analysis.memory.estimate_memory`)."""
+    s = step_shape(plan, cfg, backend)
+    acts = activation_terms(s)
+    terms = (state_term(Component.PARAMS, "parameters", s.per["params"], _params_formula(s))
+             + gradient_terms(s, int(_total(acts)))
+             + state_term(Component.OPTIMIZER, "optimizer state", s.per["optimizer"], OPTIMIZER_FORMULA)
+             + acts + temporary_terms(s)
+             + state_term(Component.BATCH, "batch", s.per["batch"], BATCH_FORMULA))
+    return terms, component_formulas(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What the memory terms of one plan and decoder read: the layout, the per-device batch, the activation
+    models, the layer loop, the pipeline and MoE shapes (``L`` layers, ``c`` compute-dtype bytes, ``b_loc``
+    sequences per device per micro-batch, ``t_loc`` their length per device)."""
+
+    plan: Any
+    cfg: Any
+    lay: Layout
+    B: int
+    T: int
+    per: Dict[str, int]
+    elems: int
+    stage_w: int
+    pipe: Any
+    moe: Any
+    acfg: Any
+    wcfg: Any
+    weight_fraction: float
+    model: Any
+    none: Any
+    L: int
+    c: int
+    b_loc: int
+    t_loc: int
+    tpu: bool
+    loop: Any
+    unroll: int
+    straight: bool
+
+    @property
+    def split(self):
+        return self.lay.split()
+
+    @property
+    def remat(self) -> Remat:
+        return self.plan.recipe.remat
+
+    @functools.cached_property
+    def moe_saved(self) -> int:
+        """What an MoE layer saves besides its MLP-width tensors (none with ``remat=full``)."""
+        return self.moe.saved_extra_per_layer if self.moe is not None and self.remat is not Remat.FULL else 0
+
+    @functools.cached_property
+    def layer_saved(self) -> int:
+        """One layer's saved activations under the recipe's remat policy."""
+        return self.model.layer_bytes_per_device(self.acfg, self.B, self.T, self.split) + self.moe_saved
+
+    @functools.cached_property
+    def tensors(self) -> int:
+        """All saved tensors under the recipe's remat policy (MoE extras included)."""
+        return self.model.bytes_per_device(self.acfg, self.B, self.T, self.split) + self.L * self.moe_saved
+
+    @functools.cached_property
+    def casts(self) -> int:
+        """Compute-dtype copies of the weights the backward keeps (every expert's weights are cast)."""
+        B, T, split = self.B, self.T, self.split
+        return (self.model.bytes_per_device(self.wcfg, B, T, split, weight_fraction=self.weight_fraction)
+                - self.model.bytes_per_device(self.wcfg, B, T, split))
+
+    @functools.cached_property
+    def stage_input(self) -> int:
+        """``x = b·T·d·c``: one micro-batch's pipeline stage input on one device."""
+        return self.b_loc * self.t_loc * self.cfg.d_model * self.c
+
+    @functools.cached_property
+    def layer_weights(self) -> int:
+        """``W_layer·c`` where the backward holds the layer's weight gradient as multiplied (scan with a remat
+        policy), ``L·W_layer·c`` unrolled, else 0."""
+        if self.straight:
+            return working_weight_bytes(self.plan, layers_only=True)[0]
+        if self.pipe is None and self.remat is not Remat.NONE and not self.tpu:
+            return working_weight_bytes(self.plan, layers_only=True)[0] // max(self.L, 1)
+        return 0
+
+    @functools.cached_property
+    def attention_blocks(self) -> int:
+        """Bytes of blockwise attention's score blocks (:func:`attention_working_set`)."""
+        return attention_working_set(self.plan, self.cfg, self.b_loc)
+
+    @property
+    def accumulates(self) -> bool:
+        """An f32 gradient accumulator over micro-batches (not pipelines: their schedule accumulates)."""
+        return self.pipe is None and self.lay.micro_batches > 1
+
+
+def step_shape(plan, cfg, backend=None) -> StepShape:
+    lay = layout_of(plan)
+    B, T = batch_dims(plan)
+    split = lay.split()
+    per = per_device_bytes(plan)
+    elems, total_param_bytes, stage_w = cached(plan, "param_elements", _param_elements, layout_only=True)
+    pipe = pipeline_shape(plan)
+    moe = moe_terms(plan, cfg)
+    weight_fraction = 0.0
+    if lay.compute_dtype != lay.param_dtype and total_param_bytes:
+        weight_fraction = per["params"] / total_param_bytes
+    attention, remat = plan.recipe.attention, plan.recipe.remat
+    c = np.dtype(lay.compute_dtype).itemsize
+    tpu = pipe is None and backend_name(plan, backend) == "tpu" and c < np.dtype(lay.param_dtype).itemsize
+    # the layer loop the step runs (scan_layers resolves `auto` with the same function)
+    loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
+    return StepShape(
+        plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
+        moe.activation_config(cfg) if moe is not None else cfg,  # MoE: the dense-equivalent MLP width
+        moe.weight_config(cfg) if moe is not None else cfg,  # MoE: every expert's weights are cast
+        weight_fraction,
+        saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention),
+        saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention),
+        cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
+        loop, unroll, pipe is None and not tpu and unroll >= cfg.n_layers)  # straight: unrolled (or unroll ≥ L)
+
+
+def _total(terms: Tuple[MemoryTerm, ...]) -> float:
+    return sum(t.bytes for t in terms)
+
+
+def state_term(component: Component, name: str, nbytes: int, formula: str) -> Tuple[MemoryTerm, ...]:
+    return (MemoryTerm(component, name, nbytes, formula),)
+
+
+def gradient_terms(s: StepShape, activations: int) -> Tuple[MemoryTerm, ...]:
+    """The gradients: ``P`` at the gradients' shardings (XLA:TPU: in the compute dtype); unrolled, only the
+    part beyond the saved activations; plus an f32 accumulator with micro-batches (1f1b: f32 accumulators
+    instead, where larger). ``activations``: the activation component's bytes."""
+    G = Component.GRADIENTS
+    if s.tpu:
+        grads = MemoryTerm(G, "gradients (compute dtype)", gradient_bytes(s.plan, itemsize=s.c),
+                           "elements per device × compute-dtype bytes at the gradients' shardings")
+    elif s.straight:
+        grads = MemoryTerm(G, "gradients beyond the saved activations",
+                           max(gradient_bytes(s.plan) - activations, 0),
+                           "max(P − activations, 0): unrolled, each layer's gradient is made as its residuals die")
+    else:
+        grads = MemoryTerm(G, "gradients", gradient_bytes(s.plan), "P: the parameters' bytes at the gradients' "
+                                                                 "shardings")
+    f32 = 4 * s.elems
+    if s.pipe is not None and s.pipe.one_f_one_b and f32 > grads.bytes:
+        return (MemoryTerm(G, "f32 gradient accumulators (1f1b)", f32, "4 B × parameter elements per device"),)
+    if s.accumulates:
+        return grads, MemoryTerm(G, "f32 accumulator (micro-batches)", f32, "4 B × parameter elements per device")
+    return (grads,)
+
+
+def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """What the backward keeps: the saved tensors of the layer loop the step runs (scan, unrolled or a
+    pipeline schedule) and the compute-dtype copies of the weights."""
+    A, B, T, split, L = Component.ACTIVATIONS, s.B, s.T, s.split, s.L
+    casts = MemoryTerm(A, "weight casts", s.casts, "compute-dtype copies of the weights the backward keeps")
+    if s.straight:
+        moe_none = s.moe.saved_extra_per_layer if s.moe is not None else 0
+        return (MemoryTerm(A, "saved tensors (remat=none)", s.none.bytes_per_device(s.acfg, B, T, split),
+                           "unrolled: remat=none's residuals whatever the policy"),
+                MemoryTerm(A, "MoE dispatch buffers", L * moe_none, "L × dispatched rows, expert outputs, f32 router "
+                                                                   "logits/probabilities"),
+                MemoryTerm(A, "less loop constants", -s.none.loop_constant_bytes_per_device(s.acfg, B, T, split),
+                           "the T² loop constants (the dense mask, fused into each consumer)"))
+    if s.pipe is None:
+        saved = (MemoryTerm(A, "saved tensors", s.model.bytes_per_device(s.acfg, B, T, split),
+                            f"the tensors remat={s.remat.value} saves, all layers"),
+                 MemoryTerm(A, "MoE dispatch buffers", L * s.moe_saved, "L × dispatched rows, expert outputs, f32 "
+                                                                        "router logits/probabilities"))
+        return saved + _tpu_activation_terms(s) + (casts,)
+    x, m, pipe = s.stage_input, s.pipe.micro_batches, s.pipe
+    stack = MemoryTerm(A, "pipeline stack", pipe.stage_activation_bytes(L, s.layer_saved, x),
+                       "2p stage inputs 2·p·x (stash)" if pipe.one_f_one_b else "ticks·L/(p·r)·a_layer")
+    rest = s.tensors - L * s.layer_saved  # embedding output, final norm, logits: outside the stack
+    if pipe.one_f_one_b:
+        return (stack, MemoryTerm(A, "outside the stack", rest, "one micro-batch's embedding output, norm, logits"),
+                MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts)
+    return (stack, MemoryTerm(A, "outside the stack and stage outputs", m * (rest + x),
+                              "m × (embedding output, norm, logits + the ring's stage output x)"), casts,
+            MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
+                       "ticks·W_stage·c/r"))
+
+
+def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:TPU's differences from the traced residuals: the logits and the residual stream in the compute
+    dtype (no f32 copies), and the layers' residual stream counted twice (the backward loop reads a copy)."""
+    if not s.tpu:
+        return ()
+    A, B, T, split = Component.ACTIVATIONS, s.B, s.T, s.split
+    btd = dict(dims=("B", "T", "d"))
+    return (MemoryTerm(A, "residual stream copy (XLA:TPU)",
+                       s.model.tensor_bytes_per_device(s.acfg, B, T, split, dtype=s.lay.compute_dtype, stacked=True,
+                                                       **btd), "the layers' saved (b, T, d) stack once more"),
+            MemoryTerm(A, "less f32 upcasts (XLA:TPU)", -(s.model.tensor_bytes_per_device(s.acfg, B, T, split)
+                                                          * (4 - s.c) // 4), "f32 tensors held in the compute dtype"),
+            MemoryTerm(A, "less f32 residual stream (XLA:TPU)",
+                       -s.model.tensor_bytes_per_device(s.acfg, B, T, split, **btd), "no f32 copy of (b, T, d)"))
+
+
+def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """The backward's working set: one layer's (``scan_unroll`` layers'; unrolled: every layer's weights as
+    multiplied), the f32 logits gradient, blockwise attention's score blocks and a pipeline's extras."""
+    M, B, T, split, L = Component.TEMPORARIES, s.B, s.T, s.split, s.L
+    k = s.unroll if s.pipe is None and not s.straight else 1
+    times = f"{k} × " if k > 1 else ""
+    if s.straight:
+        layer = (MemoryTerm(M, "layers' weights as multiplied", s.layer_weights, "L·W_layer·c"),)
+    else:
+        layer = (MemoryTerm(M, "one layer's working set", k * s.none.layer_bytes_per_device(s.acfg, B, T, split),
+                            f"{times}one layer with remat=none"),)
+        if s.moe is not None:
+            layer += (MemoryTerm(M, "MoE buffers and gathered expert weights",
+                                 k * (s.moe.saved_extra_per_layer + s.moe.gathered_per_layer),
+                                 f"{times}(dispatch buffers + expert weights gathered over FSDP and their gradient)"),)
+        if s.tpu:
+            layer += (MemoryTerm(M, "less f32 residual stream (XLA:TPU)",
+                                 -k * s.none.tensor_bytes_per_device(s.acfg, B, T, split, per_layer=True,
+                                                                     dims=("B", "T", "d")),
+                                 "no f32 copy of one layer's (b, T, d)"),)
+        if s.layer_weights:
+            layer += (MemoryTerm(M, "layer's weight gradient as multiplied", k * s.layer_weights,
+                                 f"{times}W_layer·c (remat: recomputed residuals and weight gradient together)"),)
+    blocks = MemoryTerm(M, "attention score blocks", s.attention_blocks,
+                        "4 × 4 B·b·n·bq·bk (blockwise kernels)")
+    logits_rows = s.b_loc * s.pipe.micro_batches if s.pipe is not None and not s.pipe.one_f_one_b else s.b_loc
+    logits_grad = 4 * logits_rows * (T // s.lay.context) * s.cfg.vocab_size // s.lay.size(s.lay.vocab_axes)
+    if s.tpu:  # XLA:TPU finishes the head's backward before the layers': the larger of the two
+        beyond = max(logits_grad - int(_total(layer + (blocks,))), 0)
+        return layer + (blocks, MemoryTerm(M, "f32 logits gradient beyond the working set", beyond,
+                                           "max(4·b·T·V/t − the above, 0)"))
+    terms = layer + (MemoryTerm(M, "f32 logits gradient", logits_grad, "4·b·T·V/t"), blocks)
+    if s.pipe is not None and s.pipe.one_f_one_b:
+        x, m, p = s.stage_input, s.pipe.micro_batches, s.pipe.stages
+        terms += (MemoryTerm(M, "one stage's VJP", (L // p) * s.layer_saved, "L/p layers' saved activations"),
+                  MemoryTerm(M, "f32 input cotangents", 4 * m * x // s.c, "4·m·x/c"),
+                  MemoryTerm(M, "tick's f32 weight gradient and accumulator", 2 * 4 * s.stage_w, "2·4 B·W_stage"))
+    return terms
+
+
+def _params_formula(s: StepShape) -> str:
+    formula = PARAMS_FORMULA
+    if s.moe is not None:
+        formula += (f"; expert weights {s.moe.expert_bytes_per_device:,} B per device of "
+                    f"{s.moe.expert_bytes_total:,} (÷{s.moe.ep} expert-parallel and the other shardings)")
+    return formula
+
+
+def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
+    """Each component's formula in words, with the figures it used (the terms give the parts)."""
+    lay, moe, pipe, L, w_layers = s.lay, s.moe, s.pipe, s.L, s.layer_weights
+    unroll, straight, blocks = s.unroll, s.straight, s.attention_blocks
+    acc = " + f32 accumulator 4 B × elements per device (micro-batches)" if s.accumulates else ""
+    if pipe is not None and pipe.one_f_one_b and 4 * s.elems > gradient_bytes(s.plan):
+        acc = " (1f1b: f32 accumulators, 4 B × elements per device)"
+    act_formula = (f"saved tensors under remat={s.remat.value}, {lay.compute_dtype}, b={s.b_loc} per device "
+                   f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"
+                   + (f", ÷{lay.context} on the sequence (context, attention {s.plan.recipe.attention.value})"
+                      if lay.context > 1 else ""))
+    temp_formula = ((f"{unroll} layers (scan_unroll) " if unroll > 1 and not straight else "one layer ")
+                    + "with remat=none (backward working set)"
+                    + (f" + its weight gradient as multiplied W_layer·c = {w_layers:,} B (remat: recomputed "
+                       "residuals and weight gradient together)" if w_layers and not straight else "")
+                    + " + f32 logits gradient 4·b·T·V/t"
+                    + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
+    grad_formula = "= parameters (same shardings and dtype)"
+    if straight:
+        act_formula = (f"layers unrolled ({s.loop.value}): saved tensors under remat=none (XLA keeps the "
+                       f"recomputation of any remat policy alive), less the T² loop constants; " + act_formula)
+        temp_formula = (f"the {L} layers' weights as multiplied L·W_layer·c = {w_layers:,} B (kept from each "
+                        "layer's forward to its backward: slices of the stacked parameters, or under FSDP the "
+                        "full-size weight gradients until the merged all-reduce) + f32 logits gradient 4·b·T·V/t"
+                        + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
+        grad_formula = ("the part of the gradients (= parameters) beyond the saved activations: unrolled, each "
+                        "layer's gradient is made as its residuals die")
+    if s.tpu:
+        temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
+                        "XLA:TPU finishes the head's backward before the layers'"
+                        + (" + attention score blocks 4 × 4 B·b·n·bq·bk" if blocks else ""))
+        act_formula += "; XLA:TPU: logits in the compute dtype, no f32 copy of the residual stream"
+    if moe is not None:
+        act_formula += (f"; MoE: MLP width → rows·f_e + shared = {moe.d_ff_equivalent} ({moe.rows:.3g} expert rows "
+                        f"per token), + dispatched rows, expert outputs and f32 router logits/probabilities "
+                        f"{moe.saved_extra_per_layer:,} B per layer")
+        temp_formula += (" + the layer's MoE buffers" + (f" + its expert weights gathered over FSDP and their "
+                                                          f"gradient {moe.gathered_per_layer:,} B"
+                                                          if moe.gathered_per_layer else ""))
+    if pipe is not None:
+        p, x = pipe.stages, s.stage_input
+        if pipe.one_f_one_b:
+            act_formula += (f"; pipeline {pipe.describe()}: stash of 2p stage inputs 2·{p}·x + one micro-batch "
+                            f"outside the stack + m embedding outputs (x = b·T·d·c = {x:,} B)")
+            temp_formula += (f" + one stage's VJP (L/p = {L // p} layers saved) + f32 input cotangents 4·m·x/c "
+                             f"+ the tick's f32 weight gradient and accumulator 2·4 B·W_stage")
+        else:
+            act_formula += (f"; pipeline {pipe.describe()}: every tick's stage residuals ticks·L/(p·r)·a_layer "
+                            f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B) + the layer group "
+                            f"each tick indexes ticks·W_stage·c/r")
+            temp_formula += "; logits gradient over the whole batch (b·m rows: the head runs after the schedule)"
+    return (
+        (Component.PARAMS, _params_formula(s)),
+        (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
+                               "optimizer update)" if s.tpu else grad_formula) + acc),
+        (Component.OPTIMIZER, OPTIMIZER_FORMULA),
+        (Component.ACTIVATIONS, act_formula),
+        (Component.TEMPORARIES, temp_formula),
+        (Component.BATCH, BATCH_FORMULA),
+    )
+
+
+PARAMS_FORMULA = "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"
+OPTIMIZER_FORMULA = "Σ optimizer-state leaves ÷ shards (plan)"
+BATCH_FORMULA = "input arrays (plan)"
+
+
+def attention_working_set(plan, cfg, b_loc: int) -> int:
+    """Bytes of the score blocks a blockwise attention kind keeps live in the backward (scores,
+    probabilities, their gradient and ``dp``: 4 f32 blocks of ``b × heads × bq × bk``); 0 for ``dense``
+    (its ``T × T`` scores are in the activations)."""
+    if plan.recipe.attention is AttentionKind.DENSE:
+        return 0
+    lay = layout_of(plan)
+    bq, bk, heads = attention_block_shape(plan_layout(plan), batch_dims(plan)[1], max(cfg.n_heads // lay.tensor, 1),
+                                          b_loc)
+    return 4 * 4 * b_loc * heads * bq * bk
+
+
+GRAD_FORMULA = ("Σ parameter elements × dtype bytes ÷ the shards of the gradient's sharding (the parameter's; "
+                 "the optimizer state's under zero2)")
+
+
+def backend_name(plan, backend=None) -> str:
+    """``"tpu"``, ``"gpu"`` or ``"cpu"``: ``backend`` if given (a string or a ``Backend``), else the platform
+    of the plan's devices (a ``Mesh``), else ``"cpu"`` (an ``AbstractMesh``)."""
+    if backend is not None:
+        name = str(getattr(backend, "value", backend)).lower()
+    elif isinstance(plan.mesh, jax.sharding.Mesh):
+        name = getattr(plan.mesh.devices.flat[0], "platform", "cpu")
+    else:  # an AbstractMesh: no devices to ask
+        name = "cpu"
+    return {"cuda": "gpu", "rocm": "gpu"}.get(name, name)
+
+
+def _param_elements(plan) -> Tuple[int, int, int]:
+    """``(elements per device, bytes in all, layer-weight elements per device)`` of the parameters: Σ bytes
+    per device ÷ dtype bytes, Σ bytes, and the first over the stacked layer weights (leading logical axis
+    ``layers``: a pipeline stage's)."""
+    params = plan.group("params")
+    per_leaf = [l.bytes_per_device // np.dtype(l.dtype).itemsize for l in params]
+    return (sum(per_leaf), sum(l.bytes_total for l in params),
+            sum(e for e, l in zip(per_leaf, params) if l.logical_axes and l.logical_axes[0] == "layers"))
+
+
+def gradient_bytes(plan, itemsize: Optional[int] = None) -> int:
+    """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
+    keeps its gradient in (:func:`meshtrain.plan.gradient_shardings`: the parameter's own, or its
+    optimizer state's under ``zero2``). ``itemsize``: bytes per element instead of the parameter's dtype
+    (floating-point leaves only). Once per layout and ``itemsize``."""
+    return cached(plan, ("gradient_bytes", itemsize), lambda p: _gradient_bytes(p, itemsize), layout_only=True)
+
+
+def _gradient_bytes(plan, itemsize: Optional[int]) -> int:
+    sizes = plan.mesh_sizes
+    total = 0
+    for sharding, leaf in zip(jax.tree.leaves(gradient_shardings(plan)), jax.tree.leaves(plan.abstract.params)):
+        shards = 1
+        for entry in sharding.spec:
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                shards *= sizes.get(axis, 1) if axis else 1
+        size = np.dtype(leaf.dtype).itemsize
+        if itemsize is not None and jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
+            size = itemsize
+        total += int(np.prod(leaf.shape)) * size // shards
+    return total
