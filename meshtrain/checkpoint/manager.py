@@ -21,9 +21,9 @@ and a newer valid step exists; a damaged step whose number is saved again is ren
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -42,8 +42,9 @@ from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT, read_meta
 from meshtrain.checkpoint.layout import (describe_tree, from_nested, key_name, mismatch_error, mismatches, state_bytes,
                                         to_nested)
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
-                                        SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.checkpoint.types import (CheckpointDiskError, CheckpointError, CheckpointWarning, Compression,
+                                        NoValidCheckpoint, Restored, SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.errors import disk_hint, is_disk_full, is_file_size_limit
 from meshtrain.precision import MasterWeightsState, has_master_weights
 from meshtrain.state import TrainState, abstract_train_state
 
@@ -171,10 +172,8 @@ def _join_orbax_threads(timeout_s: float) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    text = str(exc)
-    return (getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "ENOSPC" in text
-            or "os_error_code='28'" in text)
+def _disk_reason(exc: BaseException) -> str:
+    return "a file reached the file-size limit (ulimit -f)" if is_file_size_limit(exc) else "the disk is full"
 
 
 class _DropWaitNotice(logging.Filter):
@@ -185,7 +184,38 @@ class _DropWaitNotice(logging.Filter):
         return "Waiting for previous save to complete" not in str(record.msg)
 
 
+class _DropDiskFullTracebacks(logging.Filter):
+    """Orbax logs each failed writer thread with a traceback (several per save) before the error
+    reaches :meth:`Checkpointer.wait`; a full disk or file-size limit is then reported once, in one
+    line naming the step (:class:`CheckpointDiskError`). Other failures keep Orbax's tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.levelno >= logging.ERROR and (exc is not None and is_disk_full(exc)
+                                                         or is_disk_full(Exception(record.getMessage()))))
+
+
 logging.getLogger("absl").addFilter(_DropWaitNotice())
+logging.getLogger("absl").addFilter(_DropDiskFullTracebacks())
+
+
+def _ignore_closed_loop_callbacks(previous):
+    """After one array write of a save fails, Orbax closes that save's asyncio loop while TensorStore
+    still completes the other writes; each completion's callback into the closed loop is reported
+    as an unraisable ``RuntimeError('Event loop is closed')`` (measured: ~50-230 tracebacks after
+    one full-disk save). The save's error itself is raised by :meth:`Checkpointer.wait`; these say
+    nothing more, so they are dropped and every other unraisable goes to the previous hook."""
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+    hook.meshtrain_closed_loop_filter = True
+    return hook
+
+
+if not getattr(sys.unraisablehook, "meshtrain_closed_loop_filter", False):
+    sys.unraisablehook = _ignore_closed_loop_callbacks(sys.unraisablehook)
 
 
 def _warn(message: str) -> None:
@@ -443,7 +473,7 @@ class Checkpointer:
         need = state_bytes(state) + FREE_MARGIN
         free = _free_bytes(self.directory)
         if free < need:
-            raise CheckpointError(
+            raise CheckpointDiskError(
                 f"not enough disk space to save step {step}: the state needs ~{fmt_bytes(need)} but "
                 f"{self.directory} has {fmt_bytes(free)} free. Free space, lower keep_last (now {self.keep_last})"
                 f"{'' if self.keep_every is None else f' or keep_every (now {self.keep_every})'}, or move the run "
@@ -497,11 +527,12 @@ class Checkpointer:
         good = self._good_steps()
         tail = (f"the temporary folder was removed; steps {good} are intact and the next due step tries again"
                 if good else "the temporary folder was removed; no earlier checkpoint exists")
-        if _is_disk_full(exc):
+        if is_disk_full(exc):
             free = fmt_bytes(_free_bytes(self.directory))
-            return CheckpointError(
-                f"saving step {step} to {self.directory} failed: the disk is full ({free} free after cleaning). "
-                f"Free space, lower keep_last (now {self.keep_last}) or move the run folder; {tail}")
+            return CheckpointDiskError(
+                f"saving step {step} to {self.directory} failed: {_disk_reason(exc)} ({free} free after cleaning). "
+                f"{disk_hint(exc).capitalize()}, lower keep_last (now {self.keep_last}) or move the run folder; "
+                f"{tail}")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return CheckpointError(f"saving step {step} to {self.directory} failed: {type(exc).__name__}: {first}; {tail}")
 

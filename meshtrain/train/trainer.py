@@ -35,7 +35,7 @@ from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default
 from meshtrain.models.flops import jaxpr_flops, model_flops_per_token
 from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, peak_flops
 from meshtrain.train.preflight import Estimate, check_memory
-from meshtrain.train.rundir import RunLock, inspect_run_dir, read_records, truncate_metrics
+from meshtrain.train.rundir import RunLock, file_error, inspect_run_dir, read_records, truncate_metrics
 from meshtrain.state import init_state
 from meshtrain.train.step import RESERVED_METRICS, LossFn, NonFinite, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
@@ -346,8 +346,7 @@ class Trainer:
                     f.write(plan.to_json())
             except OSError as exc:
                 writer.close()
-                raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; free disk space or pass another "
-                                  f"--out") from None
+                raise file_error(path, exc, "before the first step") from None
         if restart is not None:
             writer.write({"event": "restart", **restart})
         return writer
@@ -407,7 +406,8 @@ class Trainer:
         done: Dict[int, float] = {}
         for rec in read_records(path):   # skips a line cut by a kill
             if "loss" in rec and rec.get("step", 0) > step:
-                done[rec["step"]] = rec.get("step_time_s", 0.0)
+                seconds = rec.get("step_time_s")
+                done[rec["step"]] = float(seconds) if isinstance(seconds, (int, float)) else 0.0
             elif rec.get("event") == "restart":
                 done = {}
         return len(done), float(sum(done.values()))
