@@ -279,6 +279,7 @@ class Checkpointer:
         self._closed = False
         self._starter: Optional[ThreadPoolExecutor] = None   # runs Orbax's save() (background_start)
         self._started: Optional[Future] = None                # that call for the step in flight
+        self._finalized: Optional[Future] = None              # Orbax's wait for it, on the same worker
         # How a save is carried out, not what it writes (tools/bench_checkpoint.py --compare sets the
         # earlier behaviour on one instance to measure both in one run): hash the new files from the
         # page cache (integrity.sha256_range), and copy the arrays before a *synchronous* save too.
@@ -400,36 +401,47 @@ class Checkpointer:
             del state   # the worker must not keep the caller's buffers (they are donated next)
             if self._starts_in_background():
                 # the copies are enqueued (XLA orders them before any later step that donates the
-                # originals); Orbax waits for them in the worker, then writes as usual
+                # originals); Orbax waits for them in the worker, then writes as usual. The future
+                # exists before the hand-off, so a Ctrl-C at any point of it finds the step either
+                # claimed by the worker (in flight) or cancellable (never started): see below.
                 if self._starter is None:
                     self._starter = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-ckpt-start")
-                self._started = self._starter.submit(self._start_save, step, args)
+                self._started = Future()
+                self._starter.submit(self._start_save, self._started, step, args)
             else:
                 self._manager.save(step, args=args, force=True)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a CheckpointError naming the step
-            self._inflight = None
-            self._after_failure(step)
-            raise self._save_error(step, exc) from exc
-        except BaseException:
-            if self._started is not None:   # handed to the worker already: in flight, close() waits for it
+        except BaseException as exc:
+            if self._started is not None and not self._started.cancel():
+                # the worker is already saving this step: it is in flight, close() waits for it
+                if isinstance(exc, Exception):
+                    self._wait_inflight()
                 raise
-            # Ctrl-C inside Orbax's blocking part: this step never started committing. Forget it and
-            # remove its partial folder, so close() does not report an interrupted save as a failure.
+            # The step never started committing (a Ctrl-C inside Orbax's blocking part or during the
+            # hand-off): forget it and remove its partial folder, so close() does not report an
+            # interrupted save as a failure and no worker writes a step nobody waits for.
+            self._started = None
             self._inflight = None
             self._after_failure(step)
+            if isinstance(exc, Exception):   # every failure becomes a CheckpointError naming the step
+                raise self._save_error(step, exc) from exc
             raise
         if not self.async_save:
             self._wait_inflight()
         return SaveResult(True, time.perf_counter() - t0, step)
 
-    def _start_save(self, step: int, args) -> None:
-        """Orbax's save() on the worker thread (background_start); its error is raised by _wait_inflight."""
+    def _start_save(self, started: Future, step: int, args) -> None:
+        """Orbax's save() on the worker thread (background_start); its error is raised by _wait_inflight.
+        Skipped when ``maybe_save`` cancelled ``started`` first (Ctrl-C during the hand-off)."""
+        if not started.set_running_or_notify_cancel():
+            return
         try:
             self._manager.save(step, args=args, force=True)
-        except Exception:
-            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            started.set_exception(exc)
         except BaseException as exc:   # e.g. SystemExit inside Orbax: a failed save like any other
-            raise RuntimeError(f"the save was interrupted: {exc!r}") from exc
+            started.set_exception(RuntimeError(f"the save was interrupted: {exc!r}"))
+        else:
+            started.set_result(None)
 
     def _starts_in_background(self) -> bool:
         return (self.async_save and self.background_start and jax.default_backend() == "cpu"
@@ -489,18 +501,18 @@ class Checkpointer:
         if step is None:
             return
         try:
-            started, self._started = self._started, None
-            if started is not None:
-                try:
-                    started.result()     # Orbax's blocking part, run by the worker (background_start)
-                except BaseException:
-                    self._started = started if not started.done() else None   # interrupted: wait again later
-                    raise
-            self._manager.wait_until_finished()
+            # A Ctrl-C in either wait leaves the step in flight (the next call waits again): it lands in
+            # a future's result(), never inside Orbax (whose wait logs a KeyboardInterrupt traceback
+            # and forgets the step while its threads still write it).
+            if self._started is not None:
+                self._started.result()     # Orbax's blocking part, run by the worker (background_start)
+            self._wait_finalized()
         except Exception as exc:  # noqa: BLE001
+            self._started = self._finalized = None
             self._inflight = None
             self._after_failure(step)
             raise self._save_error(step, exc) from exc
+        self._started = self._finalized = None
         self._inflight = None
         check = self.check(step, Verify.QUICK)
         if check.status is not StepStatus.OK:
@@ -509,6 +521,15 @@ class Checkpointer:
                                   f"({check.reason}); steps {self._good_steps()} are intact")
         self._session_steps.add(step)
         self._apply_retention()
+
+    def _wait_finalized(self) -> None:
+        """Orbax's wait for the write and commit; with background_start it runs on the worker thread."""
+        if self._starter is None:
+            self._manager.wait_until_finished()
+            return
+        if self._finalized is None:
+            self._finalized = self._starter.submit(self._manager.wait_until_finished)
+        self._finalized.result()
 
     def _after_failure(self, step: int) -> None:
         # Orbax raises as soon as one of its writer threads fails; the others (and tensorstore's
