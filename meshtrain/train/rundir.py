@@ -85,7 +85,10 @@ class RunLock:
             json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}, f)
             f.flush()
         except OSError as exc:
-            f.close()   # drops the flock: nothing of this run started
+            try:
+                f.close()   # drops the flock: nothing of this run started
+            except OSError:   # the same full disk, flushing what json.dump buffered
+                pass
             raise file_error(self.path, exc, "before the run started") from None
         self._file = f
 
@@ -180,7 +183,7 @@ def read_records(path: str):
     :class:`ConfigError` naming the file and line, and leaves the file as it is."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path} is {'a folder' if os.path.isdir(path) else 'not a regular file'}, not meshtrain's "
-                          f"metrics log; nothing was changed: move it away, or pass another --out")
+                          f"metrics log. Nothing was changed: move it away, or pass another --out")
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             rec = _parse_line(path, number, raw)
