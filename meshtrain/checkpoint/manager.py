@@ -407,7 +407,7 @@ class Checkpointer:
                 if self._starter is None:
                     self._starter = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-ckpt-start")
                 self._started = Future()
-                self._starter.submit(self._start_save, self._started, step, args)
+                self._starter.submit(self._hand_off, self._started, step, args)
             else:
                 self._manager.save(step, args=args, force=True)
         except BaseException as exc:
@@ -429,19 +429,24 @@ class Checkpointer:
             self._wait_inflight()
         return SaveResult(True, time.perf_counter() - t0, step)
 
-    def _start_save(self, started: Future, step: int, args) -> None:
-        """Orbax's save() on the worker thread (background_start); its error is raised by _wait_inflight.
-        Skipped when ``maybe_save`` cancelled ``started`` first (Ctrl-C during the hand-off)."""
+    def _hand_off(self, started: Future, step: int, args) -> None:
+        """The worker's side of the hand-off: claim ``started`` (skip the step when ``maybe_save``
+        cancelled it first, on a Ctrl-C), run :meth:`_start_save`, and always complete ``started``
+        (a wait on it must never hang); its error is raised by ``_wait_inflight``."""
         if not started.set_running_or_notify_cancel():
             return
         try:
-            self._manager.save(step, args=args, force=True)
+            self._start_save(step, args)
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
             started.set_exception(exc)
         except BaseException as exc:   # e.g. SystemExit inside Orbax: a failed save like any other
             started.set_exception(RuntimeError(f"the save was interrupted: {exc!r}"))
         else:
             started.set_result(None)
+
+    def _start_save(self, step: int, args) -> None:
+        """Orbax's save() on the worker thread (background_start)."""
+        self._manager.save(step, args=args, force=True)
 
     def _starts_in_background(self) -> bool:
         return (self.async_save and self.background_start and jax.default_backend() == "cpu"
