@@ -1,7 +1,8 @@
 """The ``meshtrain`` command (also ``python -m meshtrain``).
 
 Each sub-command lives in ``meshtrain/commands/<name>.py`` with ``add_parser`` and ``run``.
-Bad input (a ``MeshtrainError``) prints ``error: ...`` and exits 2, without a traceback.
+Bad input (a ``MeshtrainError``) prints ``error: ...`` and exits 2, without a traceback; a full disk
+or file-size limit (a ``DiskError``) the same way with exit code 74 (``meshtrain.errors.EXIT_DISK``).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except MeshtrainError as exc:
         where = distributed.current()
         print(f"error: {f'[process {where.process_id}] ' if where else ''}{exc}", file=sys.stderr)
-        return _leave(2)
+        return _leave(exc.exit_code)
     except KeyboardInterrupt as exc:
         print(f"interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
         return _leave(130)

@@ -21,9 +21,9 @@ and a newer valid step exists; a damaged step whose number is saved again is ren
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -42,8 +42,9 @@ from meshtrain.checkpoint.housekeeping import Janitor, WriterLock
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT, read_meta
 from meshtrain.checkpoint.layout import (describe_tree, from_nested, key_name, mismatch_error, mismatches, state_bytes,
                                         to_nested)
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
-                                        SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.checkpoint.types import (CheckpointDiskError, CheckpointError, CheckpointWarning, Compression,
+                                        NoValidCheckpoint, Restored, SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.errors import disk_hint, is_disk_full, is_file_size_limit
 from meshtrain.plan import fmt_bytes as plan_fmt_bytes
 from meshtrain.precision import MasterWeightsState, has_master_weights
 from meshtrain.state import TrainState, abstract_train_state
@@ -168,10 +169,8 @@ def _join_orbax_threads(timeout_s: float) -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    text = str(exc)
-    return (getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "ENOSPC" in text
-            or "os_error_code='28'" in text)
+def _disk_reason(exc: BaseException) -> str:
+    return "a file reached the file-size limit (ulimit -f)" if is_file_size_limit(exc) else "the disk is full"
 
 
 class _DropWaitNotice(logging.Filter):
@@ -182,7 +181,38 @@ class _DropWaitNotice(logging.Filter):
         return "Waiting for previous save to complete" not in str(record.msg)
 
 
+class _DropDiskFullTracebacks(logging.Filter):
+    """Orbax logs each failed writer thread with a traceback (several per save) before the error
+    reaches :meth:`Checkpointer.wait`; a full disk or file-size limit is then reported once, in one
+    line naming the step (:class:`CheckpointDiskError`). Other failures keep Orbax's tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.levelno >= logging.ERROR and (exc is not None and is_disk_full(exc)
+                                                         or is_disk_full(Exception(record.getMessage()))))
+
+
 logging.getLogger("absl").addFilter(_DropWaitNotice())
+logging.getLogger("absl").addFilter(_DropDiskFullTracebacks())
+
+
+def _ignore_closed_loop_callbacks(previous):
+    """After one array write of a save fails, Orbax closes that save's asyncio loop while TensorStore
+    still completes the other writes; each completion's callback into the closed loop is reported
+    as an unraisable ``RuntimeError('Event loop is closed')`` (measured: ~50-230 tracebacks after
+    one full-disk save). The save's error itself is raised by :meth:`Checkpointer.wait`; these say
+    nothing more, so they are dropped and every other unraisable goes to the previous hook."""
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+    hook.meshtrain_closed_loop_filter = True
+    return hook
+
+
+if not getattr(sys.unraisablehook, "meshtrain_closed_loop_filter", False):
+    sys.unraisablehook = _ignore_closed_loop_callbacks(sys.unraisablehook)
 
 
 def _warn(message: str) -> None:
@@ -246,6 +276,7 @@ class Checkpointer:
         self._closed = False
         self._starter: Optional[ThreadPoolExecutor] = None   # runs Orbax's save() (background_start)
         self._started: Optional[Future] = None                # that call for the step in flight
+        self._finalized: Optional[Future] = None              # Orbax's wait for it, on the same worker
         # How a save is carried out, not what it writes (tools/bench_checkpoint.py --compare sets the
         # earlier behaviour on one instance to measure both in one run): hash the new files from the
         # page cache (integrity.sha256_range), and copy the arrays before a *synchronous* save too.
@@ -367,36 +398,52 @@ class Checkpointer:
             del state   # the worker must not keep the caller's buffers (they are donated next)
             if self._starts_in_background():
                 # the copies are enqueued (XLA orders them before any later step that donates the
-                # originals); Orbax waits for them in the worker, then writes as usual
+                # originals); Orbax waits for them in the worker, then writes as usual. The future
+                # exists before the hand-off, so a Ctrl-C at any point of it finds the step either
+                # claimed by the worker (in flight) or cancellable (never started): see below.
                 if self._starter is None:
                     self._starter = ThreadPoolExecutor(1, thread_name_prefix="meshtrain-ckpt-start")
-                self._started = self._starter.submit(self._start_save, step, args)
+                self._started = Future()
+                self._starter.submit(self._hand_off, self._started, step, args)
             else:
                 self._manager.save(step, args=args, force=True)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a CheckpointError naming the step
-            self._inflight = None
-            self._after_failure(step)
-            raise self._save_error(step, exc) from exc
-        except BaseException:
-            if self._started is not None:   # handed to the worker already: in flight, close() waits for it
+        except BaseException as exc:
+            if self._started is not None and not self._started.cancel():
+                # the worker is already saving this step: it is in flight, close() waits for it
+                if isinstance(exc, Exception):
+                    self._wait_inflight()
                 raise
-            # Ctrl-C inside Orbax's blocking part: this step never started committing. Forget it and
-            # remove its partial folder, so close() does not report an interrupted save as a failure.
+            # The step never started committing (a Ctrl-C inside Orbax's blocking part or during the
+            # hand-off): forget it and remove its partial folder, so close() does not report an
+            # interrupted save as a failure and no worker writes a step nobody waits for.
+            self._started = None
             self._inflight = None
             self._after_failure(step)
+            if isinstance(exc, Exception):   # every failure becomes a CheckpointError naming the step
+                raise self._save_error(step, exc) from exc
             raise
         if not self.async_save:
             self._wait_inflight()
         return SaveResult(True, time.perf_counter() - t0, step)
 
-    def _start_save(self, step: int, args) -> None:
-        """Orbax's save() on the worker thread (background_start); its error is raised by _wait_inflight."""
+    def _hand_off(self, started: Future, step: int, args) -> None:
+        """The worker's side of the hand-off: claim ``started`` (skip the step when ``maybe_save``
+        cancelled it first, on a Ctrl-C), run :meth:`_start_save`, and always complete ``started``
+        (a wait on it must never hang); its error is raised by ``_wait_inflight``."""
+        if not started.set_running_or_notify_cancel():
+            return
         try:
-            self._manager.save(step, args=args, force=True)
-        except Exception:
-            raise
+            self._start_save(step, args)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            started.set_exception(exc)
         except BaseException as exc:   # e.g. SystemExit inside Orbax: a failed save like any other
-            raise RuntimeError(f"the save was interrupted: {exc!r}") from exc
+            started.set_exception(RuntimeError(f"the save was interrupted: {exc!r}"))
+        else:
+            started.set_result(None)
+
+    def _start_save(self, step: int, args) -> None:
+        """Orbax's save() on the worker thread (background_start)."""
+        self._manager.save(step, args=args, force=True)
 
     def _starts_in_background(self) -> bool:
         return (self.async_save and self.background_start and jax.default_backend() == "cpu"
@@ -440,7 +487,7 @@ class Checkpointer:
         need = state_bytes(state) + FREE_MARGIN
         free = _free_bytes(self.directory)
         if free < need:
-            raise CheckpointError(
+            raise CheckpointDiskError(
                 f"not enough disk space to save step {step}: the state needs ~{fmt_bytes(need)} but "
                 f"{self.directory} has {fmt_bytes(free)} free. Free space, lower keep_last (now {self.keep_last})"
                 f"{'' if self.keep_every is None else f' or keep_every (now {self.keep_every})'}, or move the run "
@@ -456,18 +503,18 @@ class Checkpointer:
         if step is None:
             return
         try:
-            started, self._started = self._started, None
-            if started is not None:
-                try:
-                    started.result()     # Orbax's blocking part, run by the worker (background_start)
-                except BaseException:
-                    self._started = started if not started.done() else None   # interrupted: wait again later
-                    raise
-            self._manager.wait_until_finished()
+            # A Ctrl-C in either wait leaves the step in flight (the next call waits again): it lands in
+            # a future's result(), never inside Orbax (whose wait logs a KeyboardInterrupt traceback
+            # and forgets the step while its threads still write it).
+            if self._started is not None:
+                self._started.result()     # Orbax's blocking part, run by the worker (background_start)
+            self._wait_finalized()
         except Exception as exc:  # noqa: BLE001
+            self._started = self._finalized = None
             self._inflight = None
             self._after_failure(step)
             raise self._save_error(step, exc) from exc
+        self._started = self._finalized = None
         self._inflight = None
         check = self.check(step, Verify.QUICK)
         if check.status is not StepStatus.OK:
@@ -476,6 +523,15 @@ class Checkpointer:
                                   f"({check.reason}); steps {self._good_steps()} are intact")
         self._session_steps.add(step)
         self._apply_retention()
+
+    def _wait_finalized(self) -> None:
+        """Orbax's wait for the write and commit; with background_start it runs on the worker thread."""
+        if self._starter is None:
+            self._manager.wait_until_finished()
+            return
+        if self._finalized is None:
+            self._finalized = self._starter.submit(self._manager.wait_until_finished)
+        self._finalized.result()
 
     def _after_failure(self, step: int) -> None:
         # Orbax raises as soon as one of its writer threads fails; the others (and tensorstore's
@@ -494,11 +550,12 @@ class Checkpointer:
         good = self._good_steps()
         tail = (f"the temporary folder was removed; steps {good} are intact and the next due step tries again"
                 if good else "the temporary folder was removed; no earlier checkpoint exists")
-        if _is_disk_full(exc):
+        if is_disk_full(exc):
             free = fmt_bytes(_free_bytes(self.directory))
-            return CheckpointError(
-                f"saving step {step} to {self.directory} failed: the disk is full ({free} free after cleaning). "
-                f"Free space, lower keep_last (now {self.keep_last}) or move the run folder; {tail}")
+            return CheckpointDiskError(
+                f"saving step {step} to {self.directory} failed: {_disk_reason(exc)} ({free} free after cleaning). "
+                f"{disk_hint(exc).capitalize()}, lower keep_last (now {self.keep_last}) or move the run folder; "
+                f"{tail}")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return CheckpointError(f"saving step {step} to {self.directory} failed: {type(exc).__name__}: {first}; {tail}")
 

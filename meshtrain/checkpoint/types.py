@@ -6,12 +6,18 @@ import dataclasses
 import enum
 from typing import Any, Dict, Optional
 
-from meshtrain.errors import MeshtrainError
+from meshtrain.errors import DiskError, MeshtrainError
 
 
 class CheckpointError(MeshtrainError):
     """A checkpoint cannot be written or restored; the message names the step, the folder and what to
     change (free disk space, the mismatching paths/shapes/dtypes, a different step)."""
+
+
+class CheckpointDiskError(CheckpointError, DiskError):
+    """A checkpoint could not be written because the disk (or the file-size limit) is full; the
+    failed step's temporary folder was removed and every committed step is intact. The CLI exits
+    with :data:`meshtrain.errors.EXIT_DISK` (74), not 2: the command was fine, the storage was not."""
 
 
 class NoValidCheckpoint(CheckpointError):

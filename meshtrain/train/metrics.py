@@ -15,7 +15,11 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
+from tensorboardX.summary import scalar
 
+from meshtrain.train.rundir import METRICS_FILE, file_error
 
 #: ``device.device_kind`` substring → hardware profile (:mod:`meshtrain.analysis.hardware`).
 DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"), ("TPU v4", "tpu-v4"),
@@ -40,7 +44,12 @@ class MetricsWriter:
     """One JSON object per line in ``<run>/metrics.jsonl`` plus TensorBoard scalars in ``<run>/``.
 
     Only process 0 writes (``enabled=False`` elsewhere). The file is appended to, so a resumed run
-    continues the same file.
+    continues the same file. A write that fails (full disk, file-size limit) raises
+    :class:`~meshtrain.errors.DiskError` naming the file and the step.
+
+    TensorBoard events are written synchronously (tensorboardX's ``EventsWriter``), not through
+    ``SummaryWriter``'s background thread: on a full disk that thread dies with a traceback and the
+    next ``add_scalar`` blocks for ever on its full queue (measured: a run hung at step 10).
     """
 
     def __init__(self, run_dir: str, enabled: bool = True):
@@ -49,37 +58,45 @@ class MetricsWriter:
         self._tb = None
         if not enabled:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._file = open(self.path, "a", buffering=1)
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(run_dir, flush_secs=10)
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+            self._tb = EventsWriter(os.path.join(run_dir, "events"))
+            self._tb.flush()
+        except OSError as exc:
+            failed = getattr(self._tb, "_file_name", None) or exc.filename or self.path
+            self.close()
+            raise file_error(failed, exc, "before the first step") from None
 
     def write(self, record: Dict[str, Any], scalars: Optional[Dict[str, float]] = None) -> None:
         if not self.enabled:
             return
+        step = record.get("step")
         try:
             self._file.write(json.dumps(record) + "\n")
         except OSError as exc:
-            from meshtrain.errors import MeshtrainError
-
-            raise MeshtrainError(f"cannot write {self.path} at step {record.get('step')}: {exc.strerror or exc}; "
-                                 f"free disk space, then continue with --resume (committed checkpoints are "
-                                 f"intact)") from None
-        step = record.get("step", 0)
-        for key, value in (scalars or {}).items():
-            if value is not None:
-                self._tb.add_scalar(key, value, step)
+            raise file_error(self.path, exc, f"at step {step}") from None
+        if not scalars:
+            return
+        now = time.time()
+        try:
+            for key, value in scalars.items():
+                if value is not None:
+                    self._tb.write_event(event_pb2.Event(wall_time=now, step=step or 0, summary=scalar(key, value)))
+            self._tb.flush()
+        except OSError as exc:
+            raise file_error(self._tb._file_name, exc, f"at step {step}") from None
 
     def close(self) -> None:
-        if self._file is not None:
-            f, self._file = self._file, None
+        f, self._file = self._file, None
+        tb, self._tb = self._tb, None
+        for closable in (f, tb):
             try:
-                f.close()
+                if closable is not None:
+                    closable.close()
             except OSError:   # a full disk on the last flush: already reported by write()
                 pass
-            self._tb.close()
 
 
 class ProgressDisplay:

@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import Optional
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, DiskError, disk_hint, is_disk_full
 
 LOCK_FILE = ".meshtrain-run.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -62,6 +62,8 @@ class RunLock:
             os.makedirs(run_dir, exist_ok=True)
             f = open(self.path, "a+")
         except OSError as exc:
+            if is_disk_full(exc):
+                raise file_error(self.path, exc, "before the run started") from None
             raise ConfigError(f"cannot use run folder {run_dir!r}: {exc.strerror or exc}; pass an --out folder "
                               f"you can write to") from None
         try:
@@ -77,10 +79,17 @@ class RunLock:
             state = "still running but not holding the lock" if alive else "no longer running"
             warnings.warn(f"taking over the lock of run folder {run_dir!r} from {_describe(previous)} ({state}; "
                           f"it stopped without releasing it)", stacklevel=2)
-        f.seek(0)
-        f.truncate()
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}, f)
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}, f)
+            f.flush()
+        except OSError as exc:
+            try:
+                f.close()   # drops the flock: nothing of this run started
+            except OSError:   # the same full disk, flushing what json.dump buffered
+                pass
+            raise file_error(self.path, exc, "before the run started") from None
         self._file = f
 
     def release(self) -> None:
@@ -143,7 +152,7 @@ def inspect_run_dir(run_dir: str, checkpoint_dir: Optional[str] = None) -> RunCo
         raise ConfigError(f"--out {run_dir!r} is an existing file, not a folder; pass a folder path")
     steps, committed = [], []
     path = os.path.join(run_dir, METRICS_FILE)
-    if os.path.isfile(path):
+    if os.path.lexists(path):
         for rec in read_records(path):
             if isinstance(rec.get("step"), int) and "loss" in rec:
                 steps.append(rec["step"])
@@ -155,16 +164,61 @@ def inspect_run_dir(run_dir: str, checkpoint_dir: Optional[str] = None) -> RunCo
                        tuple(sorted(set(committed))))
 
 
+def file_error(path: str, exc: OSError, when: str) -> ConfigError:
+    """The error for a run file that could not be written: a :class:`DiskError` (its own exit code)
+    for a full disk or file-size limit, else a :class:`ConfigError` (e.g. a folder in its place)."""
+    reason = exc.strerror or str(exc)
+    if is_disk_full(exc):
+        return DiskError(f"cannot write {path} {when}: {reason}; {disk_hint(exc)}, then continue with --resume "
+                         f"(committed checkpoints are intact)")
+    return ConfigError(f"cannot write {path} {when}: {reason}; fix that path or pass another --out")
+
+
 def read_records(path: str):
-    """The JSON objects of a ``metrics.jsonl``, skipping a line cut by a kill."""
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:   # a line cut by a kill
-                continue
-            if isinstance(rec, dict):
+    """The JSON objects of a ``metrics.jsonl``, oldest first.
+
+    A torn last line (no newline at the end of the file: the writer was killed mid-line) is skipped;
+    that is the only damage a crash leaves. Anything else (bytes that are not text, a line that is
+    not a JSON object, a ``step`` that is not a step number, a folder in the file's place) raises
+    :class:`ConfigError` naming the file and line, and leaves the file as it is."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is {'a folder' if os.path.isdir(path) else 'not a regular file'}, not meshtrain's "
+                          f"metrics log. Nothing was changed: move it away, or pass another --out")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            rec = _parse_line(path, number, raw)
+            if rec is not None:
                 yield rec
+
+
+def _parse_line(path: str, number: int, raw: bytes) -> Optional[dict]:
+    """One line's record; ``None`` for a blank or torn last line; ConfigError for anything else."""
+    if not raw.strip():
+        return None
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        problem = "is not text (binary data)"
+    except json.JSONDecodeError as exc:
+        if not raw.endswith(b"\n"):   # the last line, cut by a kill: its record was never complete
+            return None
+        problem = f"is not JSON ({exc.msg} at column {exc.colno})"
+    else:
+        problem = _record_problem(rec)
+        if problem is None:
+            return rec
+    raise ConfigError(f"{path} line {number} {problem}; meshtrain writes one JSON object per line. Nothing was "
+                      f"changed: repair or delete that line (a cut last line is ignored), or pass another --out")
+
+
+def _record_problem(rec) -> Optional[str]:
+    if not isinstance(rec, dict):
+        return f"is a JSON {type(rec).__name__}, not an object"
+    step = rec.get("step")
+    needs_step = "loss" in rec or rec.get("event") in ("checkpoint", "preempted")
+    if (needs_step or "step" in rec) and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        return f"has step {step!r}, not a step number (an integer >= 0)"
+    return None
 
 
 def truncate_metrics(run_dir: str, restored_step: int) -> int:
@@ -172,7 +226,7 @@ def truncate_metrics(run_dir: str, restored_step: int) -> int:
     those steps will be trained again, and one timeline keeps one record per step. Events (restart,
     preempted, summary) of earlier segments stay. Atomic (write + rename). Returns records dropped."""
     path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return 0
     kept, dropped = [], 0
     for rec in read_records(path):
@@ -182,11 +236,16 @@ def truncate_metrics(run_dir: str, restored_step: int) -> int:
             continue
         kept.append(rec)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for rec in kept:
-            f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            for rec in kept:
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:   # the original is untouched; the partial copy must not take up the space
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise file_error(tmp, exc, "while rewriting the metrics log for the resume") from None
     os.replace(tmp, path)
     return dropped
 

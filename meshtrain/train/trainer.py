@@ -13,6 +13,7 @@ import dataclasses
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -35,7 +36,7 @@ from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default
 from meshtrain.models.flops import jaxpr_flops, model_flops_per_token
 from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch, peak_flops
 from meshtrain.train.preflight import Estimate, check_memory
-from meshtrain.train.rundir import RunLock, inspect_run_dir, read_records, truncate_metrics
+from meshtrain.train.rundir import RunLock, file_error, inspect_run_dir, read_records, truncate_metrics
 from meshtrain.state import init_state
 from meshtrain.train.step import RESERVED_METRICS, LossFn, NonFinite, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
@@ -46,10 +47,14 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C: the loop stopped, a save in flight was finished; ``last_committed`` is the step a
     ``--resume`` continues from (``None``: no checkpoint)."""
 
-    def __init__(self, last_committed: Optional[int]):
+    def __init__(self, last_committed: Optional[int], checkpointing: bool = True):
         self.last_committed = last_committed
-        where = (f"last committed step {last_committed}; continue with --resume" if last_committed is not None
-                 else "no checkpoint was committed (pass --ckpt-every N to make runs resumable)")
+        if last_committed is not None:
+            where = f"last committed step {last_committed}; continue with --resume"
+        elif checkpointing:
+            where = "no checkpoint was committed yet; a new run starts from step 0"
+        else:
+            where = "no checkpoint was committed (pass --ckpt-every N to make runs resumable)"
         super().__init__(where)
 
 
@@ -101,9 +106,34 @@ class _StopFlag:
         # stays ignored, as in any POSIX tool (a terminal's Ctrl-C was not meant for that job); the run
         # says so, and SIGTERM remains the way to stop it cleanly.
         self.sigint_ignored = main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        # Ctrl-C raises KeyboardInterrupt wherever Python happens to be; when that is a garbage
+        # collector callback (jax's _xla_gc_callback runs often while a pipeline step compiles) or a
+        # __del__, Python prints "Exception ignored" and the run went on to the end (exit 0). The
+        # handler also records the interrupt, and the loop raises it again at its next check.
+        self.interrupted = False
+        self._previous_int = None
+        self._previous_unraisable = None
+        if main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous_int = signal.signal(signal.SIGINT, self._interrupt)
+            self._previous_unraisable = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def _interrupt(self, signum, frame):
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        """The swallowed KeyboardInterrupt is raised again by :meth:`check_interrupt`: no traceback."""
+        if not (self.interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            self._previous_unraisable(unraisable)
+
+    def check_interrupt(self) -> None:
+        """Raise the Ctrl-C that arrived since the start, in case it was swallowed where it landed."""
+        if self.interrupted:
+            raise KeyboardInterrupt
 
     def should_stop(self, step: int) -> bool:
         """Call after every step on every process (the same steps everywhere); True: save and stop."""
@@ -112,6 +142,9 @@ class _StopFlag:
     def restore(self):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+        if self._previous_int is not None:
+            signal.signal(signal.SIGINT, self._previous_int)
+            sys.unraisablehook = self._previous_unraisable
 
 
 class Trainer:
@@ -274,7 +307,7 @@ class Trainer:
                 # the save in flight when Ctrl-C came did not commit; older steps are intact and the
                 # interrupt (exit 130, naming the last committed step) is what the user asked for
                 self._notice(f"the checkpoint save in flight was abandoned: {exc}")
-            raise Interrupted(self._last_committed(ckpt)) from None
+            raise Interrupted(self._last_committed(ckpt), checkpointing=bool(cfg.ckpt_every)) from None
         except BaseException:
             loop.close(failed=True)
             raise
@@ -346,8 +379,7 @@ class Trainer:
                     f.write(plan.to_json())
             except OSError as exc:
                 writer.close()
-                raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; free disk space or pass another "
-                                  f"--out") from None
+                raise file_error(path, exc, "before the first step") from None
         if restart is not None:
             writer.write({"event": "restart", **restart})
         return writer
@@ -397,6 +429,17 @@ class Trainer:
                          f"{restored.step}, so each later step sees {cfg.batch_size} sequences and the learning-rate "
                          f"schedule stays indexed by step")
             restart["batch_size_changed"] = [saved_batch, cfg.batch_size]
+        changed = _param_dtype_change(restored.metadata, plan)
+        if changed is not None:
+            saved, now = changed
+            self._notice(f"PARAMETER PRECISION CHANGED on resume: step {restored.step} was saved with --param-dtype "
+                         f"{saved}, this run trains with --param-dtype {now}. "
+                         + ("The parameters are rounded to bfloat16 for the model and their float32 values continue as "
+                            "master weights in the optimizer state (no update is lost), but the loss is computed in "
+                            "lower precision from here on" if now == "bfloat16" else
+                            "The float32 master weights become the parameters")
+                         + f"; to continue in {saved} instead, stop now and resume with --param-dtype {saved}")
+            restart["param_dtype_changed"] = [saved, now]
         return restored.state, restored.step, restart
 
     def _work_after(self, step: int):
@@ -407,7 +450,8 @@ class Trainer:
         done: Dict[int, float] = {}
         for rec in read_records(path):   # skips a line cut by a kill
             if "loss" in rec and rec.get("step", 0) > step:
-                done[rec["step"]] = rec.get("step_time_s", 0.0)
+                seconds = rec.get("step_time_s")
+                done[rec["step"]] = float(seconds) if isinstance(seconds, (int, float)) else 0.0
             elif rec.get("event") == "restart":
                 done = {}
         return len(done), float(sum(done.values()))
@@ -481,6 +525,7 @@ class _Loop:
         batch = next(self.it)
         t0 = time.perf_counter()
         compiled = self.train_step.lower(self.state, batch).compile()
+        self.stop.check_interrupt()
         self.clock.add("compile_s", time.perf_counter() - t0)
         if self.flops_per_example is None and self.peak:   # counted once, only when MFU is reported
             flops = jaxpr_flops(self.train_step.trace(self.state, batch).jaxpr)
@@ -489,6 +534,7 @@ class _Loop:
             if step > self.start + 1:
                 batch = next(self.it)
             record = self._step(compiled, step, batch)
+            self.stop.check_interrupt()
             if self.eval_step is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 t1 = time.perf_counter()
                 evals = self.t._evaluate(self.eval_step, self.state, plan)
@@ -624,6 +670,15 @@ class _Loop:
         if self.t.is_main:
             self.progress.print(_format_summary(summary))
         return summary
+
+
+def _param_dtype_change(metadata: Optional[Dict[str, Any]], plan: ShardingPlan):
+    """``(saved, now)`` parameter dtype names when a resume changes them, else ``None``."""
+    saved = ((metadata or {}).get("recipe") or {}).get("param_dtype")
+    now = getattr(plan.recipe.param_dtype, "value", plan.recipe.param_dtype)
+    if saved is None or str(saved) == str(now):
+        return None
+    return str(saved), str(now)
 
 
 def _knobs_text(recipe) -> str:
