@@ -32,6 +32,29 @@ jax.config.update("jax_platforms", "cpu")
 import pytest  # noqa: E402
 
 
+SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.txt")
+
+
+def slow_tests():
+    """``{(file, function)}`` from tests/slow.txt: the tests the fast tier leaves out."""
+    with open(SLOW_LIST) as f:
+        entries = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    return {tuple(e.split("::", 1)) for e in entries}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the fast tier (`pytest -m 'not slow'`); listed in "
+                                       "tests/slow.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = slow_tests()
+    for item in items:
+        path = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(SLOW_LIST)))
+        if (path, item.originalname or item.name) in slow:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from the code")
 

@@ -73,3 +73,31 @@ def test_a_child_ignores_no_sigint_it_inherited(tmp_path):
     out = processes.run(["bash", "-c", "trap -p INT; python3 -c 'import signal; "
                          "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)'"], timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "True", out
+
+
+def test_every_slow_entry_names_an_existing_test():
+    from conftest import slow_tests
+
+    root = os.path.dirname(HERE)
+    missing = []
+    for path, function in sorted(slow_tests()):
+        file = os.path.join(root, path)
+        names = set()
+        if os.path.isfile(file):
+            names = {n.name for n in ast.walk(ast.parse(open(file).read())) if isinstance(n, ast.FunctionDef)}
+        if function not in names:
+            missing.append(f"{path}::{function}")
+    assert not missing, f"tests/slow.txt names tests that do not exist (renamed?): {missing}"
+
+
+def test_every_test_file_keeps_a_fast_test():
+    from conftest import slow_tests
+
+    slow = slow_tests()
+    for name in TEST_FILES:
+        if not name.startswith("test_"):
+            continue
+        tree = ast.parse(open(os.path.join(HERE, name)).read())
+        tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+        fast = {t for t in tests if (f"tests/{name}", t) not in slow}
+        assert fast or not tests, f"{name}: every test is in tests/slow.txt; keep one in the fast tier"

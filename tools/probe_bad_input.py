@@ -1,0 +1,269 @@
+"""Probe the CLI as a hostile user would: every bad-input and fault case of issue 18, each in a fresh
+process, with its exit status, whether a traceback was printed, and the first line it said.
+
+    python tools/probe_bad_input.py                 # all cases (~5-10 min on 2 cores), a Markdown table
+    python tools/probe_bad_input.py --only recipe   # the cases whose name contains 'recipe'
+    python tools/probe_bad_input.py --json out.json
+
+A case passes when its status is the expected one and no traceback was printed; a `warn` case must
+also print a `warning:` line, an `ok` case (valid input that used to be refused) must exit 0. The
+tool exits 1 when any case fails. Full-disk cases mount a 4 MiB tmpfs and are skipped when not root.
+Ctrl-C races (a SIGINT inside an async save or a pipeline compile) are timing-dependent and are
+covered by tests/test_faults.py and tests/test_checkpoint_safety.py instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = ["train", "--model", "tiny", "--steps", "2", "--log-every", "1", "--progress", "none",
+         "--eval-every", "0", "--ckpt-every", "0"]
+
+
+@dataclass
+class Case:
+    name: str
+    argv: Sequence[str]            # meshtrain arguments, or a full command when `shell` is set
+    expect: str                    # "2", "74", "0" (valid input), "warn" (0 + a warning line)
+    shell: Optional[str] = None    # a bash prefix (e.g. `ulimit -f 8`) run before meshtrain
+    setup: Optional[str] = None    # name of a setup step (see Probe.setup)
+    python: Optional[str] = None   # run this Python snippet instead of the CLI
+    needs_root: bool = False
+    result: dict = field(default_factory=dict)
+
+
+def _recipe(tmp: str, name: str, text: str, binary: bytes = b"") -> str:
+    path = os.path.join(tmp, name)
+    with open(path, "wb") as f:
+        f.write(binary or textwrap.dedent(text).encode())
+    return path
+
+
+def cases(tmp: str) -> List[Case]:
+    base = "name: mine\nstrategies: [fsdp]\nmesh:\n  ici: {fsdp: -1}\n"
+    r = lambda n, t: _recipe(tmp, n, t)  # noqa: E731
+    moe = ("import meshtrain as mt, sys\n"
+           "try:\n    mt.models.get_config('tiny-moe', {kw})\n"
+           "except mt.errors.MeshtrainError as e:\n    print('error:', e, file=sys.stderr); sys.exit(2)\n")
+    out = []
+    # recipe files
+    out += [
+        Case("recipe: axis_types sideways", ["plan", "--model", "tiny", "--recipe",
+             r("axis.yaml", "name: mine\nstrategies: [fsdp]\nmesh:\n  ici: {fsdp: -1}\n  axis_types: sideways\n")], "2"),
+        Case("recipe: a rule's mesh axis is an integer", ["plan", "--model", "tiny", "--recipe",
+             r("int.yaml", base + "rules:\n  params: {embed: 3}\n")], "2"),
+        Case("recipe: file not UTF-8", ["plan", "--model", "tiny", "--recipe",
+             _recipe(tmp, "latin1.yaml", "", binary=(base + "description: caf\xe9\n").encode("latin-1"))], "2"),
+        Case("recipe: duplicated key", ["plan", "--model", "tiny", "--recipe",
+             r("dup.yaml", base + "remat: full\nremat: none\n")], "2"),
+        Case("recipe: typo in replicate_indivisible", ["plan", "--model", "tiny", "--recipe",
+             r("typo.yaml", base + "replicate_indivisible: [kv_head]\n")], "2"),
+        Case("recipe: MoE capacity_factor in a recipe file", ["plan", "--model", "tiny-moe", "--recipe",
+             r("moe.yaml", base + "capacity_factor: 0\n")], "2"),
+    ]
+    # MoE settings (Python API: the model's config)
+    for label, kw in [("capacity_factor 0", "capacity_factor=0"), ("capacity_factor -1", "capacity_factor=-1"),
+                      ("capacity_factor nan", "capacity_factor=float('nan')"),
+                      ("capacity_factor inf", "capacity_factor=float('inf')"),
+                      ("capacity_factor a string", "capacity_factor='1.25'"),
+                      ("top_k 0", "experts_per_token=0"), ("top_k > experts", "experts_per_token=99"),
+                      ("negative n_shared", "n_shared_experts=-1")]:
+        out.append(Case(f"moe: {label}", [], "2", python=moe.format(kw=kw)))
+    out.append(Case("moe: capacity_factor 1e6 trains (capacity stops at seq_len)", [], "0", python=(
+        "import sys\nimport meshtrain as mt\nfrom meshtrain.train import Trainer, TrainConfig\n"
+        "cfg = mt.models.get_config('tiny-moe', capacity_factor=1e6)\n"
+        "Trainer(TrainConfig(model='tiny-moe', recipe='ep', steps=1, eval_every=0, progress='none', out=sys.argv[1]),"
+        " model=mt.models.model_factory(cfg)).run()\n")))
+    # memory pre-flight
+    out.append(Case("train: huge batch at a small sequence length",
+                    [*TRAIN, "--batch-size", "1000000", "--seq-len", "8"], "2"))
+    # plan flags
+    for flag, value in (("--seq-len", "0"), ("--batch-size", "0"), ("--slices", "0")):
+        out.append(Case(f"plan {flag} {value}", ["plan", "--model", "tiny", "--recipe", "fsdp", flag, value], "2"))
+    out.append(Case("plan --top -1", ["plan", "--model", "tiny", "--recipe", "auto", "--top", "-1"], "2"))
+    out.append(Case("plan: seq-len above a decoder's maximum", ["plan", "--model", "tiny", "--recipe", "fsdp",
+                                                                "--seq-len", "100000"], "warn"))
+    out.append(Case("plan: seq-len above bert's position table", ["plan", "--model", "bert-tiny", "--recipe",
+                                                                  "dp", "--seq-len", "1000"], "2"))
+    # train flags
+    out += [
+        Case("train --attention ring without a context axis", [*TRAIN, "--recipe", "fsdp", "--attention", "ring"], "2"),
+        Case("train --schedule without pipeline stages", [*TRAIN, "--recipe", "fsdp", "--schedule", "1f1b"], "2"),
+        Case("train --seq-len for vit", ["train", "--model", "vit-tiny", "--steps", "1", "--seq-len", "64"], "2"),
+        Case("train --peak-tflops -5", [*TRAIN, "--peak-tflops", "-5"], "2"),
+        Case("train --dcn data=2 in one process", [*TRAIN, "--recipe", "hsdp", "--dcn", "data=2"], "warn"),
+        Case("launch --grace -1", ["launch", "--processes", "1", "--grace", "-1", "--", "recipes"], "2"),
+        Case("launch --processes 64 on this host", ["launch", "--processes", "64", "--", *TRAIN], "2"),
+    ]
+    # valid input that used to be refused
+    out += [
+        Case("bert-tiny under cp", ["train", "--model", "bert-tiny", "--recipe", "cp", "--steps", "2",
+                                    "--progress", "none", "--eval-every", "0", "--ckpt-every", "0"], "0"),
+        Case("bert-tiny under fsdp_cp_usp", ["train", "--model", "bert-tiny", "--recipe", "fsdp_cp_usp", "--steps",
+                                             "2", "--progress", "none", "--eval-every", "0", "--ckpt-every", "0"], "0"),
+        Case("ulysses on 5 context devices (names the counts that work)",
+             [*TRAIN, "--recipe", "cp", "--attention", "ulysses", "--devices", "5"], "2"),
+    ]
+    # damaged metrics.jsonl on --resume (setup: a finished 4-step run, then damage)
+    for label in ("binary garbage", "a garbage line", "a non-integer step", "a null checkpoint step", "a folder"):
+        out.append(Case(f"resume: metrics.jsonl with {label}", [], "2", setup=f"damaged:{label}"))
+    out.append(Case("resume: fsdp f32 run with --param-dtype bfloat16 (says so)", [], "0", setup="dtype"))
+    # file-size limit and full disk
+    out += [
+        Case("ulimit -f: plan.json", [], "74", shell="ulimit -f 8", setup="plain"),
+        Case("ulimit -f: checkpoint", [], "74", shell="ulimit -f 200", setup="ckpt"),
+        Case("full disk (4 MiB tmpfs): checkpoint", [], "74", setup="tmpfs", needs_root=True),
+    ]
+    return out
+
+
+class Probe:
+    def __init__(self, tmp: str, timeout: float):
+        self.tmp, self.timeout = tmp, timeout
+        self.env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+        self.env["JAX_PLATFORMS"] = "cpu"
+        self._finished = None
+
+    def _exec(self, cmd: List[str], shell: Optional[str] = None):
+        if shell:
+            cmd = ["bash", "-c", f'{shell}; exec "$@"', "bash", *cmd]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, env=self.env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, err = proc.communicate(timeout=30)
+            return 124, out, err + f"\n(killed after {self.timeout:.0f} s)", time.monotonic() - t0
+        return proc.returncode, out, err, time.monotonic() - t0
+
+    def cli(self, argv, shell=None):
+        return self._exec([sys.executable, "-m", "meshtrain", *map(str, argv)], shell)
+
+    def finished_run(self) -> str:
+        """A 4-step fsdp run with checkpoints at 2 and 4, made once and copied per case."""
+        if self._finished is None:
+            self._finished = os.path.join(self.tmp, "finished")
+            code, _, err, _ = self.cli(["train", "--model", "tiny", "--steps", "4", "--ckpt-every", "2",
+                                        "--progress", "none", "--eval-every", "0", "--out", self._finished])
+            if code != 0:
+                raise SystemExit(f"probe setup failed (exit {code}): {err[-2000:]}")
+        return self._finished
+
+    def run(self, case: Case):
+        if case.python:
+            argv = [sys.executable, "-c", case.python, os.path.join(self.tmp, case.name.replace(" ", "_"))]
+            return self._exec(argv)
+        if case.setup is None:
+            return self.cli(case.argv)
+        kind = case.setup
+        folder = os.path.join(self.tmp, "run-" + "".join(c if c.isalnum() else "_" for c in case.name))
+        shutil.rmtree(folder, ignore_errors=True)
+        if kind.startswith("damaged:"):
+            shutil.copytree(self.finished_run(), folder)
+            path = os.path.join(folder, "metrics.jsonl")
+            lines = open(path).read().splitlines(keepends=True)
+            label = kind.split(":", 1)[1]
+            if label == "binary garbage":
+                with open(path, "ab") as f:
+                    f.write(b"\xff\xfe\x00garbage\n")
+            elif label == "a garbage line":
+                lines.insert(2, "this is not json\n")
+                open(path, "w").writelines(lines)
+            elif label == "a non-integer step":
+                lines.insert(2, json.dumps({"step": "two", "loss": 1.0}) + "\n")
+                open(path, "w").writelines(lines)
+            elif label == "a null checkpoint step":
+                lines.insert(2, json.dumps({"event": "checkpoint", "step": None}) + "\n")
+                open(path, "w").writelines(lines)
+            else:
+                os.remove(path)
+                os.mkdir(path)
+            return self.cli(["train", "--model", "tiny", "--steps", "6", "--resume", "--progress", "none",
+                             "--eval-every", "0", "--out", folder])
+        if kind == "dtype":
+            shutil.copytree(self.finished_run(), folder)
+            return self.cli(["train", "--model", "tiny", "--steps", "5", "--resume", "--param-dtype", "bfloat16",
+                             "--progress", "none", "--eval-every", "0", "--out", folder])
+        if kind == "plain":
+            return self.cli([*TRAIN, "--out", folder], case.shell)
+        if kind == "ckpt":
+            return self.cli(["train", "--model", "tiny", "--steps", "4", "--ckpt-every", "2", "--progress", "none",
+                             "--eval-every", "0", "--out", folder], case.shell)
+        if kind == "tmpfs":
+            os.makedirs(folder)
+            mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", folder], capture_output=True,
+                                   timeout=60)
+            if mount.returncode:
+                return None
+            try:
+                return self.cli(["train", "--model", "tiny", "--steps", "20", "--ckpt-every", "2", "--keep-last",
+                                 "100", "--progress", "none", "--eval-every", "0", "--out", os.path.join(folder, "r")])
+            finally:
+                subprocess.run(["umount", "-l", folder], capture_output=True, timeout=60)
+        raise ValueError(kind)
+
+
+def judge(case: Case, got) -> dict:
+    if got is None:
+        return {"status": "skipped", "ok": True, "code": None, "traceback": False, "said": "(not root: no tmpfs)"}
+    code, out, err, secs = got
+    text = out + err
+    traceback = "Traceback (most recent call last)" in text
+    lines = [l for l in err.splitlines() if l.startswith(("error:", "warning:"))] or \
+            [l for l in text.splitlines() if "PRECISION CHANGED" in l or "natural order" in l] or \
+            [l for l in err.splitlines() if l.strip()][-1:] or [""]
+    if case.expect == "warn":
+        ok = code == 0 and any(l.startswith("warning:") for l in err.splitlines())
+    else:
+        ok = code == int(case.expect)
+    if case.setup == "dtype":
+        ok = ok and "PRECISION CHANGED" in text
+    ok = ok and not traceback
+    return {"status": "ok" if ok else "FAIL", "ok": ok, "code": code, "traceback": traceback,
+            "said": lines[0][:220], "seconds": round(secs, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per case before it is killed")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="meshtrain-probe-")
+    try:
+        probe = Probe(tmp, args.timeout)
+        selected = [c for c in cases(tmp) if args.only in c.name]
+        print("| case | expected | exit | traceback | first line | |\n|---|---|---|---|---|---|", flush=True)
+        for case in selected:
+            case.result = judge(case, None if (case.needs_root and os.geteuid() != 0) else probe.run(case))
+            r = case.result
+            said = r["said"].replace("|", "\\|")
+            print(f"| {case.name} | {case.expect} | {r['code']} | {'yes' if r['traceback'] else 'no'} | `{said}` | "
+                  f"{r['status']} |", flush=True)
+        failed = [c.name for c in selected if not c.result["ok"]]
+        tracebacks = sum(c.result["traceback"] for c in selected)
+        print(f"\n{len(selected) - len(failed)} passed, {len(failed)} failed; {tracebacks} tracebacks"
+              + (f"; failed: {failed}" if failed else ""))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([{"case": c.name, "expect": c.expect, **c.result} for c in selected], f, indent=1)
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
