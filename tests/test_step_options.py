@@ -120,6 +120,12 @@ def test_plan_json_shows_dimension_options_from_flags(argv, fragment, capsys):
     assert fragment in settings["strategies"], settings["strategies"]
 
 
+def test_plan_text_shows_the_context_options(capsys):
+    assert main(["plan", "--model", "tiny", "--recipe", "fsdp_cp", "--load-balance", "none",
+                 "--flash-backend", "xla"]) == 0
+    assert "recipe fsdp_cp: dp + fsdp + cp(load_balance=none, flash_backend=xla)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("text,expected", [
     (LB_NONE.replace("load_balance: none", "load_balance: sideways"),
      r"strategies\[2\]\.cp\.load_balance='sideways': use one of \['zigzag', 'none'\]"),

@@ -393,6 +393,12 @@ def _setup(args) -> None:
         setup_devices(None)  # keep the default simulated devices; the plan itself is abstract
 
 
+def _recipe_line(recipe) -> str:
+    """``recipe NAME: dp + fsdp + cp(load_balance=none, flash_backend=xla) (remat full)``: every dimension
+    with the options it sets, and the knobs that differ from their defaults."""
+    return f"recipe {recipe.name}: {' + '.join(str(s) for s in recipe.strategies)}{recipe.knobs_text()}"
+
+
 def run(args) -> int:
     from meshtrain.analysis import report
     from meshtrain.errors import ConfigError, MeshtrainError
@@ -409,7 +415,7 @@ def run(args) -> int:
         extra = {} if choice.analytic else {"loss_fn": choice.loss_fn, "model_name": choice.name}
         try:
             out = (report.single_dict(plan, choice.cfg, args, **extra) if args.json
-                   else report.single_text(plan, choice.cfg, args, **extra))
+                   else report.single_text(plan, choice.cfg, args, **extra) + "\n" + _recipe_line(plan.recipe))
         except MeshtrainError:
             raise
         except Exception as exc:  # noqa: BLE001 - user code (model or loss) failed while the step was traced
