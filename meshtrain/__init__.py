@@ -23,10 +23,11 @@ from meshtrain.parallel.context import sequence_permutation
 from meshtrain.parallel.pipeline import PipelineParts
 from meshtrain.plan import BatchSpec, LeafPlan, ShardingPlan, make_plan
 from meshtrain.precision import master_weights
-from meshtrain.recipes import (BUILTIN_RECIPES, AttentionKind, LayerLoop, Offload, Recipe, Remat, Schedule, get_recipe,
-                               register_recipe)
+from meshtrain.recipes import (BUILTIN_RECIPES, AttentionKind, LayerLoop, LocalAttention, Offload, Recipe, Remat, Schedule,
+                               get_recipe, register_recipe)
 from meshtrain.rules import AxisRules, Rule
-from meshtrain.strategies import register_strategy
+from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel, Expert, FlashBackend, LoadBalance,
+                                  Pipeline, Strategy, Tensor, ZeRO, ZeroStage, register_strategy)
 from meshtrain.state import TrainState, abstract_train_state, init_state, state_shardings
 from meshtrain.losses import LossFn, next_token_loss
 from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_train_step
@@ -43,4 +44,6 @@ __all__ = [
     "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
     "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
     "sequence_permutation", "PipelineParts", "Schedule", "LayerLoop", "Offload", "master_weights", "scan_layers",
+    "Strategy", "DataParallel", "FSDP", "ZeRO", "ZeroStage", "HSDP", "Tensor", "Context", "ContextKind", "LoadBalance",
+    "FlashBackend", "Expert", "Pipeline", "LocalAttention",
 ]

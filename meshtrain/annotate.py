@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple, Type, TypeVar
 
 import jax
 
@@ -27,27 +27,39 @@ from meshtrain.axes import LogicalAxes
 from meshtrain.errors import RulesError
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.rules import AxisRules
+from meshtrain.strategies import Strategy
+
+S = TypeVar("S", bound=Strategy)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """What a step being traced tells the model: the mesh and activation rules (for
-    :func:`constrain`), the remat policy (for :func:`remat`) and the attention kind."""
+    """What a step being traced tells the model and the kernels: the mesh and activation rules (for
+    :func:`constrain`), the remat policy (for :func:`remat`), the attention kind, the layer loop and the
+    recipe's dimensions with their options (``ctx.dimension(Context)``). Built by
+    :func:`step_context_for` for the train step, the eval step and the planner alike."""
 
     mesh: jax.sharding.Mesh
     rules: AxisRules
     replicate_ok: frozenset = frozenset()
     remat: Remat = Remat.NONE
     attention: AttentionKind = AttentionKind.DENSE
-    #: the recipe's step options (``meshtrain.strategies.STEP_OPTIONS``) as sorted ``(name, value)``
-    #: pairs; kernels read them with :meth:`option`.
-    options: Tuple[Tuple[str, object], ...] = ()
+    #: the recipe's dimensions (:class:`meshtrain.strategies.Strategy` objects with their options)
+    strategies: Tuple[Strategy, ...] = ()
     layer_loop: LayerLoop = LayerLoop.AUTO
     scan_unroll: int = 1
 
-    def option(self, name: str, default=None):
-        """A step option set by the recipe's strategies, e.g. ``ctx.option("shard_gradients", False)``."""
-        return dict(self.options).get(name, default)
+    def dimension(self, cls: Type[S]) -> Optional[S]:
+        """The recipe's dimension of type ``cls`` (e.g. ``ctx.dimension(Context)``), or ``None``."""
+        return next((s for s in self.strategies if isinstance(s, cls)), None)
+
+
+def step_context_for(plan, mesh: Optional[jax.sharding.Mesh] = None) -> StepContext:
+    """The one step context of ``plan`` (its recipe's knobs and dimensions, rules and mesh); ``mesh``
+    replaces the plan's (the planner traces on a 1-device abstract mesh)."""
+    r = plan.recipe
+    return StepContext(plan.mesh if mesh is None else mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat,
+                       r.attention, tuple(r.strategies), r.layer_loop, r.scan_unroll)
 
 
 _ACTIVE: contextvars.ContextVar[Optional[StepContext]] = contextvars.ContextVar("meshtrain_step", default=None)

@@ -171,6 +171,7 @@ class ShardingPlan:
     def to_dict(self) -> Dict[str, Any]:
         return {
             "recipe": self.recipe.name,
+            "recipe_settings": self.recipe.to_dict(),  # every knob and dimension option, as a recipe file
             "mesh": self.mesh_sizes,
             "rules": self.rules.to_dict(),
             "params": [l.to_dict() for l in self.group("params")],

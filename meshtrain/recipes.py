@@ -16,13 +16,17 @@ import dataclasses
 import difflib
 import enum
 import os
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 
 from meshtrain.axes import LOGICAL_AXES
 from meshtrain.errors import MeshtrainError, RecipeError
 from meshtrain.mesh import AxisTypes, MeshSpec
 from meshtrain.rules import TABLES, AxisRules
-from meshtrain.strategies import compose, get_strategy, step_options
+from meshtrain.settings import Setting, coerce_all, setting, settings_of
+from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel, Expert, FlashBackend,  # noqa: F401
+                                  LoadBalance, Pipeline, Schedule, Strategy, Tensor, ZeRO, ZeroStage, compose,
+                                  resolve_strategies)
+from meshtrain.strategies import strategies as registered_strategies
 
 
 class Remat(str, enum.Enum):
@@ -40,13 +44,22 @@ class Remat(str, enum.Enum):
     DOTS_NO_BATCH = "dots_no_batch"
 
 
-class AttentionKind(str, enum.Enum):
-    """How attention is computed; context-parallel kinds shard the sequence (``parallel/``).
+class LocalAttention(str, enum.Enum):
+    """The attention kernel on each device when no context dimension shards the sequence:
+    ``dense`` (materialises the scores; short sequences, reference) or ``flash`` (never materialises
+    ``T × T``: cuDNN / splash / blockwise XLA, picked by ``cp``'s ``flash_backend`` or ``auto``)."""
 
-    * ``dense``: materialises the scores (short sequences, reference);
-    * ``flash``: memory-efficient, never materialises ``T × T`` (cuDNN / splash / blockwise XLA);
+    DENSE = "dense"
+    FLASH = "flash"
+
+
+class AttentionKind(str, enum.Enum):
+    """How attention is computed, resolved from a recipe (:attr:`Recipe.attention`): its
+    :class:`LocalAttention` or, with a context dimension, that dimension's :class:`ContextKind`.
+
+    * ``dense``, ``flash``: see :class:`LocalAttention`;
     * ``all_gather``: queries stay sequence-sharded on ``context``, K/V all-gathered;
-    * ``ring``: K/V blocks passed around ``context`` with ``ppermute`` (zig-zag load balance);
+    * ``ring``: K/V blocks passed around ``context`` with ``ppermute`` (zig-zag load balance by default);
     * ``ulysses``: all-to-all sequence-sharded ↔ head-sharded over ``context``;
     * ``usp``: Ulysses over ``ulysses`` × ring over ``context``.
     """
@@ -57,21 +70,6 @@ class AttentionKind(str, enum.Enum):
     RING = "ring"
     ULYSSES = "ulysses"
     USP = "usp"
-
-
-class Schedule(str, enum.Enum):
-    """Pipeline schedule over the ``stage`` axis (recipes with the ``pp`` strategy;
-    :mod:`meshtrain.parallel.pipeline`).
-
-    * ``gpipe``: all micro-batches forward, then all backward; bubble (p-1)/(m+p-1);
-    * ``circular``: each stage holds ``repeats`` non-adjacent layer groups; bubble (p-1)/(r·m+p-1);
-    * ``1f1b``: after warm-up each stage alternates a forward and a backward (explicit per-stage VJP),
-      so only the micro-batches in flight keep activations.
-    """
-
-    GPIPE = "gpipe"
-    CIRCULAR = "circular"
-    ONE_F_ONE_B = "1f1b"
 
 
 class LayerLoop(str, enum.Enum):
@@ -117,92 +115,135 @@ class Offload(str, enum.Enum):
 
 DTYPES = ("float32", "bfloat16")
 
+S = TypeVar("S", bound=Strategy)
+
+
+class Strategies(tuple):
+    """A recipe's dimensions, in order. ``"pp" in recipe.strategies`` asks by name (or registered key);
+    :meth:`names` lists them."""
+
+    def __contains__(self, item) -> bool:
+        if isinstance(item, str):
+            return any(item in (s.name, s.key) for s in self)
+        return tuple.__contains__(self, item)
+
+    def names(self) -> Tuple[str, ...]:
+        return tuple(s.name for s in self)
+
+
+#: Recipe-file keys that moved into a dimension or were renamed, with where they went.
+_MOVED_KEYS = {
+    "attention": "the local kernel is `local_attention: dense|flash`; a context-parallel kind is an option of the "
+                 "cp dimension: strategies: [..., {cp: {kind: ring}}]",
+    "micro_batches": "gradient accumulation is `grad_accum: N`; pipeline micro-batches are an option of the pp "
+                     "dimension: strategies: [..., {pp: {micro_batches: N}}]",
+    "schedule": "it is an option of the pp dimension: strategies: [..., {pp: {schedule: 1f1b}}]",
+    "repeats": "it is an option of the pp dimension: strategies: [..., {pp: {schedule: circular, repeats: 2}}]",
+}
+
+
+def _derived(default: Any):
+    """A read-only field computed in ``__post_init__`` from the others (kept for readers of the old names)."""
+    return dataclasses.field(default=default, init=False, compare=False, repr=False, metadata={"derived": True})
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A named parallel layout plus the run's knobs. Immutable: use the ``with_*`` methods.
+    """A named parallel layout (a tuple of :class:`~meshtrain.strategies.Strategy` dimensions on a mesh)
+    plus the run's knobs. Immutable: use :meth:`with_mesh` / :meth:`with_options`.
 
-    Args:
-      name, description: shown by ``meshtrain recipes``.
-      strategies: registered strategy names (``meshtrain.strategies``), e.g. ``("fsdp", "tp")``.
-      mesh: default ``MeshSpec`` (override per run with :meth:`with_mesh`).
-      remat: :class:`Remat` policy for the layer stack.
-      param_dtype / compute_dtype: storage and matmul dtypes (``float32`` or ``bfloat16``).
-      micro_batches: gradient accumulation steps per optimizer step.
-      attention: :class:`AttentionKind`.
-      replicate_indivisible: logical names that may be replicated when a dimension does not divide
-        its mesh axes (reported in the plan); everything else raises.
-      max_replicated_fraction: the plan guard: at most this share of the bytes a recipe shards may
-        stay replicated.
-      rules: extra or overriding rules, merged after the strategies' rules.
-      offload: :class:`Offload`: ``optimizer`` keeps the optimizer state in pinned host memory.
-      layer_loop / scan_unroll: :class:`LayerLoop` for the layer stack, and layers per scan iteration.
-      schedule: :class:`Schedule` of the pipeline (``pp`` strategy); ``micro_batches`` is then the
-        pipeline's micro-batch count.
-      repeats: layer groups per stage for the ``circular`` schedule (1 otherwise).
+    Every knob is a :func:`~meshtrain.settings.setting` field: its help text, type and default are the
+    CLI flag, the YAML key and the summaries (``meshtrain recipes --yaml NAME`` prints them all).
+    ``strategies`` accepts objects (``FSDP()``, ``Context(kind="ulysses")``) or registered names
+    (``"fsdp"``, ``"zero2"``). ``rules``: extra or overriding rules, merged after the strategies' rules.
+
+    Read-only, derived: :attr:`attention` (the resolved :class:`AttentionKind`), :attr:`micro_batches`
+    (batch splits per step: the pipeline's micro-batches under ``pp``, else ``grad_accum``),
+    :attr:`schedule`, :attr:`repeats`, :attr:`shard_gradients`.
     """
 
     name: str
     description: str
-    strategies: Tuple[str, ...]
+    strategies: Tuple[Strategy, ...]
     mesh: MeshSpec
-    remat: Remat = Remat.NONE
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    micro_batches: int = 1
-    attention: AttentionKind = AttentionKind.DENSE
-    replicate_indivisible: Tuple[str, ...] = ()
-    max_replicated_fraction: float = 0.02
+    remat: Remat = setting(Remat.NONE, "activation recomputation policy for the layer stack")
+    param_dtype: str = setting("float32", "parameter storage dtype", choices=DTYPES)
+    compute_dtype: str = setting("float32", "matmul dtype", choices=DTYPES)
+    grad_accum: int = setting(1, "gradient accumulation: micro-batches per optimizer step (a pipeline's "
+                              "micro-batches are pp's micro_batches)", minimum=1)
+    local_attention: LocalAttention = setting(LocalAttention.DENSE, "attention kernel per device when no cp "
+                                              "dimension shards the sequence")
+    layer_loop: LayerLoop = setting(LayerLoop.AUTO, "run the layer stack as one scan, unrolled, or auto "
+                                    "(unrolled up to 8 layers without remat)")
+    scan_unroll: int = setting(1, "layers per scan iteration", minimum=1)
+    offload: Offload = setting(Offload.NONE, "optimizer: keep the optimizer state (and f32 master weights) in "
+                               "pinned host memory between steps")
+    replicate_indivisible: Tuple[str, ...] = setting((), "logical names that may be replicated when a dimension "
+                                                     "does not divide its mesh axes", cli=False)
+    max_replicated_fraction: float = setting(0.02, "at most this share of the bytes a recipe shards may stay "
+                                             "replicated (the plan guard)", cli=False)
     rules: AxisRules = AxisRules()
-    offload: Offload = Offload.NONE
-    layer_loop: LayerLoop = LayerLoop.AUTO
-    scan_unroll: int = 1
-    schedule: Schedule = Schedule.GPIPE
-    repeats: int = 1
+    attention: AttentionKind = _derived(AttentionKind.DENSE)
+    micro_batches: int = _derived(1)
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass normalisation)
-        set_("strategies", tuple(self.strategies))
+        where = f"recipe {self.name!r}"
+        with _naming(where):
+            set_("strategies", Strategies(resolve_strategies(self.strategies)))
         set_("replicate_indivisible", tuple(self.replicate_indivisible))
-        try:
-            set_("remat", Remat(self.remat))
-            set_("attention", AttentionKind(self.attention))
-            set_("offload", Offload(self.offload))
-            set_("layer_loop", LayerLoop(self.layer_loop))
-        except ValueError as exc:
-            raise RecipeError(f"recipe {self.name!r}: {exc}; remat is one of {[r.value for r in Remat]}, "
-                              f"attention one of {[a.value for a in AttentionKind]}, offload one of "
-                              f"{[o.value for o in Offload]}, layer_loop one of {[x.value for x in LayerLoop]}") \
-                from None
-        if not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool) or self.scan_unroll < 1:
-            raise RecipeError(f"recipe {self.name!r}: scan_unroll={self.scan_unroll!r}; use an int >= 1 (layers per "
-                              f"scan iteration)")
-        for field in ("param_dtype", "compute_dtype"):
-            if getattr(self, field) not in DTYPES:
-                raise RecipeError(f"recipe {self.name!r}: {field}={getattr(self, field)!r}; use one of {DTYPES}")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
-            raise RecipeError(f"recipe {self.name!r}: micro_batches={self.micro_batches!r}; use an int >= 1")
-        try:
-            set_("schedule", Schedule(self.schedule))
-        except ValueError:
-            raise RecipeError(f"recipe {self.name!r}: schedule={self.schedule!r}; use one of "
-                              f"{[s.value for s in Schedule]}") from None
-        if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
-            raise RecipeError(f"recipe {self.name!r}: repeats={self.repeats!r}; use an int >= 1 (layer groups per "
-                              f"pipeline stage, circular schedule)")
+        coerce_all(self, where + ":")
         for name in self.replicate_indivisible:
-            check_logical_name(name, f"recipe {self.name!r}: replicate_indivisible")
+            check_logical_name(name, f"{where}: replicate_indivisible")
         if not 0.0 <= self.max_replicated_fraction <= 1.0:
-            raise RecipeError(f"recipe {self.name!r}: max_replicated_fraction must be in [0, 1]")
+            raise RecipeError(f"{where}: max_replicated_fraction must be in [0, 1]")
         _, owners = compose(self.strategies)  # validates names, requirements and axis claims
-        step_options(self.strategies)  # validates that the strategies' step options agree
         extra = [a for a, size in self.mesh.ici + self.mesh.dcn if a not in owners and size != 1]
         if extra:
             raise RecipeError(
-                f"recipe {self.name!r}: mesh axes {extra} are used by none of its strategies "
-                f"{list(self.strategies)} (they would only replicate); add a strategy that owns them")
+                f"{where}: mesh axes {extra} are used by none of its strategies "
+                f"{list(self.strategies.names())} (they would only replicate); add a strategy that owns them")
+        pipeline, context = self.dimension(Pipeline), self.dimension(Context)
+        if pipeline is not None and self.grad_accum != 1:
+            raise RecipeError(f"{where}: grad_accum={self.grad_accum} with a pipeline (pp): the pipeline's "
+                              f"micro-batches already split the batch; set pp's micro_batches instead")
+        set_("attention", AttentionKind(context.kind.value if context else self.local_attention.value))
+        set_("micro_batches", pipeline.micro_batches if pipeline else self.grad_accum)
 
     # -- derived ----------------------------------------------------------------------------
+    def dimension(self, cls: Type[S]) -> Optional[S]:
+        """This recipe's dimension of type ``cls`` (e.g. ``recipe.dimension(Context)``), or ``None``."""
+        return next((s for s in self.strategies if isinstance(s, cls)), None)
+
+    @property
+    def schedule(self) -> Schedule:
+        pipeline = self.dimension(Pipeline)
+        return pipeline.schedule if pipeline else Schedule.GPIPE
+
+    @property
+    def repeats(self) -> int:
+        pipeline = self.dimension(Pipeline)
+        return pipeline.repeats if pipeline else 1
+
+    @property
+    def shard_gradients(self) -> bool:
+        """Whether the step keeps gradients sharded like the optimizer state (ZeRO-2)."""
+        zero = self.dimension(ZeRO)
+        return bool(zero and zero.shard_gradients)
+
+    def step_options(self) -> Dict[str, Any]:
+        """Read-only summary for older readers (``pipeline``, ``shard_gradients``, ``load_balance``,
+        ``flash_backend``); kernels read the dimensions from the step context."""
+        out: Dict[str, Any] = {}
+        if self.dimension(Pipeline):
+            out["pipeline"] = True
+        if self.shard_gradients:
+            out["shard_gradients"] = True
+        context = self.dimension(Context)
+        if context:
+            out.update(load_balance=context.load_balance.value, flash_backend=context.flash_backend.value)
+        return out
+
     def axis_rules(self) -> AxisRules:
         """Defaults ← strategies' rules ← this recipe's own ``rules`` (which may override)."""
         rules, _ = compose(self.strategies)
@@ -211,62 +252,87 @@ class Recipe:
     def axis_owners(self) -> Dict[str, str]:
         return compose(self.strategies)[1]
 
-    def step_options(self) -> Dict[str, Any]:
-        """The step options its strategies set (``meshtrain.strategies.STEP_OPTIONS``), e.g.
-        ``{"shard_gradients": True}`` for ``zero2``."""
-        return step_options(self.strategies)
-
-    @property
-    def shard_gradients(self) -> bool:
-        """Whether the step keeps gradients sharded like the optimizer state (ZeRO-2)."""
-        return bool(self.step_options().get("shard_gradients", False))
-
     # -- copies -----------------------------------------------------------------------------
     def with_mesh(self, dcn: Optional[Mapping[str, int]] = None, **sizes: int) -> "Recipe":
         """A copy with some mesh sizes replaced, e.g. ``with_mesh(fsdp=4, tensor=2)``."""
         return dataclasses.replace(self, mesh=self.mesh.with_sizes(sizes, dcn=dcn))
 
     def with_options(self, **changes: Any) -> "Recipe":
-        """A copy with knobs replaced, e.g. ``with_options(compute_dtype="bfloat16", remat="full")``."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise RecipeError(f"unknown recipe options {sorted(unknown)}")
-        return dataclasses.replace(self, **changes)
+        """A copy with knobs or dimension options replaced, e.g. ``with_options(remat="full")``,
+        ``with_options(load_balance="none", flash_backend="xla")`` (options of the recipe's ``cp``), or by
+        CLI name (``context_kind``, ``pipeline_micro_batches``, ``zero_stage``). The old names are read as
+        before: ``attention`` (a context kind sets ``cp``'s kind, ``dense``/``flash`` the local kernel),
+        ``micro_batches`` (``pp``'s micro-batches with a pipeline, else ``grad_accum``), ``schedule``,
+        ``repeats``. A ``None`` value keeps the recipe's."""
+        own = {f.name for f in dataclasses.fields(self) if f.init}
+        mine: Dict[str, Any] = {}
+        dims = {s.key: s for s in self.strategies}
+        for key, value in changes.items():
+            if value is None:
+                continue
+            key = self._legacy_target(key, value)
+            if key in own:
+                mine[key] = value
+                continue
+            cls, setting_ = _dimension_option(key)
+            dim = next((d for d in self.strategies if isinstance(d, cls)), None)
+            if dim is None:
+                raise RecipeError(f"option {key!r} belongs to the {cls.key!r} dimension ({cls.__name__}); recipe "
+                                  f"{self.name!r} has none (its strategies: {', '.join(self.strategies.names())})")
+            dims[dim.key] = dataclasses.replace(dims[dim.key], **{setting_.name: setting_.coerce(value, key)})
+        strategies = tuple(dims[s.key] for s in self.strategies)
+        return dataclasses.replace(self, strategies=strategies, **mine)
+
+    def _legacy_target(self, key: str, value: Any) -> str:
+        """Where an old option name lands for this recipe (see :meth:`with_options`)."""
+        if key == "micro_batches":
+            return "pipeline_micro_batches" if self.dimension(Pipeline) else "grad_accum"
+        if key == "attention":
+            kinds = [k.value for k in ContextKind]
+            if getattr(value, "value", value) in kinds:
+                return "context_kind"
+            if self.dimension(Context) is not None:
+                raise RecipeError(f"attention={getattr(value, 'value', value)!r}: recipe {self.name!r} shards the "
+                                  f"sequence (cp), so its attention is cp's kind: one of {kinds}")
+            return "local_attention"
+        return key
 
     # -- files ------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
-        rules = {k: v for k, v in self.rules.to_dict().items() if v}
-        return {
+        """The recipe as a recipe file writes it: every setting, strategies as names or
+        ``{key: {options that differ from the defaults}}``."""
+        out: Dict[str, Any] = {
             "name": self.name,
             "description": self.description,
-            "strategies": list(self.strategies),
+            "strategies": [s.to_plain() for s in self.strategies],
             "mesh": {"ici": dict(self.mesh.ici), "dcn": dict(self.mesh.dcn), "axis_types": self.mesh.axis_types.value},
-            "remat": self.remat.value,
-            "param_dtype": self.param_dtype,
-            "compute_dtype": self.compute_dtype,
-            "micro_batches": self.micro_batches,
-            "attention": self.attention.value,
-            "replicate_indivisible": list(self.replicate_indivisible),
-            "max_replicated_fraction": self.max_replicated_fraction,
-            "rules": rules,
-            **({"offload": self.offload.value} if self.offload is not Offload.NONE else {}),
-            **({"layer_loop": self.layer_loop.value} if self.layer_loop is not LayerLoop.AUTO else {}),
-            **({"scan_unroll": self.scan_unroll} if self.scan_unroll != 1 else {}),
-            **self._pipeline_dict(),
         }
+        for s in settings_of(type(self)):
+            value = s.plain(getattr(self, s.name))
+            out[s.name] = list(value) if isinstance(value, tuple) else value
+        out["rules"] = {k: v for k, v in self.rules.to_dict().items() if v}
+        return out
 
-    def _pipeline_dict(self) -> Dict[str, Any]:
-        # Only pipeline recipes (or non-default knobs) write these keys, so other recipe files stay as they were.
-        if "pp" in self.strategies or self.schedule is not Schedule.GPIPE or self.repeats != 1:
-            return {"schedule": self.schedule.value, "repeats": self.repeats}
-        return {}
+    def knobs(self) -> Dict[str, Any]:
+        """Every knob and dimension option that differs from its default, flat (``remat``,
+        ``cp.load_balance``, ...): the trainer's summary line and the plan's header print this."""
+        out = {s.name: s.plain(getattr(self, s.name)) for s in settings_of(type(self))
+               if getattr(self, s.name) != s.default and s.cli}
+        for dim in self.strategies:
+            out.update({f"{dim.key}.{k}": v for k, v in dim.options().items()})
+        return out
+
+    def knobs_text(self) -> str:
+        """`` (remat full, cp.load_balance none)``: :meth:`knobs` as the trainer prints it ("" if none)."""
+        parts = [f"{k.replace('_', ' ')} {v}" for k, v in self.knobs().items()]
+        return f" ({', '.join(parts)})" if parts else ""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> "Recipe":
         if not isinstance(data, Mapping):
             raise RecipeError(f"{source}: a recipe must be a mapping, got {type(data).__name__}")
         data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = set(data) - known
         model_keys = sorted(unknown & _MODEL_SETTINGS, key=str)
         if model_keys:
@@ -274,23 +340,29 @@ class Recipe:
                 f"{source}: {model_keys} are settings of the model (its mixture-of-experts layers), not recipe keys: "
                 f"a recipe only lays a model out. Remove them from the file and set them on the model config, "
                 f"e.g. get_config('tiny-moe', capacity_factor=2.0, experts_per_token=2, n_shared_experts=1)")
+        moved = sorted(unknown & set(_MOVED_KEYS), key=str)
+        if moved:
+            raise RecipeError(f"{source}: key {moved[0]!r} moved: {_MOVED_KEYS[moved[0]]}")
         if unknown:
-            raise RecipeError(f"{source}: unknown recipe keys {sorted(unknown)}; known: {sorted(known)}")
+            raise RecipeError(f"{source}: unknown recipe keys {sorted(unknown, key=str)}; known: {sorted(known)}")
         for key in ("name", "strategies", "mesh"):
             if key not in data:
                 raise RecipeError(f"{source}: recipe needs a {key!r} entry")
         strategies = data["strategies"]
-        if isinstance(strategies, str) or not isinstance(strategies, (list, tuple)) or not all(
-                isinstance(x, str) for x in strategies):
-            raise RecipeError(f"{source}: strategies must be a list of names, e.g. strategies: [fsdp] or [fsdp, tp]; "
-                              f"got {strategies!r}")
-        for key, kind in (("max_replicated_fraction", (int, float)), ("micro_batches", int),
-                          ("replicate_indivisible", (list, tuple)), ("description", str), ("name", str)):
+        if isinstance(strategies, str) or not isinstance(strategies, (list, tuple)):
+            raise RecipeError(f"{source}: strategies must be a list of names or {{key: {{option: value}}}}, e.g. "
+                              f"strategies: [fsdp, {{cp: {{kind: ring}}}}]; got {strategies!r}")
+        for key, kind in (("replicate_indivisible", (list, tuple)), ("description", str), ("name", str)):
             if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
-                want = {"max_replicated_fraction": "a number in [0, 1], e.g. 0.02", "micro_batches": "an integer >= 1",
-                        "replicate_indivisible": "a list of logical names, e.g. [kv_heads]",
+                want = {"replicate_indivisible": "a list of logical names, e.g. [kv_heads]",
                         "description": "a string", "name": "a string"}[key]
                 raise RecipeError(f"{source}: {key} must be {want}; got {data[key]!r}")
+        for s in settings_of(cls):
+            if s.name in data and s.name != "replicate_indivisible":
+                data[s.name] = s.coerce(data[s.name], f"{source}: {s.name}")
+        if "max_replicated_fraction" in data and not 0.0 <= data["max_replicated_fraction"] <= 1.0:
+            raise RecipeError(f"{source}: max_replicated_fraction must be a number in [0, 1], e.g. 0.02; got "
+                              f"{data['max_replicated_fraction']!r}")
         mesh = data["mesh"]
         if not isinstance(mesh, Mapping) or "ici" not in mesh:
             raise RecipeError(f"{source}: mesh must be a mapping with 'ici' sizes, e.g. mesh: {{ici: {{fsdp: -1}}}}")
@@ -309,6 +381,7 @@ class Recipe:
             for name in entries or {}:
                 check_logical_name(name, f"{source}: rules.{table}")
         with _naming(source):
+            data["strategies"] = resolve_strategies(strategies)
             data["rules"] = AxisRules.of(**{k: rules.get(k) or {} for k in TABLES}, source=f"recipe:{data['name']}")
             data.setdefault("description", "")
             return cls(**data)
@@ -323,6 +396,28 @@ class Recipe:
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file {path!r} does not exist")
         return cls.from_dict(load_yaml(path, what="recipe file"), source=path)
+
+
+def recipe_settings() -> Tuple[Setting, ...]:
+    """The recipe's own knobs (CLI flags ``--remat``, ``--grad-accum``, ...)."""
+    return settings_of(Recipe)
+
+
+def dimension_settings() -> Tuple[Tuple[Type[Strategy], Setting], ...]:
+    """Every registered dimension's options with their class (CLI flags ``--load-balance``, ...)."""
+    return tuple((cls, s) for cls in registered_strategies().values() for s in settings_of(cls))
+
+
+def _dimension_option(key: str) -> Tuple[Type[Strategy], Setting]:
+    """The dimension option named ``key`` (its CLI name, or its field name where that is unique)."""
+    by_flag = {s.flag: (cls, s) for cls, s in dimension_settings()}
+    if key in by_flag:
+        return by_flag[key]
+    by_name = [(cls, s) for cls, s in dimension_settings() if s.name == key]
+    if len(by_name) == 1:
+        return by_name[0]
+    known = sorted({f.name for f in dataclasses.fields(Recipe) if f.init} | set(by_flag) | {"attention", "micro_batches"})
+    raise RecipeError(f"unknown recipe option {key!r}; known: {', '.join(known)}")
 
 
 def check_logical_name(name: Any, where: str) -> None:
@@ -432,31 +527,31 @@ def _builtin(name, description, strategies, ici, **knobs) -> Recipe:
 
 BUILTIN_RECIPES: Dict[str, Recipe] = {r.name: r for r in [
     _builtin("dp", "Data parallel: replicate weights, split the batch, all-reduce gradients.",
-             ("dp",), {"data": -1}),
+             (DataParallel(),), {"data": -1}),
     _builtin("fsdp", "Fully sharded data parallel (ZeRO-3): weights, gradients and Adam state split over all "
-             "devices.", ("fsdp",), {"fsdp": -1}),
-    _builtin("zero1", "ZeRO-1: data parallel with only the optimizer state sharded.", ("zero1",), {"data": -1}),
-    _builtin("zero2", "ZeRO-2: data parallel with the optimizer state and the gradients sharded.", ("zero2",),
+             "devices.", (FSDP(),), {"fsdp": -1}),
+    _builtin("zero1", "ZeRO-1: data parallel with only the optimizer state sharded.", (ZeRO(stage=ZeroStage.ONE),), {"data": -1}),
+    _builtin("zero2", "ZeRO-2: data parallel with the optimizer state and the gradients sharded.", (ZeRO(stage=ZeroStage.TWO),),
              {"data": -1}),
     _builtin("hsdp", "Hybrid sharded DP: FSDP inside groups, replicated across groups (put `data` on DCN).",
-             ("hsdp",), {"data": 2, "fsdp": -1}),
+             (HSDP(),), {"data": 2, "fsdp": -1}),
     _builtin("tp", "Megatron tensor parallelism over all devices (data axis available for DP).",
-             ("dp", "tp"), {"data": 1, "tensor": -1}),
+             (DataParallel(), Tensor()), {"data": 1, "tensor": -1}),
     _builtin("fsdp_tp", "FSDP over `fsdp` × Megatron TP over `tensor` (keep tensor within a node).",
-             ("dp", "fsdp", "tp"), {"data": 1, "fsdp": -1, "tensor": 2}),
+             (DataParallel(), FSDP(), Tensor()), {"data": 1, "fsdp": -1, "tensor": 2}),
     _builtin("fsdp_tp_sp", "FSDP × TP with Megatron sequence parallelism on the residual stream.",
-             ("dp", "fsdp", "tp", "sp"), {"data": 1, "fsdp": -1, "tensor": 2}),
+             (DataParallel(), FSDP(), Tensor(sequence_parallel=True)), {"data": 1, "fsdp": -1, "tensor": 2}),
 ]}
 
 # expert parallelism (MoE models; a dense model just sees `expert` as more data parallelism)
 for _r in [
     _builtin("ep", "Expert parallelism: MoE experts split over `expert` (all-to-all dispatch), batch over `data` "
-             "and `expert`, other weights replicated.", ("dp", "ep"), {"data": 1, "expert": -1},
+             "and `expert`, other weights replicated.", (DataParallel(), Expert()), {"data": 1, "expert": -1},
              max_replicated_fraction=1.0),  # like dp, non-expert weights are replicated on purpose
     _builtin("fsdp_ep", "FSDP over `fsdp` × expert parallelism over `expert`: experts split over `expert`, every "
-             "weight also sharded on `embed` over `fsdp`.", ("fsdp", "ep"), {"fsdp": -1, "expert": 4}),
+             "weight also sharded on `embed` over `fsdp`.", (FSDP(), Expert()), {"fsdp": -1, "expert": 4}),
     _builtin("fsdp_tp_ep", "FSDP × Megatron TP × expert parallelism: experts over `expert`, expert and dense MLP "
-             "widths over `tensor`.", ("dp", "fsdp", "tp", "ep"), {"data": 1, "fsdp": -1, "expert": 2, "tensor": 2}),
+             "widths over `tensor`.", (DataParallel(), FSDP(), Tensor(), Expert()), {"data": 1, "fsdp": -1, "expert": 2, "tensor": 2}),
 ]:
     BUILTIN_RECIPES[_r.name] = _r
 
@@ -465,12 +560,12 @@ for _r in [
 for _r in [
     _builtin("pp", "Pipeline parallel: the layer stack split over `stage` (2 stages), micro-batches passed between "
              "neighbours; data parallel over the rest. Pick --schedule gpipe|circular|1f1b.",
-             ("dp", "pp"), {"stage": 2, "data": -1}, micro_batches=4,
+             (DataParallel(), Pipeline()), {"stage": 2, "data": -1},
              max_replicated_fraction=0.6),  # embedding and head stay whole on every stage
     _builtin("pp_fsdp", "Pipeline (2 stages) × FSDP: each stage's layers sharded over `fsdp`.",
-             ("dp", "fsdp", "pp"), {"stage": 2, "data": 1, "fsdp": -1}, micro_batches=4),
+             (DataParallel(), FSDP(), Pipeline()), {"stage": 2, "data": 1, "fsdp": -1}),
     _builtin("pp_fsdp_tp", "Pipeline (2 stages) × FSDP × Megatron TP (2): 3D parallelism.",
-             ("dp", "fsdp", "tp", "pp"), {"stage": 2, "data": 1, "fsdp": -1, "tensor": 2}, micro_batches=4),
+             (DataParallel(), FSDP(), Tensor(), Pipeline()), {"stage": 2, "data": 1, "fsdp": -1, "tensor": 2}),
 ]:
     BUILTIN_RECIPES[_r.name] = _r
 
@@ -478,17 +573,17 @@ for _r in [
 # context parallelism (meshtrain.parallel.context): the sequence split over `context` (× `ulysses` for usp).
 for _r in [
     _builtin("cp", "Context parallel: the sequence split over all devices (`context`), ring attention with zig-zag "
-             "load balance; weights replicated. For long sequences; --attention all_gather|ring|ulysses.",
-             ("cp",), {"context": -1}, attention="ring"),
+             "load balance; weights replicated. For long sequences; --context-kind all_gather|ring|ulysses.",
+             (Context(kind=ContextKind.RING),), {"context": -1}),
     _builtin("fsdp_cp", "FSDP × context parallel (4): weights sharded over `fsdp`, the sequence over `context` "
-             "(ring attention, zig-zag load balance).", ("dp", "fsdp", "cp"), {"data": 1, "fsdp": -1, "context": 4},
-             attention="ring"),
+             "(ring attention, zig-zag load balance).", (DataParallel(), FSDP(), Context(kind=ContextKind.RING)),
+             {"data": 1, "fsdp": -1, "context": 4}),
     _builtin("fsdp_tp_cp", "FSDP × context (2) × Megatron TP (2): queries sequence-sharded, K/V all-gathered over "
-             "`context` (Llama 3's long-context layout).", ("dp", "fsdp", "tp", "cp"),
-             {"data": 1, "fsdp": -1, "context": 2, "tensor": 2}, attention="all_gather"),
+             "`context` (Llama 3's long-context layout).", (DataParallel(), FSDP(), Tensor(), Context(kind=ContextKind.ALL_GATHER)),
+             {"data": 1, "fsdp": -1, "context": 2, "tensor": 2}),
     _builtin("fsdp_cp_usp", "FSDP × 2-D context parallel (USP): Ulysses all-to-all over `ulysses` (2) inside a ring "
-             "over `context` (2).", ("dp", "fsdp", "cp", "usp"), {"data": 1, "fsdp": -1, "context": 2, "ulysses": 2},
-             attention="usp"),
+             "over `context` (2).", (DataParallel(), FSDP(), Context(kind=ContextKind.USP)),
+             {"data": 1, "fsdp": -1, "context": 2, "ulysses": 2}),
 ]:
     BUILTIN_RECIPES[_r.name] = _r
 
@@ -512,4 +607,4 @@ def get_recipe(name_or_path: "str | Recipe") -> Recipe:
 
 
 def describe_strategies(recipe: Recipe) -> str:
-    return ", ".join(f"{s} ({get_strategy(s).description.split(':')[0]})" for s in recipe.strategies)
+    return ", ".join(f"{s} ({s.description.split(':')[0]})" for s in recipe.strategies)

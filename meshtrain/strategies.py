@@ -1,270 +1,416 @@
-"""Strategies: one parallelism dimension each, registered by name, composed into recipes.
+"""Strategies: one parallelism dimension each, as a typed, frozen object that owns its mesh axes, its
+rules and its options; registered by kind, composed into recipes.
 
-A strategy claims the mesh axes it owns and contributes logical → mesh rules. Composition is
-strict: two strategies claiming one mesh axis is an error, a strategy whose requirements are
-missing is an error, and rules for the same logical name from different strategies concatenate in
+    DataParallel()  FSDP()  ZeRO(stage=1|2)  HSDP()  Tensor(sequence_parallel=False)
+    Context(kind=ring, load_balance=zigzag, flash_backend=auto)  Expert()
+    Pipeline(schedule=gpipe, micro_batches=4, repeats=1)
+
+Composition is strict: two strategies claiming one mesh axis is an error, a strategy whose requirements
+are missing is an error, and rules for the same logical name from different strategies concatenate in
 canonical mesh order (``dp``'s ``batch -> data`` plus ``fsdp``'s ``batch -> fsdp`` gives
-``batch -> (data, fsdp)``).
+``batch -> (data, fsdp)``). Kernels read a dimension's options from the step context
+(``current_step_context().dimension(Context)``), never from a registry of loose names.
 
-A strategy may also set *step options* (:data:`STEP_OPTIONS`) that the train step reads, so a
-recipe's layout and its step cannot disagree: ``zero2`` sets ``shard_gradients`` (the step
-constrains each gradient to its parameter's optimizer-state sharding before the update).
+A new dimension is one file in ``parallel/`` (its kernel) plus one class here::
 
-Add your own::
+    @register_strategy
+    @dataclasses.dataclass(frozen=True)
+    class MySequence(Strategy):
+        key: ClassVar[str] = "my_sp"
+        description: ClassVar[str] = "sequence sharding of the residual stream"
+        requires: ClassVar[Tuple[str, ...]] = ("tp",)
+        chunk: int = setting(1, "chunks per device", minimum=1)
 
-    @register_strategy("my_sp", "sequence sharding of the residual stream", requires=("tp",))
-    def _my_sp() -> AxisRules:
-        return AxisRules.of(activations={"residual_seq": "tensor"})
+        def rules(self) -> AxisRules:
+            return AxisRules.of(activations={"residual_seq": "tensor"})
+
+A plain function still registers an option-less strategy:
+``register_strategy("my_sp", "...", requires=("tp",))(lambda: AxisRules.of(...))``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+import enum
+from typing import Any, Callable, ClassVar, Dict, Iterable, Mapping, Optional, Tuple, Type
 
 from meshtrain.axes import LOGICAL_AXES, MESH_AXES
 from meshtrain.errors import RecipeError
 from meshtrain.rules import TABLES, AxisRules, Rule
+from meshtrain.settings import coerce_all, from_mapping, non_defaults, setting
 
 
-#: Step options a strategy may set, with their meaning (the step reads them through
-#: :func:`step_options`):
-#:
-#: * ``shard_gradients``: keep each gradient sharded like its parameter's optimizer state from the
-#:   backward pass to the update (ZeRO-2: reduce-scatter instead of all-reduce; the updated
-#:   parameters are all-gathered back to their own sharding).
-STEP_OPTIONS: Dict[str, str] = {
-    "shard_gradients": "gradients constrained to the optimizer-state sharding of their parameter (ZeRO-2)",
-}
+class ContextKind(str, enum.Enum):
+    """How a context-parallel dimension computes attention over the sharded sequence
+    (:mod:`meshtrain.parallel.context`): ``all_gather`` (K/V all-gathered), ``ring`` (K/V blocks passed
+    around ``context``), ``ulysses`` (all-to-all sequence ↔ heads), ``usp`` (Ulysses over ``ulysses`` ×
+    ring over ``context``)."""
+
+    ALL_GATHER = "all_gather"
+    RING = "ring"
+    ULYSSES = "ulysses"
+    USP = "usp"
 
 
-def register_step_option(name: str, meaning: str) -> None:
-    """Declare a step option that strategies may set (kernels read it from the step context with
-    ``current_step_context().option(name)``). Example::
+class LoadBalance(str, enum.Enum):
+    """Order of the sequence chunks over the ring: ``zigzag`` (device ``r`` holds chunks ``r`` and
+    ``2R-1-r``: equal causal work) or ``none`` (contiguous chunks)."""
 
-        register_step_option("moe_dispatch", "how MoE tokens reach their experts")
+    ZIGZAG = "zigzag"
+    NONE = "none"
+
+
+class FlashBackend(str, enum.Enum):
+    """Which implementation ``flash`` attention uses; ``auto`` picks per platform and dtype (splash on
+    TPU, cuDNN on GPU for bf16/fp16 without packed documents, else blockwise XLA)."""
+
+    AUTO = "auto"
+    XLA = "xla"
+    CUDNN = "cudnn"
+    SPLASH = "splash"
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule over the ``stage`` axis (:mod:`meshtrain.parallel.pipeline`).
+
+    * ``gpipe``: all micro-batches forward, then all backward; bubble (p-1)/(m+p-1);
+    * ``circular``: each stage holds ``repeats`` non-adjacent layer groups; bubble (p-1)/(r·m+p-1);
+    * ``1f1b``: after warm-up each stage alternates a forward and a backward (explicit per-stage VJP),
+      so only the micro-batches in flight keep activations.
     """
-    if not isinstance(name, str) or not name.isidentifier():
-        raise RecipeError(f"step option name {name!r}: use an identifier such as 'moe_dispatch'")
-    STEP_OPTIONS.setdefault(name, meaning)
+
+    GPIPE = "gpipe"
+    CIRCULAR = "circular"
+    ONE_F_ONE_B = "1f1b"
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """A registered parallelism dimension: the mesh axes it owns, the rules it adds and the step
-    options (:data:`STEP_OPTIONS`) it sets."""
+    """A parallelism dimension. Subclasses set the class attributes ``key`` (the registered name),
+    ``description``, ``claims`` (mesh axes owned) and ``requires`` (kinds that must be in the same recipe),
+    declare their options as :func:`meshtrain.settings.setting` fields and return their rules from
+    :meth:`rules`."""
 
-    name: str
-    description: str
-    claims: Tuple[str, ...]
-    rules: Callable[[], AxisRules]
-    requires: Tuple[str, ...] = ()
-    options: Tuple[Tuple[str, Any], ...] = ()
+    key: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    claims: ClassVar[Tuple[str, ...]] = ()
+    requires: ClassVar[Tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        coerce_all(self, self.key)
+
+    @property
+    def name(self) -> str:
+        """The name the dimension goes by in rule sources, axis owners and errors."""
+        return self.key
+
+    def mesh_axes(self) -> Tuple[str, ...]:
+        """The mesh axes this dimension owns (the class's ``claims`` unless an option adds some)."""
+        return self.claims
+
+    def rules(self) -> AxisRules:
+        raise NotImplementedError
+
+    def options(self) -> Dict[str, Any]:
+        """The options that differ from their defaults, as plain values (YAML / JSON)."""
+        return non_defaults(self)
+
+    def to_plain(self) -> Any:
+        """How a recipe file writes it: the bare name with default options, else ``{key: {options}}``."""
+        alias = next((a for a, obj in _ALIASES.items() if obj == self), None)
+        if alias is not None:
+            return alias
+        opts = self.options()
+        return {self.key: opts} if opts else self.key
+
+    def __str__(self) -> str:
+        opts = self.options()
+        return self.name + ("(" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
 
 
-_STRATEGIES: Dict[str, Strategy] = {}
+_STRATEGIES: Dict[str, Type[Strategy]] = {}
+#: Names that stand for one strategy with set options (``zero2`` = ``ZeRO(stage=2)``).
+_ALIASES: Dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, description: str, *, claims: Iterable[str] = (), requires: Iterable[str] = (),
-                      options: Optional[Mapping[str, Any]] = None):
-    """Decorator: register ``fn() -> AxisRules`` as strategy ``name`` owning mesh axes ``claims`` and
-    setting step ``options`` (names from :data:`STEP_OPTIONS`)."""
+def register_strategy(name_or_cls=None, description: str = "", *, claims: Iterable[str] = (),
+                      requires: Iterable[str] = ()):
+    """Register a :class:`Strategy` subclass (``@register_strategy`` on the class), or, the short form,
+    ``register_strategy(name, description, claims=..., requires=...)(fn)`` for a function
+    ``fn() -> AxisRules`` (a dimension without options)."""
+    if isinstance(name_or_cls, type) and issubclass(name_or_cls, Strategy):
+        return _register(name_or_cls)
+    name = name_or_cls
 
     def wrap(fn: Callable[[], AxisRules]):
-        bad = [a for a in claims if a not in MESH_AXES]
-        if bad:
-            raise RecipeError(f"strategy {name!r} claims unknown mesh axes {bad}; use {MESH_AXES}")
-        unknown = sorted(set(options or {}) - set(STEP_OPTIONS))
-        if unknown:
-            raise RecipeError(f"strategy {name!r} sets unknown step options {unknown}; known: {sorted(STEP_OPTIONS)}")
-        _STRATEGIES[name] = Strategy(name, description, tuple(claims), fn, tuple(requires),
-                                     tuple(sorted((options or {}).items())))
+        cls = dataclasses.dataclass(frozen=True)(type(f"Strategy_{name}", (Strategy,), {
+            "__annotations__": {}, "key": name, "description": description, "claims": tuple(claims),
+            "requires": tuple(requires), "rules": lambda self: fn()}))
+        _register(cls)
         return fn
 
     return wrap
 
 
+def _register(cls: Type[Strategy]) -> Type[Strategy]:
+    if not isinstance(cls.key, str) or not cls.key.isidentifier():
+        raise RecipeError(f"strategy class {cls.__name__}: key={cls.key!r}; use an identifier such as 'my_sp'")
+    bad = [a for a in cls.claims if a not in MESH_AXES]
+    if bad:
+        raise RecipeError(f"strategy {cls.key!r} claims unknown mesh axes {bad}; use {MESH_AXES}")
+    _STRATEGIES[cls.key] = cls
+    return cls
+
+
 def get_strategy(name: str) -> Strategy:
+    """The strategy a bare name stands for (its kind with default options, or an alias like ``zero2``)."""
+    if name in _ALIASES:
+        return _ALIASES[name]
     try:
-        return _STRATEGIES[name]
+        return _STRATEGIES[name]()
     except KeyError:
-        raise RecipeError(f"unknown strategy {name!r}; registered: {', '.join(sorted(_STRATEGIES))}") from None
+        raise RecipeError(f"unknown strategy {name!r}; registered: {', '.join(known_names())}") from None
 
 
-def strategies() -> Dict[str, Strategy]:
+def known_names() -> Tuple[str, ...]:
+    return tuple(sorted(set(_STRATEGIES) | set(_ALIASES) | set(_MODIFIERS)))
+
+
+def strategies() -> Dict[str, Type[Strategy]]:
+    """The registered strategy classes by kind."""
     return dict(_STRATEGIES)
 
 
-#: compose() / step_options() results by (names, the registered Strategy objects, logical axes known):
-#: pure functions of those, and recipes call them on every copy (the planner makes thousands).
+def strategy_from_plain(item: Any, where: str) -> Strategy:
+    """A strategy from a recipe file's entry: a name (default options) or ``{key: {option: value}}``."""
+    if isinstance(item, Strategy):
+        return item
+    if isinstance(item, str):
+        return get_strategy(item)
+    if isinstance(item, Mapping) and len(item) == 1:
+        (kind, opts), = item.items()
+        if kind not in _STRATEGIES:
+            raise RecipeError(f"{where}: unknown strategy {kind!r}; registered: {', '.join(sorted(_STRATEGIES))}")
+        return from_mapping(_STRATEGIES[kind], opts, f"{where}.{kind}")
+    raise RecipeError(f"{where}: a strategy is a name or a one-key mapping {{key: {{option: value}}}}, e.g. "
+                      f"fsdp or {{cp: {{kind: ring}}}}; got {item!r}")
+
+
+# Old names that used to be strategies of their own and are now an option of another dimension.
+def _fold_sp(out, where):
+    tensor = next((i for i, s in enumerate(out) if isinstance(s, Tensor)), None)
+    if tensor is None:
+        raise RecipeError(f"{where}: strategy 'sp' (sequence parallelism) needs 'tp' in the same recipe (it shards "
+                          f"over its `tensor` axis); write {{tp: {{sequence_parallel: true}}}}")
+    out[tensor] = dataclasses.replace(out[tensor], sequence_parallel=True)
+
+
+def _fold_usp(out, where):
+    context = next((i for i, s in enumerate(out) if isinstance(s, Context)), None)
+    if context is None:
+        raise RecipeError(f"{where}: strategy 'usp' needs 'cp' in the same recipe (it shards over its `context` "
+                          f"axis); write {{cp: {{kind: usp}}}}")
+    out[context] = dataclasses.replace(out[context], kind=ContextKind.USP)
+
+
+_MODIFIERS: Dict[str, Callable] = {"sp": _fold_sp, "usp": _fold_usp}
+
+
+def resolve_strategies(items: Iterable[Any], where: str = "strategies") -> Tuple[Strategy, ...]:
+    """Strategy objects from names / mappings / objects. The old names ``sp`` and ``usp`` are read as
+    before: they set ``Tensor.sequence_parallel`` and ``Context.kind=usp`` on the dimension they need."""
+    out, later = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, str) and item in _MODIFIERS:
+            later.append(item)
+        else:
+            out.append(strategy_from_plain(item, f"{where}[{i}]"))
+    for name in later:
+        _MODIFIERS[name](out, where)
+    return tuple(out)
+
+
+#: compose() results by (strategies, their classes' registration, logical axes known): recipes call it
+#: on every copy (the planner makes thousands).
 _COMPOSED: Dict[Tuple, Tuple[AxisRules, Dict[str, str]]] = {}
-_OPTIONS: Dict[Tuple, Dict[str, Any]] = {}
 
 
-def _cache_key(names: Tuple[str, ...]):
-    try:
-        return names, tuple(_STRATEGIES[n] for n in names), tuple(LOGICAL_AXES)
-    except KeyError:  # an unknown name: not cached, the uncached path raises the error
-        return None
-
-
-def compose(names: Iterable[str]) -> Tuple[AxisRules, Dict[str, str]]:
-    """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy)."""
-    names = tuple(names)
-    key = _cache_key(names)
-    try:
-        hit = _COMPOSED.get(key) if key is not None else None
-    except TypeError:  # a strategy with unhashable options
-        key, hit = None, None
+def compose(items: Iterable[Any]) -> Tuple[AxisRules, Dict[str, str]]:
+    """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy name)."""
+    dims = resolve_strategies(items)
+    key = (dims, tuple(_STRATEGIES.get(d.key) for d in dims), tuple(LOGICAL_AXES))
+    hit = _COMPOSED.get(key)
     if hit is None:
-        hit = _compose(names)
-        if key is not None:
-            _COMPOSED[key] = hit
+        hit = _COMPOSED[key] = _compose(dims)
     rules, owners = hit
     return rules, dict(owners)
 
 
-def _compose(names: Tuple[str, ...]) -> Tuple[AxisRules, Dict[str, str]]:
+def _compose(dims: Tuple[Strategy, ...]) -> Tuple[AxisRules, Dict[str, str]]:
     owners: Dict[str, str] = {}
-    for name in names:
-        strat = get_strategy(name)
-        missing = [r for r in strat.requires if r not in names]
+    kinds = {d.key for d in dims} | {d.name for d in dims}
+    for dim in dims:
+        missing = [r for r in dim.requires if r not in kinds]
         if missing:
-            raise RecipeError(f"strategy {name!r} needs {missing} in the same recipe (it shards over their axes)")
-        for axis in strat.claims:
+            raise RecipeError(f"strategy {dim.name!r} needs {missing} in the same recipe (it shards over their axes)")
+        for axis in dim.mesh_axes():
             if axis in owners:
                 raise RecipeError(
-                    f"mesh axis {axis!r} is claimed by both {owners[axis]!r} and {name!r}; a mesh axis serves "
+                    f"mesh axis {axis!r} is claimed by both {owners[axis]!r} and {dim.name!r}; a mesh axis serves "
                     f"one purpose, drop one of the strategies")
-            owners[axis] = name
+            owners[axis] = dim.name
     tables: Dict[str, Dict[str, Rule]] = {k: {} for k in TABLES}
-    for name in names:
-        rules = get_strategy(name).rules()
+    for dim in dims:
+        rules = dim.rules()
         for kind in TABLES:
             for rule in getattr(rules, kind):
+                source = rule.source if rule.source != "user" else dim.name  # a strategy may name its parts
                 old = tables[kind].get(rule.logical)
                 if old is None:
-                    tables[kind][rule.logical] = Rule(rule.logical, rule.mesh_axes, name)
+                    tables[kind][rule.logical] = Rule(rule.logical, rule.mesh_axes, source)
                     continue
                 axes = sorted(set(old.mesh_axes) | set(rule.mesh_axes), key=MESH_AXES.index)
-                tables[kind][rule.logical] = Rule(rule.logical, tuple(axes), f"{old.source}+{name}")
+                tables[kind][rule.logical] = Rule(rule.logical, tuple(axes), f"{old.source}+{source}")
     composed = AxisRules(**{k: tuple(v.values()) for k, v in tables.items()})
     return AxisRules.defaults().merged(composed), owners
 
 
-def step_options(names: Iterable[str]) -> Dict[str, Any]:
-    """The step options the strategies ``names`` set together; two strategies setting one option to
-    different values is an error naming both."""
-    names = tuple(names)
-    key = _cache_key(names)
-    try:
-        hit = _OPTIONS.get(key) if key is not None else None
-    except TypeError:
-        key, hit = None, None
-    if hit is None:
-        hit = _step_options(names)
-        if key is not None:
-            _OPTIONS[key] = hit
-    return dict(hit)
-
-
-def _step_options(names: Tuple[str, ...]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    setter: Dict[str, str] = {}
-    for name in names:
-        for key, value in get_strategy(name).options:
-            if key in out and out[key] != value:
-                raise RecipeError(f"step option {key!r} is set to {out[key]!r} by {setter[key]!r} and to {value!r} by "
-                                  f"{name!r}; drop one of the strategies")
-            out[key], setter[key] = value, name
-    return out
-
-
 # ---- built-in strategies -------------------------------------------------------------------
 
-@register_strategy("dp", "data parallelism: batch split over `data`, weights replicated, gradients all-reduced",
-                   claims=("data",))
-def _dp() -> AxisRules:
-    return AxisRules.of(activations={"batch": "data"})
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class DataParallel(Strategy):
+    key: ClassVar[str] = "dp"
+    description: ClassVar[str] = "data parallelism: batch split over `data`, weights replicated, gradients all-reduced"
+    claims: ClassVar[Tuple[str, ...]] = ("data",)
+
+    def rules(self) -> AxisRules:
+        return AxisRules.of(activations={"batch": "data"})
 
 
-@register_strategy("fsdp", "ZeRO-3: weights, gradients and optimizer state sharded over `fsdp` (on `embed`); "
-                   "batch split over `fsdp`; weights all-gathered per layer", claims=("fsdp",))
-def _fsdp() -> AxisRules:
-    return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": "fsdp"})
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class FSDP(Strategy):
+    key: ClassVar[str] = "fsdp"
+    description: ClassVar[str] = ("ZeRO-3: weights, gradients and optimizer state sharded over `fsdp` (on `embed`); "
+                                  "batch split over `fsdp`; weights all-gathered per layer")
+    claims: ClassVar[Tuple[str, ...]] = ("fsdp",)
+
+    def rules(self) -> AxisRules:
+        return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": "fsdp"})
 
 
-@register_strategy("zero1", "ZeRO-1: data parallelism with only the optimizer state sharded over `data`",
-                   claims=("data",))
-def _zero1() -> AxisRules:
-    return AxisRules.of(activations={"batch": "data"}, optimizer={"embed": "data"})
+class ZeroStage(int, enum.Enum):
+    """What ZeRO shards over `data`: ``1`` the optimizer state; ``2`` also the gradients."""
+
+    ONE = 1
+    TWO = 2
 
 
-@register_strategy("zero2", "ZeRO-2: data parallelism with the optimizer state and the gradients sharded over `data` "
-                   "(gradients reduce-scattered, updated weights all-gathered)", claims=("data",),
-                   options={"shard_gradients": True})
-def _zero2() -> AxisRules:
-    return AxisRules.of(activations={"batch": "data"}, optimizer={"embed": "data"})
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class ZeRO(Strategy):
+    key: ClassVar[str] = "zero"
+    description: ClassVar[str] = ("ZeRO-1/2: data parallelism with the optimizer state (stage 1) and the gradients "
+                                  "(stage 2: reduce-scattered, updated weights all-gathered) sharded over `data`")
+    claims: ClassVar[Tuple[str, ...]] = ("data",)
+    stage: ZeroStage = setting(ZeroStage.ONE, "1: shard the optimizer state over `data`; 2: the gradients too",
+                               flag="zero_stage")
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage.value}"
+
+    @property
+    def shard_gradients(self) -> bool:
+        """The step keeps each gradient sharded like its parameter's optimizer state (ZeRO-2)."""
+        return self.stage is ZeroStage.TWO
+
+    def rules(self) -> AxisRules:
+        return AxisRules.of(activations={"batch": "data"}, optimizer={"embed": "data"})
 
 
-@register_strategy("hsdp", "hybrid sharded DP: FSDP within `fsdp` groups, replicas across `data` (the DCN axis)",
-                   claims=("data", "fsdp"))
-def _hsdp() -> AxisRules:
-    return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")})
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class HSDP(Strategy):
+    key: ClassVar[str] = "hsdp"
+    description: ClassVar[str] = "hybrid sharded DP: FSDP within `fsdp` groups, replicas across `data` (the DCN axis)"
+    claims: ClassVar[Tuple[str, ...]] = ("data", "fsdp")
+
+    def rules(self) -> AxisRules:
+        return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")})
 
 
-@register_strategy("tp", "Megatron tensor parallelism over `tensor`: attention heads and MLP column/row split, "
-                   "vocab split", claims=("tensor",))
-def _tp() -> AxisRules:
-    split = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-    return AxisRules.of(params=split, activations=split)
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class Tensor(Strategy):
+    key: ClassVar[str] = "tp"
+    description: ClassVar[str] = ("Megatron tensor parallelism over `tensor`: attention heads and MLP column/row "
+                                  "split, vocab split; optionally sequence parallelism on the residual stream")
+    claims: ClassVar[Tuple[str, ...]] = ("tensor",)
+    sequence_parallel: bool = setting(False, "Megatron sequence parallelism: residual-stream activations sharded "
+                                      "on the sequence over `tensor` (reduce-scatter / all-gather)")
+
+    def rules(self) -> AxisRules:
+        split = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+        acts = dict(split, **({"residual_seq": "tensor"} if self.sequence_parallel else {}))
+        return AxisRules.of(params=split, activations=acts)
 
 
-@register_strategy("sp", "Megatron sequence parallelism: residual-stream activations sharded on the sequence "
-                   "over `tensor` (reduce-scatter / all-gather instead of all-reduce)", requires=("tp",))
-def _sp() -> AxisRules:
-    return AxisRules.of(activations={"residual_seq": "tensor"})
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class Pipeline(Strategy):
+    key: ClassVar[str] = "pp"
+    description: ClassVar[str] = ("pipeline parallelism: the layer stack split over `stage` (the `layers` dimension "
+                                  "of weights and optimizer state), micro-batches passed between neighbouring stages")
+    claims: ClassVar[Tuple[str, ...]] = ("stage",)
+    schedule: Schedule = setting(Schedule.GPIPE, "pipeline schedule", flag="schedule")
+    micro_batches: int = setting(4, "micro-batches per step through the pipeline (>= stages)", minimum=1,
+                                 flag="pipeline_micro_batches")
+    repeats: int = setting(1, "layer groups per stage (circular schedule)", minimum=1, flag="repeats")
+
+    def rules(self) -> AxisRules:
+        return AxisRules.of(params={"layers": "stage"})
 
 
-# ---- pipeline parallelism ------------------------------------------------------------------
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class Expert(Strategy):
+    """Expert parallelism. Router settings (top-k, capacity factor, shared experts) are the model's
+    (``MoEConfig``): they change the function trained, so they stay off the recipe."""
 
-register_step_option("pipeline", "the step runs the model's layer stack through a pipeline schedule over `stage` "
-                     "(the recipe's schedule, repeats and micro_batches; meshtrain.parallel.pipeline)")
+    key: ClassVar[str] = "ep"
+    description: ClassVar[str] = ("expert parallelism: MoE expert weights split over `expert` on their `expert` "
+                                  "dimension, batch split over `expert` too; tokens reach their experts by all-to-all "
+                                  "(meshtrain.parallel.moe)")
+    claims: ClassVar[Tuple[str, ...]] = ("expert",)
 
-
-@register_strategy("pp", "pipeline parallelism: the layer stack split over `stage` (the `layers` dimension of "
-                   "weights and optimizer state), micro-batches passed between neighbouring stages",
-                   claims=("stage",), options={"pipeline": True})
-def _pp() -> AxisRules:
-    return AxisRules.of(params={"layers": "stage"})
-
-
-# ---- expert parallelism --------------------------------------------------------------------
-
-@register_strategy("ep", "expert parallelism: MoE expert weights split over `expert` on their `expert` dimension, "
-                   "batch split over `expert` too; tokens reach their experts by all-to-all (meshtrain.parallel.moe)",
-                   claims=("expert",))
-def _ep() -> AxisRules:
-    return AxisRules.of(params={"expert": "expert"}, activations={"batch": "expert"})
+    def rules(self) -> AxisRules:
+        return AxisRules.of(params={"expert": "expert"}, activations={"batch": "expert"})
 
 
-# ---- context parallelism -------------------------------------------------------------------
+@register_strategy
+@dataclasses.dataclass(frozen=True)
+class Context(Strategy):
+    key: ClassVar[str] = "cp"
+    description: ClassVar[str] = ("context parallelism: the sequence of activations and of the batch split over "
+                                  "`context` (× `ulysses` for usp); attention by its kind")
+    claims: ClassVar[Tuple[str, ...]] = ("context",)
+    kind: ContextKind = setting(ContextKind.RING, "context-parallel attention kind", flag="context_kind")
+    load_balance: LoadBalance = setting(LoadBalance.ZIGZAG, "order of the sequence chunks over the context ring")
+    flash_backend: FlashBackend = setting(FlashBackend.AUTO, "flash attention implementation inside the context "
+                                          "kernel and for a flash recipe")
 
-register_step_option("load_balance", "order of the sequence chunks over the context ring: 'zigzag' (device r holds "
-                     "chunks r and 2R-1-r, equal causal work) or 'none' (meshtrain.parallel.context)")
-register_step_option("flash_backend", "flash attention implementation: 'auto' (splash on TPU, cuDNN on GPU for "
-                     "bf16/fp16 without packed documents, else blockwise XLA), 'xla', 'cudnn' or 'splash'")
+    def mesh_axes(self) -> Tuple[str, ...]:
+        return self.claims + (("ulysses",) if self.kind is ContextKind.USP else ())
+
+    def rules(self) -> AxisRules:
+        ring = AxisRules.of(activations={"seq": "context", "residual_seq": "context"}, source=self.key)
+        if self.kind is not ContextKind.USP:
+            return ring
+        # the inner `ulysses` axis keeps its own rule source ("cp+usp" in plans, as before it was an option)
+        inner = AxisRules.of(activations={"seq": "ulysses", "residual_seq": "ulysses"}, source="usp")
+        return AxisRules(ring.params, ring.activations + inner.activations, ring.optimizer)
 
 
-@register_strategy("cp", "context parallelism: the sequence of activations and of the batch split over `context`; "
-                   "attention by the recipe's kind (all_gather, ring, ulysses; zig-zag load balance)",
-                   claims=("context",), options={"load_balance": "zigzag"})
-def _cp() -> AxisRules:
-    return AxisRules.of(activations={"seq": "context", "residual_seq": "context"})
-
-
-@register_strategy("usp", "2-D context parallelism (USP): the sequence split over `context` × `ulysses`; attention "
-                   "all-to-all over the inner `ulysses` axis, ring over `context`", claims=("ulysses",),
-                   requires=("cp",))
-def _usp() -> AxisRules:
-    return AxisRules.of(activations={"seq": "ulysses", "residual_seq": "ulysses"})
+_ALIASES.update({"zero1": ZeRO(stage=ZeroStage.ONE), "zero2": ZeRO(stage=ZeroStage.TWO)})

@@ -53,7 +53,8 @@ def _ctx(kind, sizes, seq_axes, **options):
     mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes),
                          devices=jax.devices()[:n])
     rules = AxisRules.defaults().merged(AxisRules.of(activations={"seq": seq_axes}, source="test"))
-    return StepContext(mesh, rules, attention=AttentionKind(kind), options=tuple(sorted(options.items())))
+    # the options are the cp dimension's (load_balance, flash_backend), as a recipe's step context carries them
+    return StepContext(mesh, rules, attention=AttentionKind(kind), strategies=(mt.Context(**options),))
 
 
 def _run(ctx, q, k, v, seg, w, causal=True):
@@ -248,7 +249,7 @@ def test_planner_memory_and_ring_bytes_match_the_compiled_step():
     abstract = mt.abstract_state(mt.models.model_factory(cfg), __import__("optax").adamw(1e-3))
     recipe = mt.get_recipe("cp")
     plan = mt.make_plan(abstract, recipe, recipe.mesh.build(jax.devices()), batch=mt.BatchSpec(2, 256))
-    one = mt.get_recipe("dp").with_options(attention="ring")
+    one = recipe.with_mesh(context=1)  # ring attention on one device (the kind is the cp dimension's)
     plan1 = mt.make_plan(abstract, one, one.mesh.build(jax.devices()[:1]), batch=mt.BatchSpec(2, 256))
     acts, acts1 = (estimate_memory(p, cfg)[Component.ACTIVATIONS] for p in (plan, plan1))
     assert acts * 8 == pytest.approx(acts1, rel=0.02)  # saved activations ~ 1/cp

@@ -86,12 +86,14 @@ def test_resolve_errors_name_the_tensor():
 def test_strategy_conflicts_raise():
     with pytest.raises(mt.RecipeError, match="mesh axis 'data' is claimed by both 'dp' and 'zero1'"):
         mt.Recipe("bad", "", ("dp", "zero1"), mt.MeshSpec(ici={"data": -1}))
-    with pytest.raises(mt.RecipeError, match="'sp' needs \\['tp'\\]"):
+    with pytest.raises(mt.RecipeError, match=r"'sp' \(sequence parallelism\) needs 'tp'"):
         mt.Recipe("bad", "", ("fsdp", "sp"), mt.MeshSpec(ici={"fsdp": -1}))
     with pytest.raises(mt.RecipeError, match="used by none of its strategies"):
         mt.Recipe("bad", "", ("dp",), mt.MeshSpec(ici={"data": -1, "tensor": 2}))
     with pytest.raises(mt.RecipeError, match="unknown strategy 'pp2'"):
         mt.Recipe("bad", "", ("pp2",), mt.MeshSpec(ici={"data": -1}))
+    with pytest.raises(mt.RecipeError, match="'usp' needs 'cp'"):
+        mt.Recipe("bad", "", ("fsdp", "usp"), mt.MeshSpec(ici={"fsdp": -1}))
 
 
 def test_batch_rule_composes_in_mesh_order():
@@ -118,7 +120,7 @@ def test_recipe_mesh_override_and_errors(tmp_path):
         mt.get_recipe("fsdp3")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nstrategies: [dp]\nmesh: {ici: {data: -1}}\nremat: sometimes\n")
-    with pytest.raises(mt.RecipeError, match="remat is one of"):
+    with pytest.raises(mt.RecipeError, match=r"remat='sometimes': use one of \['none', 'full'"):
         mt.get_recipe(str(bad))
     bad.write_text("name: x\nstrategies: [dp]\nmesh: {ici: {data: -1}}\nwarp: 9\n")
     with pytest.raises(mt.RecipeError, match="unknown recipe keys \\['warp'\\]"):

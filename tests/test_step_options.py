@@ -1,10 +1,16 @@
-"""Step knobs: remat policies, precision, gradient accumulation, non-finite policy, donation."""
+"""Step knobs: remat policies, precision, gradient accumulation, non-finite policy, donation; the
+dimensions' options (issue 19) from recipe files and flags to the kernels, the plan and the errors."""
+
+import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import meshtrain as mt
+from meshtrain.cli import main
 
 from helpers import mesh_for, put, rel_diff, run_steps, tiny_abstract, token_batch
 
@@ -41,7 +47,7 @@ def test_remat_policies_same_numbers_less_memory():
 def test_gradient_accumulation_matches_one_big_batch():
     recipe, mesh = mesh_for("fsdp")
     loss1, grads1, _, _ = _loss_grads(recipe, mesh, batch=32)
-    loss4, grads4, _, _ = _loss_grads(recipe.with_options(micro_batches=4), mesh, batch=32)
+    loss4, grads4, _, _ = _loss_grads(recipe.with_options(grad_accum=4), mesh, batch=32)
     assert abs(loss4 - loss1) <= 1e-5 * loss1
     assert max(rel_diff(a, b) for a, b in zip(grads4, grads1)) <= 1e-5
     l1, _, _ = run_steps(recipe, mesh, steps=3, batch=32)
@@ -77,3 +83,73 @@ def test_nonfinite_skip_keeps_state_and_raise_reports():
     mu = jax.tree.leaves(new.opt_state[0].mu) if hasattr(new.opt_state[0], "mu") else []
     assert all(float(jnp.abs(m).max()) == 0.0 for m in mu)
     assert jnp.array_equal(new.params["blocks"]["mlp"]["up_df"], before["blocks"]["mlp"]["up_df"])
+
+
+# ---- dimension options (issue 19): set in a recipe file, read by the kernels from the step context ----
+
+LB_NONE = ("name: ring_plain\nstrategies: [dp, fsdp, {cp: {kind: ring, load_balance: none, flash_backend: xla}}]\n"
+           "mesh: {ici: {data: 1, fsdp: -1, context: 4}}\n")
+
+
+def test_context_options_from_yaml_change_the_order_and_still_match_one_device(tmp_path):
+    path = tmp_path / "ring_plain.yaml"
+    path.write_text(LB_NONE)
+    recipe = mt.get_recipe(str(path))
+    assert recipe.dimension(mt.Context) == mt.Context(kind="ring", load_balance="none", flash_backend="xla")
+    assert mt.Recipe.from_dict(recipe.to_dict()) == recipe   # written and read back alike
+    recipe, mesh = mesh_for(recipe)
+    plan = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(16, 64))
+    zigzag = mt.make_plan(tiny_abstract(), mt.get_recipe("fsdp_cp"), mesh, batch=mt.BatchSpec(16, 64))
+    assert mt.sequence_permutation(plan, 64) is None            # natural order: the kernel's order changed
+    assert mt.sequence_permutation(zigzag, 64) is not None
+    ref, _, _ = run_steps(*mesh_for("dp", n_devices=1), steps=3, batch=16, seq=64)
+    got, _, _ = run_steps(recipe, mesh, steps=3, batch=16, seq=64)
+    assert rel_diff(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--recipe", "fsdp_cp", "--load-balance", "none", "--flash-backend", "xla"],
+     {"cp": {"load_balance": "none", "flash_backend": "xla"}}),
+    (["--recipe", "fsdp_cp", "--context-kind", "ulysses"], {"cp": {"kind": "ulysses"}}),
+    (["--recipe", "fsdp_tp", "--sequence-parallel", "on"], {"tp": {"sequence_parallel": True}}),
+    (["--recipe", "pp", "--micro-batches", "8"], {"pp": {"micro_batches": 8}}),
+])
+def test_plan_json_shows_dimension_options_from_flags(argv, fragment, capsys):
+    assert main(["plan", "--model", "tiny", "--json"] + argv) == 0
+    settings = json.loads(capsys.readouterr().out)["recipe_settings"]
+    assert fragment in settings["strategies"], settings["strategies"]
+
+
+def test_plan_text_shows_the_context_options(capsys):
+    assert main(["plan", "--model", "tiny", "--recipe", "fsdp_cp", "--load-balance", "none",
+                 "--flash-backend", "xla"]) == 0
+    assert "recipe fsdp_cp: dp + fsdp + cp(load_balance=none, flash_backend=xla)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,expected", [
+    (LB_NONE.replace("load_balance: none", "load_balance: sideways"),
+     r"strategies\[2\]\.cp\.load_balance='sideways': use one of \['zigzag', 'none'\]"),
+    (LB_NONE.replace("flash_backend: xla", "flash_backend: fast"),
+     r"cp\.flash_backend='fast': use one of \['auto', 'xla', 'cudnn', 'splash'\]"),
+    (LB_NONE.replace("load_balance: none", "balance: none"), r"strategies\[2\]\.cp: unknown keys \['balance'\]"),
+    (LB_NONE + "micro_batches: 4\n", r"key 'micro_batches' moved: gradient accumulation is `grad_accum: N`"),
+    (LB_NONE + "attention: ring\n", r"key 'attention' moved: the local kernel is `local_attention"),
+    (LB_NONE + "grad_accum: two\n", r"grad_accum='two': use an integer >= 1"),
+    (LB_NONE.replace("[dp, fsdp,", "[dp, fsdp, {pp: {repeats: 0}},"), r"pp\.repeats=0: use an integer >= 1"),
+])
+def test_bad_dimension_options_name_the_key_and_the_allowed_values(tmp_path, text, expected, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["plan", "--model", "tiny", "--recipe", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(expected, err[0]), err
+
+
+def test_train_runs_a_recipe_file_with_context_options(tmp_path, capsys):
+    path = tmp_path / "ring_plain.yaml"
+    path.write_text(LB_NONE)
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--recipe", str(path), "--steps", "3", "--eval-every", "0",
+                 "--progress", "none", "--out", str(out)]) == 0
+    settings = json.loads((out / "plan.json").read_text())["recipe_settings"]
+    assert {"cp": {"load_balance": "none", "flash_backend": "xla"}} in settings["strategies"]

@@ -50,17 +50,19 @@ def _bytes_per_device(shape, axes, sizes):
     return math.prod(shape) * 4 // shards
 
 
-def test_zero2_recipe_sets_the_step_option_and_matches_its_yaml():
+def test_zero2_recipe_is_zero_stage_2_and_matches_its_yaml():
     r = mt.get_recipe("zero2")
-    assert r.strategies == ("zero2",) and r.step_options() == {"shard_gradients": True} and r.shard_gradients
+    assert r.strategies == (mt.ZeRO(stage=2),) and "zero2" in r.strategies and r.shard_gradients
     assert not mt.get_recipe("zero1").shard_gradients and not mt.get_recipe("fsdp").shard_gradients
     assert mt.get_recipe(os.path.join(ROOT, "recipes", "zero2.yaml")) == r
     # zero2's rules are zero1's: only the step differs.
     assert r.axis_rules().to_dict() == mt.get_recipe("zero1").axis_rules().to_dict()
     with pytest.raises(mt.RecipeError, match="claimed by both 'zero1' and 'zero2'"):
         mt.Recipe("bad", "", ("zero1", "zero2"), mt.MeshSpec(ici={"data": -1}))
-    with pytest.raises(mt.RecipeError, match="unknown step options"):
-        mt.register_strategy("bad_opt", "x", options={"shard_everything": True})(lambda: mt.AxisRules())
+    assert mt.get_recipe("zero1").with_options(zero_stage=2) == r.with_options(name="zero1", description=
+                                                                              mt.get_recipe("zero1").description)
+    with pytest.raises(mt.RecipeError, match=r"zero\.stage=3: use one of \[1, 2\]"):
+        mt.ZeRO(stage=3)
 
 
 def test_gradients_are_sharded_one_eighth_per_device_in_the_lowered_step():

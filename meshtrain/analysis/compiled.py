@@ -43,7 +43,7 @@ import numpy as np
 
 from meshtrain.analysis.collectives import Collective, hlo_collectives
 from meshtrain.analysis.layout import cached
-from meshtrain.annotate import StepContext, step_context
+from meshtrain.annotate import step_context, step_context_for
 from meshtrain.errors import ConfigError
 from meshtrain.losses import next_token_loss, unpack_loss
 from meshtrain.models.bert import BertConfig, mlm_loss
@@ -206,7 +206,7 @@ def _residuals(plan, loss_fn, rows: int):
     names = tuple(plan.mesh.axis_names)
     mesh = jax.sharding.AbstractMesh((1,) * len(names), names)
     recipe = plan.recipe
-    ctx = StepContext(mesh, plan.rules, frozenset(recipe.replicate_indivisible), recipe.remat, recipe.attention)
+    ctx = step_context_for(plan, mesh)  # the step meshtrain train runs, on a 1-device mesh
     dtype = jnp.dtype(recipe.compute_dtype)
     graphdef = abstract.graphdef
 

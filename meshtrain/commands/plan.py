@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, Optional
 
 from meshtrain.cli import add_device_args
 from meshtrain.train.config import check_recipe_overrides
+from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
@@ -66,23 +67,7 @@ def add_parser(sub):
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch (default: data-parallel size; with --recipe auto: one per device)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: model max)")
-    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None)
-    p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="matmul dtype (default: the recipe's on cpu, bfloat16 on accelerators)")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default=None,
-                   help="override the recipe's remat policy (auto searches none, dots_no_batch, full)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="override gradient accumulation steps (a pp recipe: the pipeline's micro-batches)")
-    p.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"), default=None,
-                   help="pipeline schedule for a pp recipe (default: the recipe's)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="layer groups per pipeline stage for --schedule circular (default: the recipe's)")
-    p.add_argument("--attention", choices=("dense", "flash", "all_gather", "ring", "ulysses", "usp"), default=None,
-                   help="override the recipe's attention kind (context-parallel kinds need a cp recipe)")
-    p.add_argument("--offload", choices=("none", "optimizer"), default=None,
-                   help="optimizer: plan the optimizer state in pinned host memory (default: the recipe's)")
-    p.add_argument("--layer-loop", choices=("auto", "scan", "unrolled"), default=None,
-                   help="layer stack as one scan, unrolled, or auto (default: the recipe's)")
+    add_recipe_flags(p)
     p.add_argument("--hardware", default="cpu",
                    help="chip to estimate for: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
     p.add_argument("--slices", type=int, default=None,
@@ -106,13 +91,7 @@ def _apply_options(recipe, args):
 
     if getattr(args, "mesh", None):
         recipe = recipe.with_mesh(**MeshSpec.parse(args.mesh))
-    changes = {}
-    for flag, field in (("param_dtype", "param_dtype"), ("compute_dtype", "compute_dtype"), ("remat", "remat"),
-                        ("micro_batches", "micro_batches"), ("attention", "attention"), ("schedule", "schedule"),
-                        ("repeats", "repeats"), ("offload", "offload"), ("layer_loop", "layer_loop")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            changes[field] = value
+    changes = recipe_overrides(args)
     check_recipe_overrides(recipe, attention=changes.get("attention"), schedule=changes.get("schedule"),
                            repeats=changes.get("repeats"))
     return recipe.with_options(**changes) if changes else recipe
@@ -414,6 +393,12 @@ def _setup(args) -> None:
         setup_devices(None)  # keep the default simulated devices; the plan itself is abstract
 
 
+def _recipe_line(recipe) -> str:
+    """``recipe NAME: dp + fsdp + cp(load_balance=none, flash_backend=xla) (remat full)``: every dimension
+    with the options it sets, and the knobs that differ from their defaults."""
+    return f"recipe {recipe.name}: {' + '.join(str(s) for s in recipe.strategies)}{recipe.knobs_text()}"
+
+
 def run(args) -> int:
     from meshtrain.analysis import report
     from meshtrain.errors import ConfigError, MeshtrainError
@@ -430,7 +415,7 @@ def run(args) -> int:
         extra = {} if choice.analytic else {"loss_fn": choice.loss_fn, "model_name": choice.name}
         try:
             out = (report.single_dict(plan, choice.cfg, args, **extra) if args.json
-                   else report.single_text(plan, choice.cfg, args, **extra))
+                   else report.single_text(plan, choice.cfg, args, **extra) + "\n" + _recipe_line(plan.recipe))
         except MeshtrainError:
             raise
         except Exception as exc:  # noqa: BLE001 - user code (model or loss) failed while the step was traced

@@ -18,5 +18,5 @@ def run(args) -> int:
     width = max(len(n) for n in BUILTIN_RECIPES)
     for name, recipe in BUILTIN_RECIPES.items():
         mesh = ",".join(f"{a}={s}" for a, s in recipe.mesh.ici)
-        print(f"{name.ljust(width)}  {recipe.description}  [mesh {mesh}; strategies {'+'.join(recipe.strategies)}]")
+        print(f"{name.ljust(width)}  {recipe.description}  [mesh {mesh}; strategies {'+'.join(str(s) for s in recipe.strategies)}]")
     return 0

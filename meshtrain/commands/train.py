@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.cli import add_device_args
+from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
 
 def add_parser(sub):
     from meshtrain.train.config import TrainConfig
@@ -26,26 +27,10 @@ def add_parser(sub):
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"global batch, in sequences (default: {d.batch_size}, rounded up to a multiple of the "
                         f"recipe's data-parallel size × micro-batches when it needs one, e.g. 32 for --recipe "
-                        f"pp_fsdp --micro-batches 8 on 8 devices)")
+                        f"pp_fsdp --pipeline-micro-batches 8 on 8 devices)")
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"tokens per sequence (default: {d.seq_len}; language models only, not vit-*)")
-    p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="matmul dtype (default: the recipe's)")
-    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="parameter storage dtype (default: the recipe's)")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default=None,
-                   help="activation recomputation policy for the layer stack (default: the recipe's)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="gradient accumulation steps per optimizer step; with a pp recipe: the pipeline's "
-                        "micro-batches (default: the recipe's)")
-    p.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"), default=None,
-                   help="pipeline schedule for a pp recipe (default: the recipe's), e.g. --recipe pp_fsdp "
-                        "--schedule 1f1b --micro-batches 8")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="layer groups per pipeline stage for --schedule circular (default: the recipe's)")
-    p.add_argument("--attention", choices=("dense", "flash", "all_gather", "ring", "ulysses", "usp"), default=None,
-                   help="attention kind (default: the recipe's); all_gather/ring/ulysses/usp need a cp recipe, e.g. "
-                        "--recipe fsdp_cp --attention ulysses")
+    add_recipe_flags(p)
     p.add_argument("--seed", type=int, default=d.seed, help="seeds initialisation, data order and dropout (>= 0)")
     p.add_argument("--data", default=None,
                    help="text file/folder or .npy/.bin token file (default: the embedded corpus, this Python's "
@@ -62,12 +47,6 @@ def add_parser(sub):
     p.add_argument("--resume", action="store_const", const="latest", default="no",
                    help="continue from the newest valid checkpoint in --out (a new run if --out holds none; "
                         "refused if it holds checkpoints of which none is valid)")
-    p.add_argument("--offload", choices=("none", "optimizer"), default=None,
-                   help="optimizer: keep the optimizer state (and f32 master weights) in pinned host memory "
-                        "between steps (default: the recipe's)")
-    p.add_argument("--layer-loop", choices=("auto", "scan", "unrolled"), default=None,
-                   help="run the layer stack as one scan, unrolled, or auto (unrolled up to 8 layers) "
-                        "(default: the recipe's)")
     p.add_argument("--xla-flags", choices=("auto", "none"), default="auto",
                    help="auto: add meshtrain's XLA scheduling flags for the backend (GPU: latency-hiding "
                         "scheduler, pipelined/combined collectives; TPU: async collective fusion) to XLA_FLAGS / "
@@ -96,6 +75,7 @@ def config_from_args(args):
     if args.peak_tflops is not None:
         values["peak_flops_per_device"] = args.peak_tflops * 1e12
     values["memory_check"] = args.memory_check
+    values["recipe_options"] = tuple(recipe_overrides(args).items())
     return TrainConfig(**values)
 
 

@@ -24,9 +24,10 @@ import jax.numpy as jnp
 
 from meshtrain.annotate import current_step_context
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.context import CONTEXT_KINDS, LoadBalance, context_attention, context_layout
-from meshtrain.parallel.flash import FlashBackend, flash_attention
+from meshtrain.parallel.context import CONTEXT_KINDS, context_attention, context_layout
+from meshtrain.parallel.flash import flash_attention
 from meshtrain.recipes import AttentionKind
+from meshtrain.strategies import Context, FlashBackend, LoadBalance
 
 __all__ = ["attention", "reference_attention", "AttentionKind"]
 
@@ -51,10 +52,11 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         raise ConfigError(f"attention: {n} query heads are not a multiple of {kv} key/value heads")
     if kind is AttentionKind.DENSE:
         return _dense(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal)
-    backend = ctx.option("flash_backend", FlashBackend.AUTO) if ctx is not None else FlashBackend.AUTO
+    context = ctx.dimension(Context) if ctx is not None else None
+    backend = context.flash_backend if context is not None else FlashBackend.AUTO
     if kind in CONTEXT_KINDS and ctx is not None:
         layout = context_layout(kind, ctx.rules, dict(ctx.mesh.shape),
-                                ctx.option("load_balance", LoadBalance.ZIGZAG))
+                                context.load_balance if context is not None else LoadBalance.ZIGZAG)
         if layout.sharded:
             return context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal, layout, ctx)
         backend = FlashBackend.XLA if kind is not AttentionKind.FLASH else backend

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import enum
 import functools
 import math
 from typing import Iterator, Optional, Set, Tuple
@@ -48,19 +47,12 @@ from meshtrain.errors import ConfigError
 from meshtrain.parallel.flash import F32, block_for, blocks_backward, blocks_forward, flash_attention, flash_xla, \
     match_varying, pick_block, varying_axes
 from meshtrain.recipes import AttentionKind
+from meshtrain.strategies import Context, FlashBackend, LoadBalance
 
 #: The inner context axis that ``usp`` runs Ulysses over (``ring`` runs over the others).
 ULYSSES_AXIS = "ulysses"
 #: Kinds that shard the sequence through their own kernel.
 CONTEXT_KINDS = (AttentionKind.ALL_GATHER, AttentionKind.RING, AttentionKind.ULYSSES, AttentionKind.USP)
-
-
-class LoadBalance(str, enum.Enum):
-    """Order of the sequence chunks over the ring: ``zigzag`` (device ``r`` holds chunks ``r`` and
-    ``2R-1-r``: equal causal work) or ``none`` (contiguous chunks)."""
-
-    ZIGZAG = "zigzag"
-    NONE = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +140,22 @@ def context_layout(kind: AttentionKind, rules, mesh_sizes, load_balance=LoadBala
 
 def plan_layout(plan) -> ContextLayout:
     """The :class:`ContextLayout` a plan's step uses (recipe attention kind, rules, mesh)."""
-    return context_layout(plan.recipe.attention, plan.rules, plan.mesh_sizes,
-                          plan.recipe.step_options().get("load_balance", LoadBalance.ZIGZAG))
+    return context_layout(plan.recipe.attention, plan.rules, plan.mesh_sizes, _load_balance(plan.recipe))
+
+
+def _load_balance(holder) -> LoadBalance:
+    """The load balance of the ``cp`` dimension of a recipe or step context (zig-zag without one)."""
+    context = holder.dimension(Context)
+    return context.load_balance if context is not None else LoadBalance.ZIGZAG
+
+
+def _local_backend() -> FlashBackend:
+    """The flash backend of the local attention inside a context kernel: the ``cp`` dimension's
+    ``flash_backend``; ``auto`` keeps blockwise XLA here (what these kernels were measured with)."""
+    ctx = current_step_context()
+    context = ctx.dimension(Context) if ctx is not None else None
+    backend = context.flash_backend if context is not None else FlashBackend.AUTO
+    return FlashBackend.XLA if backend is FlashBackend.AUTO else backend
 
 
 def sequence_permutation(plan, seq_len: int) -> Optional[np.ndarray]:
@@ -165,8 +171,7 @@ def layout_positions(seq_len: int) -> jax.Array:
     ctx = current_step_context()
     if ctx is None or ctx.attention not in CONTEXT_KINDS:
         return jnp.arange(seq_len)
-    layout = context_layout(ctx.attention, ctx.rules, dict(ctx.mesh.shape),
-                            ctx.option("load_balance", LoadBalance.ZIGZAG))
+    layout = context_layout(ctx.attention, ctx.rules, dict(ctx.mesh.shape), _load_balance(ctx))
     return jnp.asarray(layout.permutation(seq_len)) if layout.reorders else jnp.arange(seq_len)
 
 
@@ -335,7 +340,7 @@ def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: in
         q2, k2, v2 = _a2a_in(q, uly), _a2a_in(k, uly), _a2a_in(v, uly)
         seg2 = jax.lax.all_gather(seg, uly, axis=1, tiled=True)
         if kind is AttentionKind.ULYSSES:
-            o2 = flash_attention(q2, k2, v2, seg2, causal=causal, backend="xla")
+            o2 = flash_attention(q2, k2, v2, seg2, causal=causal, backend=_local_backend())
         else:  # usp: ring over the remaining axes on the gathered ring chunk
             o2 = _ring(q2, k2, v2, ring_index(q2.shape[1]), seg2, seg2, layout.ring_axes, layout.ring, causal,
                        ring_block(q2))

@@ -26,7 +26,6 @@ kernel, which runs them once per K/V block that passes by.
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 from typing import Optional, Tuple
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.errors import ConfigError
+from meshtrain.strategies import FlashBackend  # noqa: F401 (re-exported: the cp dimension's option)
 
 F32 = jnp.float32
 
@@ -43,15 +43,6 @@ DEFAULT_BLOCK = 512
 #: Elements of one f32 score block over all the rows × heads a device holds (2 MiB): the block edge
 #: shrinks with more heads per device so the backward's working set (4 such blocks) stays small.
 BLOCK_ELEMENTS = 2 ** 19
-
-
-class FlashBackend(str, enum.Enum):
-    """Which implementation ``flash`` attention uses; ``auto`` picks per platform and dtype."""
-
-    AUTO = "auto"
-    XLA = "xla"
-    CUDNN = "cudnn"
-    SPLASH = "splash"
 
 
 def pick_block(n: int, target: int = DEFAULT_BLOCK) -> int:

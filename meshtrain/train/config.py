@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import optax
 
 from meshtrain.axes import LogicalAxes
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, get_recipe
 from meshtrain.train.step import NonFinite
 
@@ -49,8 +49,8 @@ class TrainConfig:
     Model and layout: ``model`` (a config name; ignored when the Trainer gets a factory), ``recipe``
     (name or YAML file), ``mesh`` (overrides, ``"fsdp=4,tensor=2"``), ``dcn`` (the part of those sizes
     that spans processes/slices, ``"data=2"``; ``None``: the outermost axes when there are several),
-    ``devices``, ``compute_dtype``,
-    ``param_dtype``, ``remat``, ``micro_batches`` (``None`` keeps the recipe's).
+    ``devices``, ``recipe_options`` (the recipe's knobs and dimension options to override, by
+    :meth:`~meshtrain.Recipe.with_options` name; :meth:`build_recipe` applies them).
     Data: ``data`` (``None`` = the embedded corpus), ``batch_size`` (global), ``seq_len``, ``seed``,
     ``val_fraction``. Optimizer: AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio``,
     global-norm clipping at ``clip_norm`` (``0`` disables). Loop: ``steps``, ``eval_every`` and
@@ -62,18 +62,12 @@ class TrainConfig:
 
     model: str = "small"
     recipe: str = "fsdp"
+    #: overrides of the recipe's knobs and dimension options, ``(name, value)`` pairs in
+    #: :meth:`meshtrain.Recipe.with_options`' names, e.g. ``(("remat", "full"), ("load_balance", "none"))``
+    recipe_options: Tuple[Tuple[str, Any], ...] = ()
     mesh: Optional[str] = None
     dcn: Optional[str] = None
     devices: Optional[int] = None
-    compute_dtype: Optional[str] = None
-    param_dtype: Optional[str] = None
-    remat: Optional[str] = None
-    micro_batches: Optional[int] = None
-    schedule: Optional[str] = None  # pipeline schedule (pp recipes): gpipe, circular, 1f1b
-    repeats: Optional[int] = None  # layer groups per stage (circular)
-    attention: Optional[str] = None  # attention kind: dense, flash, all_gather, ring, ulysses, usp
-    offload: Optional[str] = None  # "optimizer": optimizer state in pinned host memory
-    layer_loop: Optional[str] = None  # auto, scan, unrolled
     data: Optional[str] = None
     batch_size: int = 16
     seq_len: int = 128
@@ -131,9 +125,35 @@ class TrainConfig:
         if peak is not None and not (math.isfinite(peak) and peak > 0):
             raise ConfigError(f"--peak-tflops {peak / 1e12:g} (peak_flops_per_device {peak:g}): must be a positive "
                               f"finite number of TFLOP/s per device, e.g. --peak-tflops 989 (H100 bf16), or omit it")
-        if any(v is not None for v in (self.attention, self.schedule, self.repeats)):
-            check_recipe_overrides(get_recipe(self.recipe), attention=self.attention, schedule=self.schedule,
-                                   repeats=self.repeats)
+        object.__setattr__(self, "recipe_options", tuple((str(k), v) for k, v in dict(self.recipe_options).items()))
+        options = dict(self.recipe_options)
+        check_recipe_overrides(get_recipe(self.recipe), attention=options.get("attention"),
+                               schedule=options.get("schedule"), repeats=options.get("repeats"))
+        self.build_recipe()  # every other override is checked by the recipe
+
+    def build_recipe(self) -> Recipe:
+        """The run's recipe: ``recipe`` (a name or file) with ``recipe_options`` applied."""
+        try:
+            return get_recipe(self.recipe).with_options(**dict(self.recipe_options))
+        except RecipeError as exc:
+            raise ConfigError(str(exc)) from None
+
+    # Read-only views under the old field names (the trainer passes them to Recipe.with_options).
+    compute_dtype = property(lambda self: dict(self.recipe_options).get("compute_dtype"))
+    param_dtype = property(lambda self: dict(self.recipe_options).get("param_dtype"))
+    remat = property(lambda self: dict(self.recipe_options).get("remat"))
+    micro_batches = property(lambda self: _first(self, "micro_batches", "grad_accum", "pipeline_micro_batches"))
+    schedule = property(lambda self: dict(self.recipe_options).get("schedule"))
+    repeats = property(lambda self: dict(self.recipe_options).get("repeats"))
+    attention = property(lambda self: _first(self, "attention", "context_kind", "local_attention"))
+    offload = property(lambda self: dict(self.recipe_options).get("offload"))
+    layer_loop = property(lambda self: dict(self.recipe_options).get("layer_loop"))
+
+
+def _first(cfg: TrainConfig, *names: str):
+    """The first of ``names`` set in ``cfg.recipe_options`` (the names with_options reads alike)."""
+    options = dict(cfg.recipe_options)
+    return next((options[n] for n in names if options.get(n) is not None), None)
 
 
 def check_recipe_overrides(recipe: Recipe, *, attention: Optional[str] = None, schedule: Optional[str] = None,

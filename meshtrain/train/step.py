@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.annotate import StepContext, step_context
+from meshtrain.annotate import current_step_context, step_context, step_context_for  # noqa: F401 (step_context_for re-exported)
 from meshtrain.errors import ConfigError
 from meshtrain.losses import (RESERVED_METRICS, LossFn, next_token_loss,  # noqa: F401 (re-export)
                               unpack_loss)
@@ -36,6 +36,7 @@ from meshtrain.parallel import pipeline as pipe
 from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
 from meshtrain.precision import cast_floats
 from meshtrain.recipes import Schedule
+from meshtrain.strategies import Pipeline, ZeRO
 from meshtrain.state import TrainState, state_shardings
 
 
@@ -47,17 +48,11 @@ class NonFinite(str, enum.Enum):
     SKIP = "skip"
 
 
-def step_context_for(plan: ShardingPlan) -> StepContext:
-    r = plan.recipe
-    return StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat, r.attention,
-                       tuple(sorted(r.step_options().items())), r.layer_loop, r.scan_unroll)
-
-
 def pipeline_config(plan: ShardingPlan) -> Optional[pipe.PipelineConfig]:
     """The pipeline of a recipe with the ``pp`` strategy (``None`` otherwise), checked against the
     model (the pipeline contract, layers divisible into groups) and the batch (``ConfigError``s that
     name the fix)."""
-    if not plan.recipe.step_options().get("pipeline"):
+    if plan.recipe.dimension(Pipeline) is None:
         return None
     cfg = pipe.config_for(plan.recipe, plan.mesh_sizes)
     model = nnx.merge(plan.abstract.graphdef, plan.abstract.params, plan.abstract.model_state)
@@ -165,6 +160,8 @@ def _accumulate(grad_fn, params, model_state, batch, micro: int, plan: ShardingP
                for x, d, sh in zip(leaves, dims, shardings)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
+    zero = current_step_context().dimension(ZeRO)
+    shard_gradients = zero is not None and zero.shard_gradients
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zeros = jax.lax.with_sharding_constraint(zeros, grad_sh)
     first = micro_batch([x[0] for x in xs])
@@ -175,7 +172,7 @@ def _accumulate(grad_fn, params, model_state, batch, micro: int, plan: ShardingP
         total, weight, metrics, grads, ms = carry
         (t, (w, m, ms)), g = grad_fn(params, ms, micro_batch(parts))
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-        if plan.recipe.shard_gradients:  # ZeRO-2: reduce-scatter each micro-batch into the sharded sum
+        if shard_gradients:  # ZeRO-2: reduce-scatter each micro-batch into the sharded sum
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
         metrics = {k: metrics[k] + m[k] for k in metrics}
         return (total + t, weight + w, metrics, grads, ms), None

@@ -10,7 +10,7 @@ import numpy as np
 
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.pipeline._parts import STAGE
-from meshtrain.recipes import Schedule
+from meshtrain.strategies import Pipeline, Schedule
 
 
 # ---- schedule tables -------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class PipelineConfig:
                               f"circular or --repeats 1")
         if m < p:
             raise ConfigError(f"pipeline with {p} stages needs micro_batches >= {p} (got {m}): pass "
-                              f"--micro-batches {max(p, 4 * p)} (or recipe.with_options(micro_batches=...))")
+                              f"--micro-batches {max(p, 4 * p)} (or recipe.with_options(pipeline_micro_batches=...))")
         if n_layers is not None and n_layers % self.groups:
             what = f"stages × repeats = {p} × {self.repeats}" if self.schedule is Schedule.CIRCULAR else f"stages = {p}"
             raise ConfigError(f"the model has {n_layers} layers, not divisible by {what}; change the mesh's stage "
@@ -129,7 +129,8 @@ class PipelineConfig:
 
 def config_for(recipe, mesh_sizes: Dict[str, int]) -> PipelineConfig:
     """The :class:`PipelineConfig` of a recipe with the ``pp`` strategy on a mesh of ``mesh_sizes``."""
-    return PipelineConfig(recipe.schedule, int(mesh_sizes.get(STAGE, 1)), recipe.micro_batches, recipe.repeats)
+    pp = recipe.dimension(Pipeline)
+    return PipelineConfig(pp.schedule, int(mesh_sizes.get(STAGE, 1)), pp.micro_batches, pp.repeats)
 
 
 def bubble_warning(cfg: PipelineConfig, limit: float = 0.25) -> Optional[str]:

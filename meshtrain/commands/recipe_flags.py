@@ -1,0 +1,42 @@
+"""The recipe's flags, generated from its settings (``meshtrain train`` and ``meshtrain plan`` share them):
+one flag per recipe knob (``--remat``, ``--grad-accum``, ...) and per dimension option (``--load-balance``,
+``--flash-backend``, ``--context-kind``, ``--schedule``, ``--pipeline-micro-batches``, ...), ``choices`` from
+the enums, the built-in default in ``--help``. Two older flags are read as before, with the meaning they
+always had: ``--attention KIND`` (a context kind sets the cp dimension's kind, dense/flash the local kernel)
+and ``--micro-batches N`` (a pipeline's micro-batches under pp, else gradient accumulation)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from meshtrain.recipes import AttentionKind, dimension_settings, recipe_settings
+from meshtrain.settings import add_flags, flag_value
+
+LEGACY = ("attention", "micro_batches")
+
+
+def add_recipe_flags(parser) -> None:
+    add_flags(parser, recipe_settings(), owner="the recipe")
+    seen = set()
+    for cls, s in dimension_settings():
+        if s.flag not in seen:  # (a dimension registered twice under one flag name: first wins)
+            seen.add(s.flag)
+            add_flags(parser, [s], owner=f"the recipe's {cls.key} dimension; needs one")
+    parser.add_argument("--attention", choices=[k.value for k in AttentionKind], default=None,
+                        help="shortcut: a context kind sets --context-kind (needs a cp recipe), dense or flash sets "
+                             "--local-attention")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="shortcut: --pipeline-micro-batches for a pp recipe, else --grad-accum")
+
+
+def recipe_overrides(args) -> Dict[str, Any]:
+    """The recipe flags given on the command line, by :meth:`meshtrain.Recipe.with_options` name."""
+    out: Dict[str, Any] = {}
+    for s in list(recipe_settings()) + [s for _, s in dimension_settings()]:
+        value = getattr(args, s.flag, None) if s.cli else None
+        if value is not None:
+            out[s.flag] = flag_value(s, value)
+    for name in LEGACY:
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
+    return out
