@@ -31,7 +31,10 @@ TRAIN = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--
 
 
 def _child_env():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    # No shared compilation cache: a child under `ulimit -f` or on a full disk would leave truncated
+    # cache entries that every later test then reads (and warns about).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
