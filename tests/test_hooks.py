@@ -38,14 +38,15 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("every, stop_at, steps, hooked, trained", [
-    (2, None, 5, [2, 4, 5], 5),      # every 2 steps, and always the last
-    (1, 3, 5, [1, 2, 3], 3),         # Stop after step 3: steps 4, 5 never run
+@pytest.mark.parametrize("every, stop_at, steps, hooked, trained, committed", [
+    (2, None, 5, [2, 4, 5], 5, [2, 4, 5]),   # every 2 steps, and always the last
+    (1, 3, 5, [1, 2, 3], 3, [2, 3]),         # Stop after step 3: steps 4, 5 never run; step 3 is saved
 ])
-def test_user_hook_logs_its_value_and_can_stop_the_run(tmp_path, capsys, every, stop_at, steps, hooked, trained):
+def test_user_hook_logs_its_value_and_can_stop_the_run(tmp_path, capsys, every, stop_at, steps, hooked, trained,
+                                                       committed):
     hook = Recorder(every, stop_at)
     cfg = TrainConfig(model="tiny", recipe="dp", devices=1, steps=steps, batch_size=8, seq_len=32, eval_every=0,
-                      progress="lines", log_every=1, out=str(tmp_path / "run"))
+                      progress="lines", log_every=1, ckpt_every=2, out=str(tmp_path / "run"))
     summary = Trainer(cfg, hooks=[hook]).run()
 
     assert hook.calls == [("start", 0), *(("step", s) for s in hooked), ("end", trained), ("close", trained)]
@@ -55,6 +56,7 @@ def test_user_hook_logs_its_value_and_can_stop_the_run(tmp_path, capsys, every, 
         assert ("twice_loss" in rec) == (rec["step"] in hooked)
         if rec["step"] in hooked:
             assert rec["twice_loss"] == 2 * rec["loss"]
+    assert [r["step"] for r in _records(summary.run_dir) if r.get("event") == "checkpoint"] == committed
     assert summary.steps == trained and not summary.preempted
     assert summary.final_loss == steps_logged[-1]["loss"]
     lines = capsys.readouterr().out.splitlines()

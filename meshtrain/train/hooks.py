@@ -3,7 +3,8 @@
     on_start(run)               before the step is compiled
     on_step(run, info)          after each step due (``step % every == 0``, and always the last step);
                                 return :class:`~meshtrain.train.loop.Stop` to end the run after it
-    on_end(run)                 the loop ended normally (last step, or a Stop)
+    on_end(run)                 the loop ended normally (last step, or a Stop: with checkpointing on,
+                                that step is saved, so ``--resume`` continues from it)
     close(run)                  always, last hook first: release what the hook holds
 
 ``run`` is a :class:`~meshtrain.train.loop.Run`, ``info`` a :class:`~meshtrain.train.loop.StepInfo`.
@@ -143,20 +144,22 @@ class EvalHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """Saves through the :class:`~meshtrain.checkpoint.Checkpointer` (every ``save_every`` steps and
-    at the last), waits for the last commit at the end, and writes one ``checkpoint`` record per
+    """Saves through the :class:`~meshtrain.checkpoint.Checkpointer` (every ``save_every`` steps, at
+    the last, and at the step a :class:`~meshtrain.train.loop.Stop` ended the run), waits for the last commit at the end, and writes one ``checkpoint`` record per
     committed step: a later ``--resume`` can then tell a run whose checkpoints were removed from
     one that never committed any."""
 
     def __init__(self, checkpointer, metadata: Dict[str, Any]):
         self.ckpt, self.metadata = checkpointer, metadata  # the same metadata for every save of this run
         self.pending: Optional[int] = None
+        self.forced: Optional[int] = None  # the last step saved unconditionally
 
     def on_step(self, run: Run, info: StepInfo) -> None:
         self.save(run, info.step, info.record, force=info.last)
 
     def save(self, run: Run, step: int, record: Optional[Dict[str, Any]] = None, force: bool = True) -> None:
         res = self.ckpt.maybe_save(step, run.state, data_state=run.data.state(), metadata=self.metadata, force=force)
+        self.forced = step if force else self.forced
         run.clock.add("checkpoint_s", res.blocking_s)  # collecting a finished save blocks too
         if res.saved and record is not None:
             record["ckpt_block_s"] = res.blocking_s
@@ -171,6 +174,8 @@ class CheckpointHook(Hook):
             self.pending = None
 
     def on_end(self, run: Run) -> None:
+        if self.forced != run.step:   # a hook's Stop ended the run early: save that step, so it resumes
+            self.save(run, run.step)
         t0 = time.perf_counter()
         self.ckpt.wait()
         run.clock.add("checkpoint_s", time.perf_counter() - t0)
