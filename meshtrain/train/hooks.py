@@ -22,6 +22,7 @@ The :class:`~meshtrain.train.Trainer` runs the built-in hooks in this order, and
 
 Example: print a sample every 100 steps and stop when the loss is low enough::
 
+    import optax
     from meshtrain.train import Hook, Stop, Trainer, TrainConfig
 
     class SampleHook(Hook):
