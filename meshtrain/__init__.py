@@ -30,6 +30,8 @@ from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel
                                   Pipeline, Strategy, Tensor, ZeRO, ZeroStage, register_strategy)
 from meshtrain.state import TrainState, abstract_train_state, init_state, state_shardings
 from meshtrain.losses import LossFn, next_token_loss
+from meshtrain.train.hooks import Hook
+from meshtrain.train.loop import StepInfo, Stop
 from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_train_step
 
 __version__ = "0.1.0"
@@ -40,7 +42,7 @@ __all__ = [
     "Checkpointer", "ConfigError", "Restored", "SaveResult", "inspect_checkpoint",
     "LOGICAL_AXES", "LeafPlan", "LossFn", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
     "NonFinite", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
-    "ShardingPlan", "StepContext", "TrainState", "abstract_state", "abstract_train_state", "attention",
+    "ShardingPlan", "StepContext", "StepInfo", "Stop", "Hook", "TrainState", "abstract_state", "abstract_train_state", "attention",
     "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
     "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
     "sequence_permutation", "PipelineParts", "Schedule", "LayerLoop", "Offload", "master_weights", "scan_layers",

@@ -1,8 +1,13 @@
-"""Training: step, the Trainer loop and its tasks (model + loss + data), metrics."""
+"""Training: step, the Trainer (a step generator plus hooks) and its tasks (model + loss + data), metrics."""
 
 from meshtrain.train.config import MemoryCheckMode, Progress, Resume, TrainConfig, default_optimizer
+from meshtrain.train.hooks import (CheckpointHook, EvalHook, Hook, MetricsHook, PreemptionHook, ProgressHook,
+                                   ThroughputHook)
+from meshtrain.train.loop import Interrupted, Run, StepInfo, Stop, TrainingError, TrainSummary
 from meshtrain.train.tasks import DataRequest, Task, custom_task
-from meshtrain.train.trainer import Interrupted, Trainer, TrainingError, TrainSummary
+from meshtrain.train.trainer import Trainer
 
-__all__ = ["DataRequest", "Interrupted", "MemoryCheckMode", "Progress", "Resume", "Task", "TrainConfig",
-           "TrainSummary", "Trainer", "TrainingError", "custom_task", "default_optimizer"]
+__all__ = ["CheckpointHook", "DataRequest", "EvalHook", "Hook", "Interrupted", "MemoryCheckMode", "MetricsHook",
+           "PreemptionHook", "Progress", "ProgressHook", "Resume", "Run", "StepInfo", "Stop", "Task",
+           "ThroughputHook", "TrainConfig", "TrainSummary", "Trainer", "TrainingError", "custom_task",
+           "default_optimizer"]

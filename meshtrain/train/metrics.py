@@ -19,7 +19,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto import event_pb2
 from tensorboardX.summary import scalar
 
-from meshtrain.train.rundir import METRICS_FILE, file_error
+from meshtrain.hardware import get_hardware
+from meshtrain.train.rundir import METRICS_FILE, file_error, truncate_metrics
 
 #: ``device.device_kind`` substring → hardware profile (:mod:`meshtrain.analysis.hardware`).
 DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"), ("TPU v4", "tpu-v4"),
@@ -29,8 +30,6 @@ DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "
 def peak_flops(device, hardware: Optional[str] = None, num_devices: Optional[int] = None) -> Optional[float]:
     """Peak dense bf16 FLOP/s per device: from the named ``hardware`` profile (``cpu`` is measured
     on this host), else from the device kind; ``None`` when neither is known (plain CPU)."""
-    from meshtrain.hardware import get_hardware
-
     if hardware is not None:
         return get_hardware(hardware, num_devices=num_devices).peak_flops
     kind = getattr(device, "device_kind", "").lower()
@@ -107,6 +106,7 @@ class ProgressDisplay:
         self.style = style if style != "auto" else ("bar" if sys.stdout.isatty() else "lines")
         self._bar = None
         if enabled and self.style == "bar":
+            # rich only for a terminal's bar: its import is not paid by a logged run
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -148,3 +148,24 @@ class Stopwatch:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+
+def open_outputs(run_dir: str, plan, restart: Optional[Dict[str, Any]], is_main: bool) -> MetricsWriter:
+    """plan.json and metrics.jsonl (truncated to the restored step on resume, then the ``restart``
+    record) on process 0; the writer (disabled on other processes)."""
+    if is_main:
+        dropped = truncate_metrics(run_dir, restart["restored_step"] if restart is not None else 0)
+        if restart is not None:
+            restart["superseded_records"] = dropped
+    writer = MetricsWriter(run_dir, enabled=is_main)
+    if is_main:
+        path = os.path.join(run_dir, "plan.json")
+        try:
+            with open(path, "w") as f:
+                f.write(plan.to_json())
+        except OSError as exc:
+            writer.close()
+            raise file_error(path, exc, "before the first step") from None
+    if restart is not None:
+        writer.write({"event": "restart", **restart})
+    return writer

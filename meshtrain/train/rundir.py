@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import socket
 import time
 import warnings
-from typing import Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from meshtrain.errors import ConfigError, DiskError, disk_hint, is_disk_full
 
@@ -55,8 +56,6 @@ class RunLock:
     """
 
     def __init__(self, run_dir: str):
-        import fcntl
-
         self.path = os.path.join(run_dir, LOCK_FILE)
         try:
             os.makedirs(run_dir, exist_ok=True)
@@ -249,3 +248,75 @@ def truncate_metrics(run_dir: str, restored_step: int) -> int:
     os.replace(tmp, path)
     return dropped
 
+
+
+def resume_step(run_dir: str, resume_latest: bool, ckpt, notice: Callable[[str], None]) -> Optional[int]:
+    """The step to resume from, or ``None`` for a new run; refuses (ConfigError) whenever going on
+    would lose or overwrite something. Nothing is deleted here."""
+    contents = inspect_run_dir(run_dir)
+    if not resume_latest:
+        if contents.has_run:
+            raise ConfigError(f"run folder {run_dir!r} already holds a run ({contents.describe()}); "
+                              f"pass --resume to continue it or choose another --out")
+        return None
+    if not contents.checkpoint_steps:
+        if contents.committed_steps:
+            raise ConfigError(
+                f"cannot resume {run_dir!r}: its metrics.jsonl records committed checkpoints (steps "
+                f"{list(contents.committed_steps)[-5:]}) but checkpoints/ holds no step folder. Nothing was "
+                f"changed. Put the checkpoints back, or pass another --out to start a new run")
+        if contents.metric_steps:
+            notice(f"{run_dir}: the earlier run stopped at step {contents.last_metric_step} before "
+                   f"its first checkpoint was committed; starting again from step 0")
+        else:
+            notice(f"--resume: no run in {run_dir} yet; starting a new run there")
+        return None
+    step = ckpt.latest_valid_step()
+    if step is None:
+        found = "; ".join(f"step {s}: {c.status.value} ({c.reason})" for s, c in
+                          ((s, ckpt.check(s)) for s in ckpt.all_steps()))
+        raise ConfigError(f"cannot resume {run_dir!r}: it holds checkpoints but none is valid: {found}. "
+                          f"Nothing was changed. Inspect them with `meshtrain ckpt list "
+                          f"{os.path.join(run_dir, 'checkpoints')}`, put a good copy back, or pass "
+                          f"another --out to start a new run")
+    return step
+
+
+def work_after(run_dir: str, step: int) -> Tuple[int, float]:
+    """Logged steps after ``step`` since the last restart: (how many, their seconds), to be recomputed."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return 0, 0.0
+    done: Dict[int, float] = {}
+    for rec in read_records(path):   # skips a line cut by a kill
+        if "loss" in rec and rec.get("step", 0) > step:
+            seconds = rec.get("step_time_s")
+            done[rec["step"]] = float(seconds) if isinstance(seconds, (int, float)) else 0.0
+        elif rec.get("event") == "restart":
+            done = {}
+    return len(done), float(sum(done.values()))
+
+
+def restart_changes(restored, batch_size: int, param_dtype: str, notice: Callable[[str], None]) -> Dict[str, Any]:
+    """Say loudly what a resume changes (batch size, parameter dtype); the ``restart`` record's fields."""
+    changes: Dict[str, Any] = {}
+    saved_batch = (restored.metadata or {}).get("batch_size")
+    if saved_batch is not None and saved_batch != batch_size:
+        samples = restored.data_state.get("samples_seen")
+        notice(f"--batch-size changed from {saved_batch} to {batch_size} on resume: the data continues "
+               f"at sample {samples} (no sample is skipped or repeated); steps continue from "
+               f"{restored.step}, so each later step sees {batch_size} sequences and the learning-rate "
+               f"schedule stays indexed by step")
+        changes["batch_size_changed"] = [saved_batch, batch_size]
+    saved = ((restored.metadata or {}).get("recipe") or {}).get("param_dtype")
+    if saved is not None and str(saved) != param_dtype:
+        saved, now = str(saved), param_dtype
+        notice(f"PARAMETER PRECISION CHANGED on resume: step {restored.step} was saved with --param-dtype "
+               f"{saved}, this run trains with --param-dtype {now}. "
+               + ("The parameters are rounded to bfloat16 for the model and their float32 values continue as "
+                  "master weights in the optimizer state (no update is lost), but the loss is computed in "
+                  "lower precision from here on" if now == "bfloat16" else
+                  "The float32 master weights become the parameters")
+               + f"; to continue in {saved} instead, stop now and resume with --param-dtype {saved}")
+        changes["param_dtype_changed"] = [saved, now]
+    return changes
