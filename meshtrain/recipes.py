@@ -231,19 +231,6 @@ class Recipe:
         zero = self.dimension(ZeRO)
         return bool(zero and zero.shard_gradients)
 
-    def step_options(self) -> Dict[str, Any]:
-        """Read-only summary for older readers (``pipeline``, ``shard_gradients``, ``load_balance``,
-        ``flash_backend``); kernels read the dimensions from the step context."""
-        out: Dict[str, Any] = {}
-        if self.dimension(Pipeline):
-            out["pipeline"] = True
-        if self.shard_gradients:
-            out["shard_gradients"] = True
-        context = self.dimension(Context)
-        if context:
-            out.update(load_balance=context.load_balance.value, flash_backend=context.flash_backend.value)
-        return out
-
     def axis_rules(self) -> AxisRules:
         """Defaults ← strategies' rules ← this recipe's own ``rules`` (which may override)."""
         rules, _ = compose(self.strategies)

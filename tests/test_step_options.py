@@ -153,3 +153,15 @@ def test_train_runs_a_recipe_file_with_context_options(tmp_path, capsys):
                  "--progress", "none", "--out", str(out)]) == 0
     settings = json.loads((out / "plan.json").read_text())["recipe_settings"]
     assert {"cp": {"load_balance": "none", "flash_backend": "xla"}} in settings["strategies"]
+    header = next(r for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("event") == "start")
+    assert {"cp": {"load_balance": "none", "flash_backend": "xla"}} in header["recipe_settings"]["strategies"]
+    assert header["recipe"] == "ring_plain"
+
+
+def test_train_flags_reach_the_run_header(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--recipe", "fsdp_cp", "--load-balance", "none", "--flash-backend", "xla",
+                 "--steps", "1", "--eval-every", "0", "--progress", "none", "--out", str(out)]) == 0
+    header = next(r for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("event") == "start")
+    cp = [s["cp"] for s in header["recipe_settings"]["strategies"] if isinstance(s, dict) and "cp" in s]
+    assert cp and cp[0]["load_balance"] == "none" and cp[0]["flash_backend"] == "xla", header

@@ -27,10 +27,11 @@ from meshtrain.analysis.layout import cached
 from meshtrain.parallel.pipeline import PipelineConfig, bubble_fraction, bubble_warning, config_for, schedule_table
 from meshtrain.errors import ConfigError
 from meshtrain.recipes import Remat, Schedule
+from meshtrain.strategies import Pipeline
 
 
 def is_pipelined(plan) -> bool:
-    return bool(plan.recipe.step_options().get("pipeline"))
+    return plan.recipe.dimension(Pipeline) is not None
 
 
 def pipeline_summary(plan, cfg) -> Optional[Dict[str, object]]:

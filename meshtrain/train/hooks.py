@@ -39,7 +39,6 @@ Example: print a sample every 100 steps and stop when the loss is low enough::
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import statistics
 import threading
@@ -203,7 +202,7 @@ class ProgressHook(Hook):
     def on_start(self, run: Run) -> None:
         plan = run.plan
         run.progress.print(f"meshtrain: {plan.abstract.num_params:,} parameters, recipe {plan.recipe.name}"
-                           f"{knobs_text(plan.recipe)}, mesh "
+                           f"{plan.recipe.knobs_text()}, mesh "
                            + " × ".join(f"{a}={s}" for a, s in plan.mesh_sizes.items())
                            + f", batch {run.examples}" + (f"×{run.tokens_per_example}" if run.tokens_per_example
                                                           else "")
@@ -226,17 +225,6 @@ def step_line(record: Dict[str, Any]) -> str:
             + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
             + "".join(f"  eval {k[5:]} {record[k]:.4f}" for k in record
                       if k.startswith("eval_") and k != "eval_loss" and record[k] is not None))
-
-
-def knobs_text(recipe) -> str:
-    """`` (attention ulysses, remat full, ...)``: the recipe's knobs that differ from the defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(recipe)}
-    parts = []
-    for name in ("attention", "remat", "param_dtype", "compute_dtype", "micro_batches", "offload", "layer_loop"):
-        value = getattr(recipe, name)
-        if value != defaults[name]:
-            parts.append(f"{name.replace('_', ' ')} {getattr(value, 'value', value)}")
-    return f" ({', '.join(parts)})" if parts else ""
 
 
 class PreemptionHook(Hook):

@@ -166,6 +166,9 @@ def open_outputs(run_dir: str, plan, restart: Optional[Dict[str, Any]], is_main:
         except OSError as exc:
             writer.close()
             raise file_error(path, exc, "before the first step") from None
+    # The run header: every recipe setting this segment trains with (knobs and each dimension's options).
+    writer.write({"event": "start", "recipe": plan.recipe.name, "recipe_settings": plan.recipe.to_dict(),
+                  "mesh": {axis: int(size) for axis, size in plan.mesh_sizes.items()}})
     if restart is not None:
         writer.write({"event": "restart", **restart})
     return writer

@@ -29,7 +29,6 @@ from meshtrain.mesh import MeshSpec, hybrid_layout, select_devices
 from meshtrain.models import DecoderConfig
 from meshtrain.models.flops import model_flops_per_token
 from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
-from meshtrain.recipes import get_recipe
 from meshtrain.state import init_state
 from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default_optimizer
 from meshtrain.train.hooks import (CheckpointHook, EvalHook, Hook, MetricsHook, PreemptionHook, ProgressHook,
@@ -127,13 +126,9 @@ class Trainer:
 
     def _recipe_and_mesh(self, devices=None):
         cfg = self.cfg
-        recipe = get_recipe(cfg.recipe)
+        recipe = cfg.build_recipe()  # the recipe with every knob and dimension option the run overrides
         if cfg.mesh:
             recipe = recipe.with_mesh(**MeshSpec.parse(cfg.mesh))
-        knobs = {k: getattr(cfg, k) for k in ("compute_dtype", "param_dtype", "remat", "micro_batches", "schedule",
-                                              "repeats", "attention", "offload", "layer_loop")
-                 if getattr(cfg, k) is not None}
-        recipe = recipe.with_options(**knobs) if knobs else recipe
         devices = devices if devices is not None else select_devices(cfg.devices)
         recipe = dataclasses.replace(recipe, mesh=hybrid_layout(recipe.mesh, devices, cfg.dcn))
         return recipe, recipe.mesh.build(devices)
