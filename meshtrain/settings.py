@@ -132,8 +132,9 @@ def add_flags(parser, settings, *, owner: str) -> None:
     for s in settings:
         if not s.cli:
             continue
+        shown = ("on" if s.default else "off") if s.type is bool else s.plain(s.default)
         kwargs: Dict[str, Any] = {"default": None, "dest": s.flag,
-                                  "help": f"{s.help} (default: {owner}'s; built-in default {s.plain(s.default)})"}
+                                  "help": f"{s.help} (default: {owner}; built-in default {shown})"}
         if s.choices:
             kwargs.update(choices=s.choices, type=type(s.choices[0]))
         elif s.type is bool:

@@ -19,7 +19,8 @@ def example(name):
 
 @pytest.mark.parametrize("name, expect", [("own-model", r"loss ([0-9.]+) -> ([0-9.]+)"),
                                           ("own-data", r"loss ([0-9.]+) -> ([0-9.]+), eval accuracy ([0-9.]+)"),
-                                          ("own-loop", r"loss ([0-9.]+)")])
+                                          ("own-loop", r"loss ([0-9.]+)"),
+                                          ("hooks", r"step 2: param_norm [0-9.]+\nstep 4: param_norm ([0-9.]+)")])
 def test_readme_example_runs(name, expect, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"

@@ -16,12 +16,12 @@ LEGACY = ("attention", "micro_batches")
 
 
 def add_recipe_flags(parser) -> None:
-    add_flags(parser, recipe_settings(), owner="the recipe")
+    add_flags(parser, recipe_settings(), owner="the recipe's")
     seen = set()
     for cls, s in dimension_settings():
         if s.flag not in seen:  # (a dimension registered twice under one flag name: first wins)
             seen.add(s.flag)
-            add_flags(parser, [s], owner=f"the recipe's {cls.key} dimension; needs one")
+            add_flags(parser, [s], owner=f"the recipe's {cls.key} dimension's, which the recipe must have")
     parser.add_argument("--attention", choices=[k.value for k in AttentionKind], default=None,
                         help="shortcut: a context kind sets --context-kind (needs a cp recipe), dense or flash sets "
                              "--local-attention")
