@@ -276,7 +276,7 @@ def test_ctrl_c_around_a_background_save_leaves_no_orphan_save(run, tmp_path, mo
         calls = []
 
         def interrupted_once(self, *args, **kwargs):
-            if self is ckpt._finalized and not calls:   # in the wait for Orbax's commit
+            if self is ckpt._saver.worker._finalized and not calls:   # in the wait for Orbax's commit
                 calls.append(1)
                 raise KeyboardInterrupt
             return result(self, *args, **kwargs)
