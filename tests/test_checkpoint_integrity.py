@@ -19,7 +19,7 @@ from test_checkpoint import assert_bit_exact, assert_on_mesh, device, random_sta
 
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, StepStatus, Verify, integrity,
-                                  manager)
+                                  saving)
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +205,8 @@ def test_ctrl_c_inside_the_blocking_save_leaves_older_steps_and_closes_quietly(r
 
 def test_preflight_space_check(run, ckdir, monkeypatch):
     plan, states = run
-    monkeypatch.setattr(manager, "_free_bytes", lambda path: 1000)
-    need = manager.fmt_bytes(sum(x.nbytes for x in jax.tree.leaves(states[3])) + manager.FREE_MARGIN)
+    monkeypatch.setattr(saving, "free_bytes", lambda path: 1000)
+    need = saving.fmt_bytes(sum(x.nbytes for x in jax.tree.leaves(states[3])) + saving.FREE_MARGIN)
     with Checkpointer(ckdir, save_every=1) as ckpt:
         with pytest.raises(CheckpointError, match=rf"not enough disk space to save step 3: the state needs ~{need} "
                                                   r"but .* has 1000 B free.*steps \[1, 2\] are intact"):
@@ -237,7 +237,7 @@ def test_full_disk_on_tmpfs(run, small_disk, monkeypatch):
     disk is usable again, older steps restore bit-exact, the pre-save check then names the shortfall."""
     plan, states = run
     d = small_disk / "checkpoints"
-    monkeypatch.setattr(manager, "_free_bytes", lambda path: 1 << 40)   # let the write itself hit the wall
+    monkeypatch.setattr(saving, "free_bytes", lambda path: 1 << 40)   # let the write itself hit the wall
     ckpt = Checkpointer(d, save_every=2, keep_last=3)
     for s in (2, 4):
         ckpt.maybe_save(s, device(plan, states[s // 2]), data_state={"s": s}, metadata={})

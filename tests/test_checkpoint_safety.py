@@ -254,7 +254,7 @@ def test_ctrl_c_around_a_background_save_leaves_no_orphan_save(run, tmp_path, mo
     import logging
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from meshtrain.checkpoint import manager
+    from meshtrain.checkpoint import donation
 
     plan, states = run
     if lands == "after the hand-off":
@@ -264,7 +264,7 @@ def test_ctrl_c_around_a_background_save_leaves_no_orphan_save(run, tmp_path, mo
                 if 4 in args[:2]:
                     raise KeyboardInterrupt   # the signal lands just after the job was queued
                 return future
-        monkeypatch.setattr(manager, "ThreadPoolExecutor", Pool)
+        monkeypatch.setattr(donation, "ThreadPoolExecutor", Pool)
     caplog.set_level(logging.ERROR)
     ckdir = tmp_path / "checkpoints"
     ckpt = Checkpointer(ckdir, save_every=2, keep_last=5, background_start=True)
@@ -276,7 +276,7 @@ def test_ctrl_c_around_a_background_save_leaves_no_orphan_save(run, tmp_path, mo
         calls = []
 
         def interrupted_once(self, *args, **kwargs):
-            if self is ckpt._finalized and not calls:   # in the wait for Orbax's commit
+            if self is ckpt._saver.worker._finalized and not calls:   # in the wait for Orbax's commit
                 calls.append(1)
                 raise KeyboardInterrupt
             return result(self, *args, **kwargs)

@@ -22,6 +22,7 @@ from test_checkpoint import assert_bit_exact, device, host, random_state
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Compression, StepStatus, Verify,
                                   inspect_checkpoint, integrity)
+from meshtrain.checkpoint.saving import SaveTuning
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_step_after_a_sync_save_donates_every_buffer(run, tmp_path):
     state = mt.init_state(plan, seed=0)
     saved_at, donated = {}, {}
     with Checkpointer(tmp_path / "checkpoints", save_every=2, keep_last=10, async_save=False) as ckpt:
-        assert ckpt._copy_before_sync_save is False
+        assert ckpt._saver.tuning == SaveTuning() and not SaveTuning().copy_before_sync_save
         for i in range(1, 7):
             old = jax.tree.leaves(state)
             state, _ = train_step(state, put(token_batch(i), plan))
@@ -80,7 +81,7 @@ def test_manifest_of_the_fast_path_verifies_and_detects_a_flip(run, tmp_path):
     and a byte flip in the largest data file must still be caught."""
     plan, state = run
     with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
-        assert ckpt._mapped_hashing is True
+        assert ckpt._saver.tuning == SaveTuning() and SaveTuning().mapped_hashing
         ckpt.maybe_save(1, device(plan, state), data_state={}, metadata={})
     step_dir = tmp_path / "1"
     assert integrity.check_step(step_dir, 1, Verify.FULL).status is StepStatus.OK
@@ -119,14 +120,14 @@ def test_background_start_saves_the_values_of_its_step_while_the_loop_donates(re
     n = len(jax.tree.leaves(state))
     saved_at, donated, gates = {}, {}, {}
     with Checkpointer(tmp_path, save_every=2, keep_last=10, background_start=True) as ckpt:
-        assert ckpt._starts_in_background()
-        real_start = ckpt._start_save
+        assert ckpt._saver.in_background
+        real_start = ckpt._saver.worker.save
 
         def gated(step, args):           # Orbax starts only once the next step donated the state
             assert gates[step].wait(120)
             real_start(step, args)
 
-        ckpt._start_save = gated
+        ckpt._saver.worker.save = gated
         for i in range(1, 10):
             old = jax.tree.leaves(state)
             state, _ = train_step(state, put(token_batch(i), plan))   # dispatched, not waited for
@@ -178,16 +179,16 @@ def test_background_start_reports_a_failed_start_at_the_next_call(run, tmp_path,
 
 
 def test_background_start_is_off_by_default_and_for_sync_saves(tmp_path):
-    assert not Checkpointer(tmp_path / "a", save_every=1)._starts_in_background()
+    assert not Checkpointer(tmp_path / "a", save_every=1)._saver.in_background
     assert not Checkpointer(tmp_path / "b", save_every=1, async_save=False,
-                            background_start=True)._starts_in_background()
+                            background_start=True)._saver.in_background
     assert "background_start=True" in repr(Checkpointer(tmp_path / "c", save_every=1, background_start=True))
 
 
 def test_replica_zero_registry_writes_replica_zero_only():
     """The worker may read only the copies of the replica-0 shards: replica-parallel slicing is off."""
-    from meshtrain.checkpoint import manager
-    reg = manager._replica_zero_registry()
+    from meshtrain.checkpoint import donation
+    reg = donation.replica_zero_registry()
     handler = reg.get(jax.Array)
     assert handler._use_replica_parallel is False
     assert type(reg.get(np.ndarray)).__name__ == "NumpyHandler" and reg.get(int) is reg.get(float)

@@ -74,6 +74,7 @@ import optax  # noqa: E402
 
 import meshtrain as mt  # noqa: E402
 from meshtrain.checkpoint import Checkpointer, Compression  # noqa: E402
+from meshtrain.checkpoint.saving import SaveTuning, tuned  # noqa: E402
 
 CHUNK = 8 << 20
 IDLE_PAUSE_S = 0.05
@@ -137,10 +138,8 @@ class Setting:
     background_start: bool = False   # Orbax's blocking part in a worker thread (async saves)
 
     def checkpointer(self, folder: Path, **kw) -> Checkpointer:
-        ckpt = Checkpointer(folder, compression=self.compression, background_start=self.background_start, **kw)
-        ckpt._mapped_hashing = self.mapped_hashing
-        ckpt._copy_before_sync_save = self.copy_before_sync_save
-        return ckpt
+        with tuned(SaveTuning(mapped_hashing=self.mapped_hashing, copy_before_sync_save=self.copy_before_sync_save)):
+            return Checkpointer(folder, compression=self.compression, background_start=self.background_start, **kw)
 
 
 BEFORE = {"issue14": Setting("zstd", mapped_hashing=False, copy_before_sync_save=True),

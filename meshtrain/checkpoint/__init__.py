@@ -11,6 +11,11 @@ Nothing here deletes a step that has not been verified: a damaged step is moved 
 (``<step>.corrupt``) when its step is saved again, and retention removes only verified old steps.
 
 See :mod:`meshtrain.checkpoint.integrity` for the on-disk layout and how steps are verified.
+
+One module per job: ``manager`` (the :class:`Checkpointer` facade), ``saving`` (the save path),
+``donation`` (the CPU donation worker of ``background_start``), ``restoring`` (reading a step onto a
+plan), ``retention`` (which steps to delete: a pure function), ``integrity`` (manifests, checks),
+``housekeeping`` (writer lock, background deletes), ``layout`` and ``inspection`` (the saved tree).
 """
 
 from meshtrain.checkpoint.inspection import inspect_checkpoint, list_checkpoints, resolve_directory

@@ -7,6 +7,7 @@
   drops the lock when the writer exits or is killed, so a crashed run never blocks its restart.
 * :class:`Janitor`: one long-lived thread that deletes the step folders retention renamed, so the
   training loop never waits for ``rmtree`` or for a thread to start.
+* :func:`warn`: how every part of the checkpointer reports a step it skipped, kept or cleaned.
 """
 
 from __future__ import annotations
@@ -18,14 +19,22 @@ import queue
 import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
 from meshtrain.checkpoint import integrity
+from meshtrain.checkpoint.types import CheckpointWarning
 
 log = logging.getLogger("meshtrain.checkpoint")
 
 LOCK_FILE = ".meshtrain-writer.lock"
+
+
+def warn(message: str) -> None:
+    """Log ``message`` and raise it as a :class:`CheckpointWarning` (which tests and users can filter)."""
+    log.warning(message)
+    warnings.warn(CheckpointWarning(message), stacklevel=3)
 
 
 class WriterLock:

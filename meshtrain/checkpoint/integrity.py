@@ -352,3 +352,44 @@ def remove_tree(path: Path) -> None:
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class CheckCache:
+    """The checks of one checkpoint folder's steps; full checks are cached while the files are unchanged
+    (their :func:`stat_key`), so a restore after an inventory does not read every file again."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._full: Dict[int, Tuple[tuple, StepCheck]] = {}
+
+    def check(self, step: int, verify: Verify = Verify.FULL) -> StepCheck:
+        step_dir = self.directory / str(int(step))
+        if verify is Verify.QUICK:
+            return check_step(step_dir, step, Verify.QUICK)
+        key = stat_key(step_dir) if step_dir.is_dir() else None
+        cached = self._full.get(step)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        result = check_step(step_dir, step, Verify.FULL)
+        self._full[step] = (key, result)
+        return result
+
+    def best_known(self, step: int) -> StepCheck:
+        """The best verdict available without re-reading the files: a full check cached for the
+        current files (e.g. the step just restored), else the quick check."""
+        cached = self._full.get(step)
+        step_dir = self.directory / str(int(step))
+        if cached is not None and step_dir.is_dir() and cached[0] == stat_key(step_dir):
+            return cached[1]
+        return self.check(step, Verify.QUICK)
+
+    def passed_full(self, step: int) -> bool:
+        """True when a full check of ``step`` passed (whatever happened to the files since)."""
+        return step in self._full and self._full[step][1].status.usable
+
+    def forget(self, step: int) -> None:
+        self._full.pop(step, None)
+
+    def good_steps(self) -> List[int]:
+        """The committed steps that pass the quick check, oldest first."""
+        return [s for s in step_dirs(self.directory) if self.check(s, Verify.QUICK).status.usable]
