@@ -60,3 +60,11 @@ def test_mfu_benchmark_runs_on_cpu_and_reports_its_formula():
     for r in res["results"].values():   # MFU is the formula applied to the measured step time
         mfu = res["model_flops_per_step"] / r["step_s"] / 8 / (res["peak_tflops_per_device"] * 1e12)
         assert abs(r["mfu"] - mfu) <= 1e-9 * max(mfu, 1.0) and r["mfu"] > 0
+
+
+def test_bad_input_probe_runs_and_judges_its_cases(tmp_path):
+    out = tool("probe_bad_input.py", "--only", "plan --", "--json", str(tmp_path / "probe.json"))
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    results = json.load(open(tmp_path / "probe.json"))
+    assert len(results) == 4 and all(r["ok"] and r["code"] == 2 and not r["traceback"] for r in results), results
+    assert "4 passed, 0 failed; 0 tracebacks" in out.stdout

@@ -113,7 +113,7 @@ def cases(tmp: str) -> List[Case]:
         Case("bert-tiny under fsdp_cp_usp", ["train", "--model", "bert-tiny", "--recipe", "fsdp_cp_usp", "--steps",
                                              "2", "--progress", "none", "--eval-every", "0", "--ckpt-every", "0"], "0"),
         Case("ulysses on 5 context devices (names the counts that work)",
-             [*TRAIN, "--recipe", "cp", "--attention", "ulysses", "--devices", "5"], "2"),
+             [*TRAIN, "--recipe", "cp", "--attention", "ulysses", "--devices", "5", "--seq-len", "160"], "2"),
     ]
     # damaged metrics.jsonl on --resume (setup: a finished 4-step run, then damage)
     for label in ("binary garbage", "a garbage line", "a non-integer step", "a null checkpoint step", "a folder"):

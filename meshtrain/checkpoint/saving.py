@@ -130,6 +130,9 @@ class _DropDiskFullTracebacks(logging.Filter):
 
 logging.getLogger("absl").addFilter(_DropWaitNotice())
 logging.getLogger("absl").addFilter(_DropDiskFullTracebacks())
+# Orbax's per-fragment write tasks that failed after the save was abandoned are reported by asyncio at
+# exit ("Task exception was never retrieved", one traceback per fragment: ~150 seen under `ulimit -f`).
+logging.getLogger("asyncio").addFilter(_DropDiskFullTracebacks())
 
 
 def _ignore_closed_loop_callbacks(previous):
