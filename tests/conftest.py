@@ -65,5 +65,24 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs to fill (skipped where this process may not mount one, e.g. without root: the
+    `ulimit -f` and injected-error cases cover the same paths)."""
+    import processes
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    proc = processes.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], timeout=60)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        processes.run(["umount", "-l", str(mnt)], timeout=60)
+
+
+@pytest.fixture
 def update_golden(request):
     return request.config.getoption("--update-golden")

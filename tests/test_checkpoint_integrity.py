@@ -9,7 +9,6 @@ import random
 import shutil
 import processes
 import time
-import uuid
 import warnings
 
 import jax
@@ -212,22 +211,6 @@ def test_preflight_space_check(run, ckdir, monkeypatch):
                                                   r"but .* has 1000 B free.*steps \[1, 2\] are intact"):
             ckpt.maybe_save(3, device(plan, states[3]), data_state={}, metadata={})
         assert ckpt.all_steps() == [1, 2] and not integrity.tmp_dirs(ckdir)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs (skipped where this process may not mount one, e.g. without root)."""
-    mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root; test_injected_write_error covers the same path")
-    proc = processes.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        processes.run(["umount", "-l", str(mnt)], check=False)
 
 
 # Orbax's failed write leaves a tensorstore callback on a closed event loop (harmless, inside Orbax).

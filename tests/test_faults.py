@@ -81,22 +81,6 @@ def test_file_size_limit_names_the_file_and_exits_74(tmp_path, limit_kib, args, 
     assert _committed_steps(run) == committed
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs (skipped where this process may not mount one, e.g. without root)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root; the ulimit -f cases cover the same paths")
-    proc = processes.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        processes.run(["umount", "-l", str(mnt)], check=False)
-
-
 @pytest.mark.parametrize("free_kib, args, names, committed", [
     (0, ("--steps", "2"), ".meshtrain-run.lock before the run started: No space left on device", []),
     (12, ("--steps", "2"), "plan.json before the first step: No space left on device; free disk space", []),
