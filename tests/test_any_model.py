@@ -159,7 +159,7 @@ MODELS = {
 
 def _config(out, recipe="dp", **kw):
     base = dict(recipe=recipe, steps=STEPS, batch_size=BATCH, seq_len=32, eval_every=0, progress="none",
-                out=str(out), compute_dtype="float32")
+                out=str(out), recipe_options={"compute_dtype": "float32"})
     base.update(kw)
     return TrainConfig(**base)
 
