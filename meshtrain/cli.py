@@ -13,6 +13,11 @@ import sys
 import warnings
 from typing import List, Optional
 
+from meshtrain import distributed
+from meshtrain.distributed import add_distributed_args
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.hardware import apply_scheduling_flags
+
 COMMANDS = ("recipes", "plan", "train", "ckpt", "launch")
 
 
@@ -20,7 +25,6 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=None,
                         help="number of devices (per process in a multi-process run); without an accelerator, "
                              "simulate this many CPU devices (default: all accelerators, or 8 CPU devices)")
-    from meshtrain.distributed import add_distributed_args
 
     add_distributed_args(parser)
 
@@ -48,12 +52,8 @@ def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
     import jax
 
     if requested is not None and requested < 1:
-        from meshtrain.errors import ConfigError
-
         raise ConfigError(f"--devices {requested}: give a positive number of devices")
     if requested is not None and requested > MAX_SIMULATED_DEVICES and _no_accelerator_expected():
-        from meshtrain.errors import ConfigError
-
         raise ConfigError(f"--devices {requested}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices per process "
                           f"(each costs host threads and memory); to plan a run on {requested} devices use "
                           f"`meshtrain plan --devices {requested}` (no devices needed)")
@@ -101,16 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from meshtrain import distributed
-    from meshtrain.errors import MeshtrainError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.formatwarning = _one_line_warning
     try:
         if getattr(args, "xla_flags", "none") == "auto":
-            from meshtrain.hardware import apply_scheduling_flags
-
             apply_scheduling_flags()  # read once, when the backend starts: before setup_devices
         if getattr(args, "setup_devices", True):
             setup_devices(getattr(args, "devices", None))
@@ -141,8 +136,6 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def _leave(code: int) -> int:
     """In a multi-process run, a failing process leaves at once: a normal exit would wait in
     jax.distributed's shutdown barrier for peers that are themselves waiting for it."""
-    from meshtrain import distributed
-
     if distributed.is_multiprocess():
         distributed.exit_now(code)
     return code

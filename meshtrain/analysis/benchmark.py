@@ -25,6 +25,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
+import meshtrain as mt
+
 
 class StateInit(str, enum.Enum):
     """How :func:`compile_recipe` builds the state it times: ``random`` (``init_state``: one more
@@ -62,8 +64,6 @@ def compile_recipe(abstract, recipe, cfg, batch_size: int, seq_len: int, *, devi
     (:class:`StateInit`; ``False`` means ``none``)."""
     import jax
     import jax.numpy as jnp
-
-    import meshtrain as mt
 
     mesh = recipe.mesh.build(devices)
     plan = mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(batch_size, seq_len))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from typing import Dict, Optional
 
+import meshtrain as mt
+from meshtrain.analysis.compiled import step_inputs
 from meshtrain.errors import ConfigError
 
 #: Fake topologies for common slice sizes: chips → topology string per TPU generation.
@@ -32,8 +34,6 @@ _TOPOLOGIES = {
 
 
 def _abstract_inputs(plan):
-    from meshtrain.analysis.compiled import step_inputs
-
     return step_inputs(plan)
 
 
@@ -41,8 +41,6 @@ def compile_local(plan, loss_fn=None):
     """Compile ``make_train_step(plan, loss_fn=loss_fn)`` for the plan's (real) mesh; nothing is
     allocated or run."""
     import jax
-
-    import meshtrain as mt
 
     if isinstance(plan.mesh, jax.sharding.AbstractMesh):
         raise ConfigError(f"the plan is on an AbstractMesh of {plan.num_devices} devices; only meshes of devices "
@@ -55,8 +53,6 @@ def compile_local(plan, loss_fn=None):
 def lower_abstract(plan, platform: str = "tpu", loss_fn=None):
     """Trace and lower the train step on the plan's ``AbstractMesh`` for ``platform`` (tpu, cuda, cpu)."""
     import jax
-
-    import meshtrain as mt
 
     state, batch = _abstract_inputs(plan)
     step = mt.make_train_step(plan, loss_fn=loss_fn)
@@ -98,8 +94,6 @@ def compile_tpu_topology(abstract, recipe, batch, topology: str, loss_fn=None):
                           "(or pip install libtpu); the analytic estimates need nothing")
     import jax
     from jax.experimental import topologies
-
-    import meshtrain as mt
 
     try:
         topo = topologies.get_topology_desc(topology, "tpu")

@@ -32,6 +32,7 @@ import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from meshtrain.abstract import abstract_state
 from meshtrain.analysis.comms import expert_axes
 from meshtrain.analysis.hardware import Hardware, get_hardware
 from meshtrain.analysis.layout import cached, layout_of, plan_variant
@@ -39,9 +40,10 @@ from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
 from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
 from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.models import model_factory
 from meshtrain.parallel.pipeline import bubble_warning, config_for
-from meshtrain.plan import fmt_bytes
-from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule
+from meshtrain.plan import BatchSpec, fmt_bytes, make_plan
+from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule, get_recipe
 
 AUTO_REMATS = (Remat.NONE, Remat.DOTS_NO_BATCH, Remat.FULL)
 
@@ -233,10 +235,6 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
     """Plan ``recipe`` (its mesh resolved on ``request.num_devices``) and estimate it."""
     import optax
 
-    from meshtrain.abstract import abstract_state
-    from meshtrain.models import model_factory
-    from meshtrain.plan import BatchSpec, make_plan
-
     cfg, hw = request.model, request.hw()
     dtypes = request.dtypes(recipe)
     if any(getattr(recipe, k) != v for k, v in dtypes.items()):  # (else a copy equal to it)
@@ -369,9 +367,6 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
     """Search recipes × mesh factorisations × remat × micro-batches; rank what fits by step time."""
     import optax
 
-    from meshtrain.abstract import abstract_state
-    from meshtrain.models import model_factory
-
     if recipes is None:
         names = request.recipes or tuple(BUILTIN_RECIPES)
         recipes = [BUILTIN_RECIPES[n] if n in BUILTIN_RECIPES else _unknown(n) for n in names]
@@ -464,6 +459,4 @@ def _main_difference(w: Candidate, r: Candidate) -> str:
 
 
 def _unknown(name: str):
-    from meshtrain.recipes import get_recipe
-
     return get_recipe(name)

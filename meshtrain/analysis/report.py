@@ -17,12 +17,12 @@ import dataclasses
 import math
 from typing import Dict, List
 
+from meshtrain.analysis import lowering
 from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_estimate
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, default_loss, has_analytic_model,
                                          program_cost)
 from meshtrain.analysis.hardware import get_hardware
-from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import Component, estimate_memory, state_memory
 from meshtrain.analysis.moe import moe_lines, moe_summary
@@ -30,6 +30,7 @@ from meshtrain.analysis.pipeline import pipeline_lines, pipeline_shape, pipeline
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
 from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collectives, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.plan import fmt_bytes
 from meshtrain.recipes import Remat, Schedule
 
@@ -107,7 +108,6 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
     check = getattr(args, "check", "none") or "none"
     if check == "none":
         return {}
-    from meshtrain.analysis import lowering
 
     analytic = has_analytic_model(cfg)
     loss_fn = None if analytic else a["loss_fn"]

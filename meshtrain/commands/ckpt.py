@@ -11,6 +11,11 @@ from __future__ import annotations
 import datetime
 import json
 
+from meshtrain.checkpoint import integrity
+from meshtrain.checkpoint.inspection import inspect_checkpoint, read_meta, resolve_directory
+from meshtrain.checkpoint.manager import fmt_bytes
+from meshtrain.checkpoint.types import CheckpointError, Verify
+
 
 def add_parser(sub):
     p = sub.add_parser("ckpt", help="list and inspect checkpoints (integrity, tree, shardings, recipe)")
@@ -31,8 +36,6 @@ def add_parser(sub):
 
 
 def _fmt_bytes(n) -> str:
-    from meshtrain.checkpoint.manager import fmt_bytes
-
     return fmt_bytes(n or 0)
 
 
@@ -49,10 +52,6 @@ def _table(header, rows) -> str:
 
 
 def run_list(args) -> int:
-    from meshtrain.checkpoint import integrity
-    from meshtrain.checkpoint.inspection import read_meta, resolve_directory
-    from meshtrain.checkpoint.types import CheckpointError, Verify
-
     d = resolve_directory(args.dir)
     verify = Verify.QUICK if args.quick else Verify.FULL
     rows = []
@@ -97,8 +96,6 @@ def _sharding(s) -> str:
 
 
 def run_inspect(args) -> int:
-    from meshtrain.checkpoint.inspection import inspect_checkpoint
-
     info = inspect_checkpoint(args.dir, args.step)
     ok = info["integrity"]["status"] == "ok"
     if args.json:

@@ -27,6 +27,8 @@ import time
 import types
 from typing import List, Optional
 
+from meshtrain import distributed
+from meshtrain.cli import COMMANDS
 from meshtrain.errors import ConfigError
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
 
@@ -96,8 +98,6 @@ def _check_numbers(args) -> None:
 
 
 def _command(args) -> List[str]:
-    from meshtrain.cli import COMMANDS
-
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -242,8 +242,6 @@ class ProcessGroup:
 
 
 def run(args) -> int:
-    from meshtrain import distributed
-
     cmd = _command(args)
     n = args.processes
     check_host_memory(n, host_memory_bytes())

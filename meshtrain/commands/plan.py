@@ -40,9 +40,17 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from meshtrain.cli import add_device_args
-from meshtrain.train.config import check_recipe_overrides
+from meshtrain.abstract import abstract_state
+from meshtrain.batch_layout import BatchLayout, BatchSpec
+from meshtrain.cli import add_device_args, setup_devices
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
+from meshtrain.data.mlm import KEYS
+from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.mesh import MeshSpec
+from meshtrain.models import BertConfig, DecoderConfig, ViTConfig, get_config, model_factory
+from meshtrain.plan import make_plan
+from meshtrain.recipes import get_recipe
+from meshtrain.train.config import check_recipe_overrides
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
@@ -87,8 +95,6 @@ def add_parser(sub):
 
 
 def _apply_options(recipe, args):
-    from meshtrain.mesh import MeshSpec
-
     if getattr(args, "mesh", None):
         recipe = recipe.with_mesh(**MeshSpec.parse(args.mesh))
     changes = recipe_overrides(args)
@@ -106,8 +112,6 @@ _COUNTS = {"batch_size": "the global batch; omit it for one sequence per data-pa
 
 def check_counts(args) -> None:
     """``--batch-size``, ``--seq-len``, ``--top`` and ``--slices`` must be at least 1."""
-    from meshtrain.errors import ConfigError
-
     for name, meaning in _COUNTS.items():
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -119,9 +123,6 @@ def check_seq_len(choice: "ModelChoice", args) -> None:
     table has ``max_positions`` rows (an error beyond); a decoder's rotary positions have no table,
     so beyond ``max_seq_len`` (which its forward and ``meshtrain train`` enforce) the plan is a
     long-context what-if (README, notebook 06): a warning, not an error."""
-    from meshtrain.errors import ConfigError
-    from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
-
     cfg, T = choice.cfg, args.seq_len
     if T is None:
         return
@@ -148,15 +149,13 @@ class ModelChoice:
 
     @property
     def analytic(self) -> bool:
-        from meshtrain.analysis.compiled import has_analytic_model
+        from meshtrain.analysis.compiled import has_analytic_model  # lazy: analysis (~50 ms) off the CLI's path
 
         return has_analytic_model(self.cfg)
 
 
 def load_ref(ref: str, flag: str):
     """The object ``module:attr`` (or ``path/to/file.py:attr``) names; ``ConfigError`` saying what failed."""
-    from meshtrain.errors import ConfigError
-
     module_name, sep, attr = ref.rpartition(":")
     if not sep or not module_name or not attr or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
         raise ConfigError(f"{flag} {ref!r}: expected module:function, e.g. mypkg.models:make_model or "
@@ -198,8 +197,6 @@ def load_ref(ref: str, flag: str):
 
 
 def _check_arity(fn, ref: str, flag: str, n: int, contract: str) -> None:
-    from meshtrain.errors import ConfigError
-
     if not callable(fn):
         raise ConfigError(f"{flag} {ref!r} is a {type(fn).__name__}, not a function; {contract}")
     try:
@@ -221,8 +218,6 @@ LOSS_CONTRACT = "a loss takes (model, batch) and returns (loss_sum, weight) or (
 
 def resolve_model(args) -> ModelChoice:
     """``--model`` and ``--loss`` → :class:`ModelChoice` (see the module docstring)."""
-    from meshtrain.models import get_config, model_factory
-
     name = args.model
     if ":" in name:
         factory = load_ref(name, "--model")
@@ -248,8 +243,6 @@ def parse_batch(text: str):
     """``--batch`` text → ``(example pytree of ShapeDtypeStructs, axes per leaf)`` (module docstring)."""
     import jax
     import jax.numpy as jnp
-
-    from meshtrain.errors import ConfigError
 
     example: Dict[str, Any] = {}
     axes: Dict[str, Any] = {}
@@ -303,10 +296,6 @@ def default_batch(choice: ModelChoice, args, dp: int):
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.batch_layout import BatchLayout, BatchSpec
-    from meshtrain.errors import ConfigError
-    from meshtrain.models import BertConfig, ViTConfig
-
     cfg = choice.cfg
     B = args.batch_size or dp
     check_seq_len(choice, args)
@@ -315,8 +304,6 @@ def default_batch(choice: ModelChoice, args, dp: int):
             "images": jax.ShapeDtypeStruct((B, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32),
             "labels": jax.ShapeDtypeStruct((B,), jnp.int32)})
     if isinstance(cfg, BertConfig):
-        from meshtrain.data.mlm import KEYS
-
         return BatchSpec(B, args.seq_len or cfg.max_positions, keys=tuple(KEYS)).layout()
     if cfg is None:
         raise ConfigError(f"--model {choice.name} is a user model: describe its batch with --batch, e.g. "
@@ -325,9 +312,6 @@ def default_batch(choice: ModelChoice, args, dp: int):
 
 
 def _batch_layout(choice: ModelChoice, args, dp: int):
-    from meshtrain.batch_layout import BatchLayout
-    from meshtrain.errors import ConfigError
-
     if not getattr(args, "batch", None):
         return default_batch(choice, args, dp)
     if args.seq_len is not None:
@@ -348,11 +332,6 @@ def build(args, choice: Optional[ModelChoice] = None):
     """
     import jax
     import optax
-
-    from meshtrain.abstract import abstract_state
-    from meshtrain.errors import ConfigError, MeshtrainError
-    from meshtrain.plan import make_plan
-    from meshtrain.recipes import get_recipe
 
     choice = choice or resolve_model(args)
     recipe = _apply_options(get_recipe(args.recipe), args)
@@ -382,8 +361,6 @@ def build_plan(args):
 
 
 def _setup(args) -> None:
-    from meshtrain.cli import setup_devices
-
     n = args.devices
     if n is not None and n < 1:
         setup_devices(n)  # raises the usual error
@@ -400,8 +377,7 @@ def _recipe_line(recipe) -> str:
 
 
 def run(args) -> int:
-    from meshtrain.analysis import report
-    from meshtrain.errors import ConfigError, MeshtrainError
+    from meshtrain.analysis import report  # lazy: analysis (~50 ms) off the CLI's path
 
     check_counts(args)
     _setup(args)

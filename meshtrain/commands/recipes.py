@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from meshtrain.recipes import BUILTIN_RECIPES, get_recipe
+
 
 def add_parser(sub):
     p = sub.add_parser("recipes", help="list built-in recipes")
@@ -10,8 +12,6 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from meshtrain.recipes import BUILTIN_RECIPES, get_recipe
-
     if args.yaml:
         print(get_recipe(args.yaml).to_yaml(), end="")
         return 0

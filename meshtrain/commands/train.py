@@ -6,10 +6,13 @@ import dataclasses
 
 from meshtrain.cli import add_device_args
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
+from meshtrain.errors import ConfigError
+from meshtrain.models import DecoderConfig, ViTConfig, get_config
+from meshtrain.train.config import TrainConfig
+from meshtrain.train.trainer import Trainer
+
 
 def add_parser(sub):
-    from meshtrain.train.config import TrainConfig
-
     d = TrainConfig()
     p = sub.add_parser("train", help="train a model (default: small on the embedded corpus, all devices)",
                        description="Train a model with a recipe. With no arguments: the `small` decoder on the "
@@ -66,8 +69,6 @@ def add_parser(sub):
 
 
 def config_from_args(args):
-    from meshtrain.train.config import TrainConfig
-
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     # Unset flags keep TrainConfig's defaults (batch size: rounded by `run`; seq len: not for images).
     values = {k: v for k, v in vars(args).items()
@@ -82,8 +83,6 @@ def config_from_args(args):
 def decoder_memory_estimate(model_name: str):
     """The planner's full per-device estimate (activations included) for a built-in decoder, as the
     Trainer's pre-flight ``memory_estimate``; ``None`` for other models."""
-    from meshtrain.models import DecoderConfig, get_config
-
     try:
         cfg = get_config(model_name)
     except Exception:  # noqa: BLE001 - an unknown model is reported by the Trainer
@@ -92,9 +91,9 @@ def decoder_memory_estimate(model_name: str):
         return None
 
     def estimate(plan):
-        from meshtrain.analysis.memory import estimate_memory
-        from meshtrain.analysis.moe import moe_terms
-        from meshtrain.analysis.pipeline import pipeline_shape
+        from meshtrain.analysis.memory import estimate_memory  # lazy: analysis (~50 ms) off the CLI's path
+        from meshtrain.analysis.moe import moe_terms  # lazy: analysis (~50 ms) off the CLI's path
+        from meshtrain.analysis.pipeline import pipeline_shape  # lazy: analysis (~50 ms) off the CLI's path
 
         est = estimate_memory(plan, cfg)  # pipelines (schedule, stages, micro-batches) and MoE included
         parts = " + ".join(f"{c.value} {b / 2 ** 30:.2f} GiB" for c, b in est.components if b)
@@ -115,9 +114,6 @@ def check_flags(args) -> None:
 
     import jax
 
-    from meshtrain.errors import ConfigError
-    from meshtrain.models import ViTConfig, get_config
-
     if args.seq_len is not None and isinstance(get_config(args.model), ViTConfig):
         raise ConfigError(f"--seq-len does not apply to {args.model} (an image model: its sequence is the image's "
                           f"patches); drop --seq-len")
@@ -130,8 +126,6 @@ def check_flags(args) -> None:
 
 
 def run(args) -> int:
-    from meshtrain.train.trainer import Trainer
-
     check_flags(args)
     config = config_from_args(args)
     trainer = Trainer(config, memory_estimate=decoder_memory_estimate(config.model))

@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import optax
 
+from meshtrain.abstract import tree_paths
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, get_recipe
@@ -199,8 +200,6 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes]) -> optax.GradientTransformation:
     """AdamW (warmup + cosine) with global-norm clipping; weight decay only on matrices (parameters
     with two or more logical axes besides ``layers``: not norms, not biases)."""
-    from meshtrain.abstract import tree_paths
-
     def decay_mask(params):
         return {} if not params else _mask(tree_paths(params))
 

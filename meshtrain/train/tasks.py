@@ -27,6 +27,8 @@ from meshtrain.annotate import step_context
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.data import BatchIterator, check_token_ids, load_source
 from meshtrain.data.feed import DeviceFeed
+from meshtrain.data.images import DigitsBatches
+from meshtrain.data.mlm import MLMBatches
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models import get_config, model_factory
 from meshtrain.models.bert import BertConfig, mlm_loss
@@ -234,8 +236,6 @@ class _OrderedBatches(BatchIterator):
 
 
 def _image_classifier(cfg, model_cfg: ViTConfig) -> Task:
-    from meshtrain.data.images import DigitsBatches
-
     if cfg.data is not None:
         raise ConfigError(f"--data is for token data; {cfg.model} trains on the bundled digits images (use the Python "
                           f"API with data= for your own images)")
@@ -257,8 +257,6 @@ def _image_classifier(cfg, model_cfg: ViTConfig) -> Task:
 
 
 def _masked_lm(cfg, model_cfg: BertConfig) -> Task:
-    from meshtrain.data.mlm import MLMBatches
-
     _check_seq_len(cfg, model_cfg.max_positions, cfg.model, "max_positions")
     sources = {}
 
