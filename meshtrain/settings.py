@@ -75,7 +75,7 @@ class Setting:
             return value
         if kind is float:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise RecipeError(f"{where}={value!r}: use a number")
+                raise RecipeError(f"{where}={value!r}: use a number, e.g. {self.default}")
             return float(value)
         return value
 
@@ -104,7 +104,8 @@ def setting_named(cls: type, name: str) -> Optional[Setting]:
 def coerce_all(obj: Any, where: str) -> None:
     """Check and normalise every setting of frozen dataclass ``obj`` in place (``__post_init__``)."""
     for s in settings_of(type(obj)):
-        object.__setattr__(obj, s.name, s.coerce(getattr(obj, s.name), f"{where}.{s.name}" if where else s.name))
+        path = s.name if not where else f"{where} {s.name}" if where.endswith(":") else f"{where}.{s.name}"
+        object.__setattr__(obj, s.name, s.coerce(getattr(obj, s.name), path))
 
 
 def non_defaults(obj: Any) -> Dict[str, Any]:

@@ -217,7 +217,7 @@ def test_cli_cp_recipe_with_attention_flag_trains_like_one_device(one_device_los
                           "--eval-every", "0", "--progress", "none", "--out", str(tmp_path / "cli")],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "context=2 × tensor=2" in out.stdout and "recipe fsdp_tp_cp (attention ulysses)" in out.stdout
+    assert "context=2 × tensor=2" in out.stdout and "recipe fsdp_tp_cp (cp.kind ulysses)" in out.stdout
     got = _losses(tmp_path / "cli")
     diff = float(np.max(np.abs(got - one_device_losses) / one_device_losses))
     print("fsdp_tp_cp --attention ulysses (CLI) max rel loss diff:", f"{diff:.2e}")

@@ -196,7 +196,7 @@ def test_bad_token_files_exit_2_before_step_1(case, tmp_path, capsys, monkeypatc
     (["--devices", "100000"], "at most 512 simulated CPU devices"),
     (["--model", "llama3-8b", "--recipe", "dp"], "per device"),
     (["--recipe", "bad-rules.yaml"], "rules must be a mapping"),
-    (["--recipe", "bad-fraction.yaml"], "max_replicated_fraction must be a number"),
+    (["--recipe", "bad-fraction.yaml"], "max_replicated_fraction='high': use a number, e.g. 0.02"),
     (["--recipe", "bad-strategies.yaml"], "strategies must be a list of names"),
     (["--recipe", "bad-name.yaml"], "names logical axis 'emebd'"),
 ])

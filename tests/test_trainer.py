@@ -123,7 +123,7 @@ def test_train_bad_input_exits_2_without_traceback(args, message, tmp_path):
                                                      ("pp", {"micro_batches": 4}, 16), ("tp", {}, 1)])
 def test_batch_multiple_is_data_parallel_size_times_micro_batches(recipe, knobs, multiple):
     """`meshtrain train` without --batch-size rounds its default 16 up to this (pp_fsdp m=8 on 8 devices: 32)."""
-    trainer = Trainer(TrainConfig(model="tiny", recipe=recipe, **knobs))
+    trainer = Trainer(TrainConfig(model="tiny", recipe=recipe, recipe_options=knobs))
     assert trainer.batch_multiple() == multiple
 
 
