@@ -139,23 +139,6 @@ class TrainConfig:
         except RecipeError as exc:
             raise ConfigError(str(exc)) from None
 
-    # Read-only views under the old field names (the trainer passes them to Recipe.with_options).
-    compute_dtype = property(lambda self: dict(self.recipe_options).get("compute_dtype"))
-    param_dtype = property(lambda self: dict(self.recipe_options).get("param_dtype"))
-    remat = property(lambda self: dict(self.recipe_options).get("remat"))
-    micro_batches = property(lambda self: _first(self, "micro_batches", "grad_accum", "pipeline_micro_batches"))
-    schedule = property(lambda self: dict(self.recipe_options).get("schedule"))
-    repeats = property(lambda self: dict(self.recipe_options).get("repeats"))
-    attention = property(lambda self: _first(self, "attention", "context_kind", "local_attention"))
-    offload = property(lambda self: dict(self.recipe_options).get("offload"))
-    layer_loop = property(lambda self: dict(self.recipe_options).get("layer_loop"))
-
-
-def _first(cfg: TrainConfig, *names: str):
-    """The first of ``names`` set in ``cfg.recipe_options`` (the names with_options reads alike)."""
-    options = dict(cfg.recipe_options)
-    return next((options[n] for n in names if options.get(n) is not None), None)
-
 
 def check_recipe_overrides(recipe: Recipe, *, attention: Optional[str] = None, schedule: Optional[str] = None,
                            repeats: Optional[int] = None) -> None:
