@@ -22,12 +22,14 @@ from meshtrain.errors import RecipeError
 
 
 def setting(default: Any, help: str, *, flag: Optional[str] = None, minimum: Optional[int] = None,
-            choices: Optional[Tuple[str, ...]] = None, cli: bool = True) -> Any:
+            choices: Optional[Tuple[str, ...]] = None, cli: bool = True, bare: Any = None) -> Any:
     """A dataclass field that is a user-facing setting: ``help`` is its ``--help`` text, ``flag`` its CLI
     name when the field name alone is ambiguous (default: the field name), ``minimum`` the least value of
-    an ``int``, ``choices`` the values of a plain ``str``, ``cli=False`` keeps it out of the command line (YAML / Python only)."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "minimum": minimum, "choices": choices,
-                                                               "cli": cli})
+    an ``int``, ``choices`` the values of a plain ``str``, ``cli=False`` keeps it out of the command line
+    (YAML / Python only, or a flag written by hand for a reason given there), ``bare`` the value of the
+    flag given without one (``--resume`` alone means ``--resume latest``)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "minimum": minimum,
+                                                        "choices": choices, "cli": cli, "bare": bare})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +44,21 @@ class Setting:
     minimum: Optional[int]
     allowed: Optional[Tuple[str, ...]]
     cli: bool
+    bare: Any = None
+
+    @property
+    def base_type(self) -> Any:
+        """The type without ``Optional[...]``."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        return args[0] if typing.get_origin(self.type) is typing.Union and len(args) == 1 else self.type
+
+    @property
+    def optional(self) -> bool:
+        return self.base_type is not self.type
 
     @property
     def choices(self) -> Optional[Tuple[str, ...]]:
-        return tuple(e.value for e in self.type) if _is_enum(self.type) else self.allowed
+        return tuple(e.value for e in self.base_type) if _is_enum(self.base_type) else self.allowed
 
     def plain(self, value: Any) -> Any:
         """``value`` as YAML / JSON writes it (an enum's value)."""
@@ -54,7 +67,9 @@ class Setting:
     def coerce(self, value: Any, where: str) -> Any:
         """``value`` checked against the field's type (an enum member for an enum field); anything else
         raises :class:`RecipeError` naming ``where`` (the key path) and what it accepts."""
-        kind = self.type
+        kind = self.base_type
+        if value is None and self.optional:
+            return None
         if _is_enum(kind):
             try:
                 return kind(value)
@@ -93,7 +108,7 @@ def settings_of(cls: type) -> Tuple[Setting, ...]:
         if "help" not in f.metadata:
             continue
         out.append(Setting(f.name, hints[f.name], f.default, f.metadata["help"], f.metadata["flag"] or f.name,
-                           f.metadata["minimum"], f.metadata["choices"], f.metadata["cli"]))
+                           f.metadata["minimum"], f.metadata["choices"], f.metadata["cli"], f.metadata.get("bare")))
     return tuple(out)
 
 
@@ -113,6 +128,11 @@ def non_defaults(obj: Any) -> Dict[str, Any]:
     return {s.name: s.plain(getattr(obj, s.name)) for s in settings_of(type(obj)) if getattr(obj, s.name) != s.default}
 
 
+def plain_settings(obj: Any, skip: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """``{name: plain value}`` of every setting of ``obj`` (JSON-ready), but those in ``skip``."""
+    return {s.name: s.plain(getattr(obj, s.name)) for s in settings_of(type(obj)) if s.name not in skip}
+
+
 def from_mapping(cls: type, data: Any, where: str, **fixed: Any) -> Any:
     """``cls(**data)`` with every key checked: an unknown key or a wrong type raises :class:`RecipeError`
     naming the key path ``where.key`` and the allowed keys / values."""
@@ -127,24 +147,41 @@ def from_mapping(cls: type, data: Any, where: str, **fixed: Any) -> Any:
     return cls(**{k: known[k].coerce(v, f"{where}.{k}") for k, v in data.items()}, **fixed)
 
 
-def add_flags(parser, settings, *, owner: str) -> None:
+def add_flags(parser, settings, *, owner: Optional[str] = None) -> None:
     """One ``--flag`` per CLI setting, ``choices`` from its enum, the default in the help text; every
-    flag defaults to ``None`` (= keep the recipe's value). ``owner`` says whose default it is."""
+    flag defaults to ``None`` (= keep the default: take only the flags given, :func:`given_flags`).
+    ``owner`` says whose default it is (e.g. "the recipe's"); ``None``: the setting's own default."""
     for s in settings:
         if not s.cli:
             continue
-        shown = ("on" if s.default else "off") if s.type is bool else s.plain(s.default)
+        kind = s.base_type
+        shown = ("on" if s.default else "off") if kind is bool else s.plain(s.default)
+        default_text = f"default: {shown}" if owner is None else f"default: {owner}; built-in default {shown}"
+        if s.default is None and owner is None:
+            default_text = ""  # the help text says what leaving it out does
         kwargs: Dict[str, Any] = {"default": None, "dest": s.flag,
-                                  "help": f"{s.help} (default: {owner}; built-in default {shown})"}
+                                  "help": f"{s.help} ({default_text})" if default_text else s.help}
         if s.choices:
             kwargs.update(choices=s.choices, type=type(s.choices[0]))
-        elif s.type is bool:
+        elif kind is bool:
             kwargs.update(choices=("on", "off"))
-        elif s.type in (int, float):
-            kwargs["type"] = s.type
+        elif kind in (int, float):
+            kwargs["type"] = kind
+        if s.bare is not None:
+            kwargs.update(nargs="?", const=s.plain(s.bare))
         parser.add_argument("--" + s.flag.replace("_", "-"), **kwargs)
+
+
+def given_flags(args, settings) -> Dict[str, Any]:
+    """``{field name: value}`` of the CLI settings whose flags were given (not ``None``)."""
+    out: Dict[str, Any] = {}
+    for s in settings:
+        value = getattr(args, s.flag, None) if s.cli else None
+        if value is not None:
+            out[s.name] = flag_value(s, value)
+    return out
 
 
 def flag_value(s: Setting, value: Any) -> Any:
     """A parsed flag's value in the setting's type (``on``/``off`` for a bool)."""
-    return {"on": True, "off": False}[value] if s.type is bool else value
+    return {"on": True, "off": False}[value] if s.base_type is bool else value

@@ -13,6 +13,7 @@ from meshtrain.abstract import tree_paths
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, get_recipe
+from meshtrain.settings import setting, settings_of
 from meshtrain.train.step import NonFinite
 
 
@@ -47,74 +48,84 @@ class Progress(str, enum.Enum):
 class TrainConfig:
     """A training run. Every field has a default: ``TrainConfig()`` is the CLI's main job.
 
-    Model and layout: ``model`` (a config name; ignored when the Trainer gets a factory), ``recipe``
-    (name or YAML file), ``mesh`` (overrides, ``"fsdp=4,tensor=2"``), ``dcn`` (the part of those sizes
-    that spans processes/slices, ``"data=2"``; ``None``: the outermost axes when there are several),
-    ``devices``, ``recipe_options`` (the recipe's knobs and dimension options to override, by
-    :meth:`~meshtrain.Recipe.with_options` name; :meth:`build_recipe` applies them).
-    Data: ``data`` (``None`` = the embedded corpus), ``batch_size`` (global), ``seq_len``, ``seed``,
-    ``val_fraction``. Optimizer: AdamW with linear warmup and cosine decay to ``lr * min_lr_ratio``,
-    global-norm clipping at ``clip_norm`` (``0`` disables). Loop: ``steps``, ``eval_every`` and
-    ``eval_batches`` (``0`` disables), ``log_every``, ``nonfinite`` policy and ``max_skips`` in a row.
-    Output: ``out`` (the run folder), ``ckpt_every`` (``0`` disables), ``keep_last``, ``keep_every``,
-    ``resume``, ``progress``, ``peak_flops_per_device`` or ``hardware`` (a profile name such as
-``h100``, or ``cpu`` to measure this host) for MFU; ``None`` = from the device kind.
+    Each field is a :func:`~meshtrain.settings.setting`: its help text below is also ``meshtrain train
+    --help``'s, and the flag is generated from it (``batch_size`` → ``--batch-size``, enums give the
+    choices). ``model`` is ignored when the Trainer gets a factory; ``recipe_options`` overrides the
+    recipe's knobs and dimension options by :meth:`~meshtrain.Recipe.with_options` name (on the command
+    line: the recipe's own flags); :meth:`build_recipe` applies them. Example::
+
+        TrainConfig(model="tiny", recipe="fsdp_tp", steps=20, recipe_options={"remat": "full"})
     """
 
-    model: str = "small"
-    recipe: str = "fsdp"
+    # Every field is a setting (meshtrain.settings): its help text here is `meshtrain train --help`'s.
+    # Model and layout
+    model: str = setting("small", "model config: tiny, small, llama3-8b, ... (`meshtrain plan --help` lists them)")
+    recipe: str = setting("fsdp", "recipe name (`meshtrain recipes`) or .yaml file")
     #: overrides of the recipe's knobs and dimension options, ``(name, value)`` pairs in
     #: :meth:`meshtrain.Recipe.with_options`' names, e.g. ``(("remat", "full"), ("load_balance", "none"))``
-    recipe_options: Tuple[Tuple[str, Any], ...] = ()
-    mesh: Optional[str] = None
-    dcn: Optional[str] = None
-    devices: Optional[int] = None
-    data: Optional[str] = None
-    batch_size: int = 16
-    seq_len: int = 128
-    seed: int = 0
-    val_fraction: float = 0.01
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    clip_norm: float = 1.0
-    steps: int = 250
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 10
-    nonfinite: NonFinite = NonFinite.RAISE
-    max_skips: int = 5
-    out: Optional[str] = None
-    ckpt_every: int = 0
-    keep_last: int = 3
-    keep_every: Optional[int] = None
-    resume: Resume = Resume.NO
-    progress: Progress = Progress.AUTO
-    peak_flops_per_device: Optional[float] = None
-    hardware: Optional[str] = None
-    memory_check: MemoryCheckMode = MemoryCheckMode.ON
+    recipe_options: Tuple[Tuple[str, Any], ...] = setting((), "the recipe's knobs and dimension options to "
+                                                          "override", cli=False)  # CLI: the recipe's own flags
+    mesh: Optional[str] = setting(None, "mesh size overrides, e.g. fsdp=4,tensor=2 (default: the recipe's)")
+    dcn: Optional[str] = setting(None, "how much of each mesh axis spans processes/slices (DCN), e.g. data=2; "
+                                 "the total sizes stay as --mesh says (default: the outermost axes, when devices "
+                                 "span several processes)")
+    devices: Optional[int] = setting(None, "number of devices", cli=False)  # CLI: cli.add_device_args, shared
+    # Data
+    data: Optional[str] = setting(None, "text file/folder or .npy/.bin token file (default: the embedded corpus, "
+                                  "this Python's standard library)")
+    batch_size: int = setting(16, "global batch, in sequences; when not given, rounded up to a multiple of the "
+                              "recipe's data-parallel size × micro-batches where it needs one", minimum=1)
+    seq_len: int = setting(128, "tokens per sequence (language models only, not vit-*)", minimum=1)
+    seed: int = setting(0, "seeds initialisation, data order and dropout", minimum=0)
+    val_fraction: float = setting(0.01, "share of the data held out for evaluation (0 < f < 1)")
+    # Optimizer: AdamW, linear warmup then cosine decay to lr * min_lr_ratio
+    lr: float = setting(3e-3, "peak learning rate (AdamW, warmup then cosine)")
+    min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of --lr")
+    warmup_steps: int = setting(20, "linear warmup steps", minimum=0)
+    weight_decay: float = setting(0.1, "AdamW weight decay (matrices only: not norms, not biases)")
+    b1: float = setting(0.9, "AdamW beta1")
+    b2: float = setting(0.95, "AdamW beta2")
+    clip_norm: float = setting(1.0, "global-norm gradient clipping; 0 disables")
+    # Loop
+    steps: int = setting(250, "train until this step (with --resume: in total)", minimum=1)
+    eval_every: int = setting(50, "evaluate every N steps; 0 disables", minimum=0)
+    eval_batches: int = setting(4, "batches per evaluation", minimum=0)
+    log_every: int = setting(10, "print a progress line every N steps", minimum=0)
+    nonfinite: NonFinite = setting(NonFinite.RAISE, "a non-finite loss or gradient stops the run (raise) or "
+                                   "skips that update (skip)")
+    max_skips: int = setting(5, "with --nonfinite skip: stop after this many skipped updates in a row", minimum=0)
+    # Output
+    out: Optional[str] = setting(None, "run folder (default: runs/<model>-<recipe>-<time>)")
+    ckpt_every: int = setting(0, "save a checkpoint every N steps; 0: off", minimum=0)
+    keep_last: int = setting(3, "keep the newest N checkpoints", minimum=0)
+    keep_every: Optional[int] = setting(None, "also keep every K-th step", minimum=1)
+    resume: Resume = setting(Resume.NO, "latest (or --resume alone): continue from the newest valid checkpoint "
+                             "in --out (a new run if --out holds none; refused if it holds checkpoints of which "
+                             "none is valid)", bare=Resume.LATEST)
+    progress: Progress = setting(Progress.AUTO, "live bar on a terminal (auto), bar, plain lines, or nothing")
+    peak_flops_per_device: Optional[float] = setting(None, "peak FLOP/s per device for MFU (default: known "
+                                                     "accelerators; omitted on CPU)", cli=False)  # CLI: --peak-tflops
+    hardware: Optional[str] = setting(None, "hardware profile for MFU's peak: h100, tpu-v5p, ..., or cpu "
+                                      "(measured on this host) (default: from the device kind)")
+    memory_check: MemoryCheckMode = setting(MemoryCheckMode.ON, "refuse to start when the plan's per-device "
+                                            "memory exceeds the device's")
 
     def __post_init__(self):
-        enums = {"nonfinite": NonFinite, "resume": Resume, "progress": Progress, "memory_check": MemoryCheckMode}
-        for name, enum_type in enums.items():
-            try:
-                object.__setattr__(self, name, enum_type(getattr(self, name)))
-            except ValueError:
-                raise ConfigError(f"{name}={getattr(self, name)!r}; use one of "
-                                  f"{[e.value for e in enum_type]}") from None
-        positive = {"batch_size": self.batch_size, "seq_len": self.seq_len, "steps": self.steps}
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a positive integer")
-        for name in ("eval_every", "eval_batches", "log_every", "ckpt_every", "warmup_steps", "max_skips"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+        for s in settings_of(TrainConfig):  # enums from their values; a wrong one names the allowed values
+            if s.choices:
+                try:
+                    object.__setattr__(self, s.name, s.coerce(getattr(self, s.name), s.name))
+                except RecipeError as exc:
+                    raise ConfigError(str(exc)) from None
+        for s in settings_of(TrainConfig):  # integer bounds, from the settings' minimum
+            value = getattr(self, s.name)
+            if s.minimum is not None and value is not None and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < s.minimum):
+                bound = "a positive integer" if s.minimum == 1 else f"an integer >= {s.minimum}"
+                raise ConfigError(f"--{s.flag.replace('_', '-')} {value!r}: must be {bound}")
         if not math.isfinite(self.lr) or self.lr <= 0:
             raise ConfigError(f"--lr {self.lr}: must be a positive finite number, e.g. --lr 3e-4")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+        if self.seed >= 2 ** 63:
             raise ConfigError(f"--seed {self.seed}: must be an integer >= 0")
         for name in ("min_lr_ratio", "weight_decay", "clip_norm", "val_fraction"):
             value = getattr(self, name)

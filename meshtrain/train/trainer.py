@@ -30,6 +30,7 @@ from meshtrain.models import DecoderConfig
 from meshtrain.models.flops import model_flops_per_token
 from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
 from meshtrain.state import init_state
+from meshtrain.settings import plain_settings
 from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default_optimizer
 from meshtrain.train.hooks import (CheckpointHook, EvalHook, Hook, MetricsHook, PreemptionHook, ProgressHook,
                                    ThroughputHook)
@@ -190,7 +191,8 @@ class Trainer:
             first, self._first_batch = self._first_batch, None
             data = self.task.feed(self._request("train", plan), plan, first=first)
             state, start, restart = self._initial_state(plan, ckpt, data)
-            writer = open_outputs(self.run_dir, plan, restart, self.is_main)
+            writer = open_outputs(self.run_dir, plan, restart, self.is_main,
+                                  plain_settings(cfg, skip=("recipe_options",)))
         except BaseException:
             if ckpt is not None:
                 ckpt.close()
