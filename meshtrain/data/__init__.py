@@ -13,7 +13,9 @@ Example::
 
 from meshtrain.data.loader import BatchIterator
 from meshtrain.data.packing import pack_window, num_sequences
+from meshtrain.data.prepare import prepare_tokens
 from meshtrain.data.sources import TokenSource, check_token_ids, default_corpus, load_source, text_source, token_file_source
+from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
-__all__ = ["BatchIterator", "TokenSource", "check_token_ids", "default_corpus", "load_source", "num_sequences", "pack_window",
+__all__ = ["BatchIterator", "ByteTokenizer", "load_tokenizer", "prepare_tokens", "train_bpe", "TokenSource", "check_token_ids", "default_corpus", "load_source", "num_sequences", "pack_window",
            "text_source", "token_file_source"]

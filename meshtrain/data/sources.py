@@ -5,6 +5,8 @@
 * :func:`text_source`: byte-level tokens of any text files or folders.
 * :func:`token_file_source`: pre-tokenized ids in a ``.npy`` (uint16/uint32) or raw ``.bin`` file,
   memory-mapped, for users with their own tokenizer; documents split at ``eos_id`` if given.
+* :func:`prepared_source`: a folder written by ``meshtrain data prepare`` (:mod:`meshtrain.data.prepare`):
+  memory-mapped ids, document starts, the tokenizer that made them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import json
 import os
 import sysconfig
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -112,18 +115,23 @@ def text_source(paths: "str | Sequence[str]", *, pattern: str = "*", name: Optio
     return _from_docs(name or ",".join(paths), docs, "text:" + digest.hexdigest()[:16])
 
 
-def default_corpus(max_bytes: int = 16 << 20) -> TokenSource:
-    """The embedded default corpus: this Python's standard library ``.py`` sources (~11 MB on 3.11),
-    sorted by path, without tests and vendored packages, capped at ``max_bytes``."""
+def default_corpus_files(max_bytes: int = 16 << 20) -> List[str]:
+    """The files of the embedded default corpus: this Python's standard library ``.py`` sources,
+    sorted by path, without tests and vendored packages, up to ``max_bytes`` in all."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    files = _files_under([stdlib], "*.py")
     picked, total = [], 0
-    for f in files:
+    for f in _files_under([stdlib], "*.py"):
         size = os.path.getsize(f)
         if total + size > max_bytes:
             break
         picked.append(f)
         total += size
+    return picked
+
+
+def default_corpus(max_bytes: int = 16 << 20) -> TokenSource:
+    """The embedded default corpus (:func:`default_corpus_files`, ~11 MB on 3.11), byte-level."""
+    picked = default_corpus_files(max_bytes)
     source = text_source(picked, name=f"python-stdlib ({len(picked)} files)")
     return dataclasses.replace(source, fingerprint="stdlib:" + source.fingerprint)
 
@@ -184,10 +192,53 @@ def check_token_ids(source: TokenSource, vocab_size: int, chunk: int = 1 << 26) 
                           f"the tokenizer")
 
 
+#: The description file of a prepared token folder, and its format tag.
+PREPARED_META = "tokens.json"
+PREPARED_FORMAT = "meshtrain-tokens/1"
+
+
+def is_prepared(path: Optional[str]) -> bool:
+    """Whether ``path`` is a folder written by ``meshtrain data prepare``."""
+    return path is not None and os.path.isfile(os.path.join(path, PREPARED_META))
+
+
+def prepared_meta(path: str) -> dict:
+    """The description (``tokens.json``) of prepared token folder ``path``."""
+    meta_path = os.path.join(path, PREPARED_META)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {meta_path!r} ({exc}); prepare the folder again with `meshtrain data "
+                          f"prepare`") from None
+    if not isinstance(meta, dict) or meta.get("format") != PREPARED_FORMAT:
+        raise ConfigError(f"{meta_path!r} is not a {PREPARED_FORMAT} description; prepare the folder again with "
+                          f"`meshtrain data prepare`")
+    return meta
+
+
+def prepared_source(path: str) -> TokenSource:
+    """The token stream of a prepared folder: ``tokens.bin`` memory-mapped (nothing is read until a
+    batch needs it), ``doc_starts.npy``, the vocabulary of the tokenizer that wrote them."""
+    meta = prepared_meta(path)
+    dtype, count = np.dtype(meta["dtype"]), int(meta["num_tokens"])
+    tokens_path = os.path.join(path, "tokens.bin")
+    if not os.path.isfile(tokens_path) or os.path.getsize(tokens_path) != count * dtype.itemsize:
+        raise ConfigError(f"{tokens_path!r} is missing or not {count} {dtype} tokens as {PREPARED_META} says; "
+                          f"prepare the folder again with `meshtrain data prepare`")
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(count,))
+    starts = np.load(os.path.join(path, "doc_starts.npy"))
+    return TokenSource(os.path.basename(os.path.normpath(path)), tokens, starts.astype(np.int64),
+                       int(meta["vocab_size"]), f"prepared:{meta['tokenizer']}:{count}:{int(starts.shape[0])}")
+
+
 def load_source(path: Optional[str] = None, **kwargs) -> TokenSource:
-    """``None`` → the default corpus; ``.npy`` / ``.bin`` → token file; anything else → text."""
+    """``None`` → the default corpus; a prepared folder (``meshtrain data prepare``) → its tokens;
+    ``.npy`` / ``.bin`` → token file; anything else → byte-level text."""
     if path is None:
         return default_corpus()
+    if is_prepared(path):
+        return prepared_source(path)
     if path.endswith((".npy", ".bin")):
         return token_file_source(path, **kwargs)
     return text_source(path)

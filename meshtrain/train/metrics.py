@@ -151,10 +151,10 @@ class Stopwatch:
 
 
 def open_outputs(run_dir: str, plan, restart: Optional[Dict[str, Any]], is_main: bool,
-                 run_settings: Optional[Dict[str, Any]] = None) -> MetricsWriter:
+                 header: Optional[Dict[str, Any]] = None) -> MetricsWriter:
     """plan.json and metrics.jsonl (truncated to the restored step on resume, then the ``restart``
-    record) on process 0; the writer (disabled on other processes). ``run_settings``: the run's
-    own settings (:class:`~meshtrain.TrainConfig`'s, as plain values) for the run header."""
+    record) on process 0; the writer (disabled on other processes). ``header``: more fields of the run
+    header (the Trainer's: ``run_settings``, ``model_config``), JSON values."""
     if is_main:
         dropped = truncate_metrics(run_dir, restart["restored_step"] if restart is not None else 0)
         if restart is not None:
@@ -169,10 +169,9 @@ def open_outputs(run_dir: str, plan, restart: Optional[Dict[str, Any]], is_main:
             writer.close()
             raise file_error(path, exc, "before the first step") from None
     # The run header: every recipe setting this segment trains with (knobs and each dimension's options)
-    # and the run's own settings.
+    # and the run's own (``header``).
     writer.write({"event": "start", "recipe": plan.recipe.name, "recipe_settings": plan.recipe.to_dict(),
-                  "mesh": {axis: int(size) for axis, size in plan.mesh_sizes.items()},
-                  **({"run_settings": run_settings} if run_settings is not None else {})})
+                  "mesh": {axis: int(size) for axis, size in plan.mesh_sizes.items()}, **(header or {})})
     if restart is not None:
         writer.write({"event": "restart", **restart})
     return writer

@@ -26,6 +26,7 @@ from flax import linen, nnx
 from meshtrain.annotate import step_context
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.data import BatchIterator, check_token_ids, load_source
+from meshtrain.data.sources import is_prepared, prepared_meta
 from meshtrain.data.feed import DeviceFeed
 from meshtrain.data.images import DigitsBatches
 from meshtrain.data.mlm import MLMBatches
@@ -190,6 +191,12 @@ def _check_seq_len(cfg, limit: int, model: str, field: str = "max_seq_len") -> N
 
 def _language_model(cfg, model_cfg: DecoderConfig) -> Task:
     _check_seq_len(cfg, model_cfg.max_seq_len, cfg.model)
+    if is_prepared(cfg.data):
+        # Ids from a tokenizer (meshtrain data prepare): the built-in config's vocabulary grows to cover it
+        # (`small` is byte-level, 256); the run header's model_config records the size trained.
+        vocab = int(prepared_meta(cfg.data)["vocab_size"])
+        if vocab > model_cfg.vocab_size:
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=vocab)
     return language_model_task(cfg, model_factory(model_cfg), next_token_loss, model_cfg.vocab_size,
                                name=cfg.model, model_cfg=model_cfg)
 

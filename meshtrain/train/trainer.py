@@ -37,7 +37,7 @@ from meshtrain.train.hooks import (CheckpointHook, EvalHook, Hook, MetricsHook, 
 from meshtrain.train.loop import Interrupted, Run, TrainingError, TrainSummary, close_loop, run_loop, summary
 from meshtrain.train.metrics import Stopwatch, open_outputs
 from meshtrain.train.preflight import Estimate, check_memory
-from meshtrain.train.rundir import RunLock, restart_changes, resume_step, work_after
+from meshtrain.train.rundir import RunLock, copy_tokenizer, restart_changes, resume_step, work_after
 from meshtrain.train.step import LossFn, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
                                    local_rows)
@@ -191,8 +191,7 @@ class Trainer:
             first, self._first_batch = self._first_batch, None
             data = self.task.feed(self._request("train", plan), plan, first=first)
             state, start, restart = self._initial_state(plan, ckpt, data)
-            writer = open_outputs(self.run_dir, plan, restart, self.is_main,
-                                  plain_settings(cfg, skip=("recipe_options",)))
+            writer = open_outputs(self.run_dir, plan, restart, self.is_main, self._header())
         except BaseException:
             if ckpt is not None:
                 ckpt.close()
@@ -245,6 +244,14 @@ class Trainer:
         self._notice(f"run {self.run_dir} is already at step {step} (= --steps): nothing to train; pass a larger "
                      f"--steps to continue")
         return TrainSummary(self.run_dir, 0, None, None, None, None, None, 0.0, {}, False, step, True)
+
+    def _header(self) -> dict:
+        """The run header's own fields: every run setting, the built-in model's config (what
+        `meshtrain generate` rebuilds the model from); the data's tokenizer is copied beside it."""
+        if self.is_main:
+            copy_tokenizer(self.cfg.data, self.run_dir)
+        model = dataclasses.asdict(self.task.model_cfg) if dataclasses.is_dataclass(self.task.model_cfg) else None
+        return {"run_settings": plain_settings(self.cfg, skip=("recipe_options",)), "model_config": model}
 
     def _notice(self, text: str) -> None:
         if self.is_main:
