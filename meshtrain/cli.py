@@ -18,7 +18,9 @@ from meshtrain.distributed import add_distributed_args
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
 
-COMMANDS = ("recipes", "plan", "train", "ckpt", "launch", "data")
+COMMANDS = ("recipes", "plan", "train", "ckpt", "launch", "data", "import", "export")
+#: Sub-commands whose module name differs from the command (``import`` is a keyword).
+_MODULES = {"import": "hf_import", "export": "hf_export"}
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in COMMANDS:
-        module = importlib.import_module(f"meshtrain.commands.{name}")
+        module = importlib.import_module(f"meshtrain.commands.{_MODULES.get(name, name)}")
         module.add_parser(sub)
     return parser
 

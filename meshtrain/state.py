@@ -52,23 +52,27 @@ def abstract_train_state(plan: ShardingPlan) -> TrainState:
         jax.tree.map(as_sds, a.model_state, sh.model_state))
 
 
-def init_state(plan: ShardingPlan, seed: int = 0) -> TrainState:
+def init_state(plan: ShardingPlan, seed: int = 0, params: Any = None) -> TrainState:
     """Build params, optimizer state and model state (RNG streams, batch statistics) directly in
     their shards (``jit`` with ``out_shardings``).
 
     Values do not depend on the mesh (JAX's partitionable threefry), so a 1-device and an
     8-device run of the same seed start from identical weights and identical RNG keys.
+    ``params`` (a tree like the plan's, e.g. imported weights): start from these instead of the
+    factory's; the optimizer state is initialised from them (fine-tuning starts it fresh).
     """
     a = plan.abstract
     if a.tx is None:
         raise ValueError("init_state needs an optimizer: build the abstract state with abstract_state(factory, tx)")
 
-    def _init():
+    def _init(given):
         _, built, model_state = split_model(_build(a.factory, seed))
+        if given is not None:
+            built = jax.tree.map(lambda x: x.astype(jnp.float32), given)
         params = jax.tree.map(lambda x, target: x.astype(target.dtype), built, a.params)
         # f32 master weights start from the factory's own (f32) values, not the 16-bit rounding.
         opt_state = a.tx.init(built if has_master_weights(a.opt_state) else params)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, model_state)
 
     with jax.set_mesh(plan.mesh):
-        return jax.jit(_init, out_shardings=state_shardings(plan))()
+        return jax.jit(_init, out_shardings=state_shardings(plan))(params)

@@ -30,7 +30,7 @@ import jax
 
 from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock, warn
-from meshtrain.checkpoint.restoring import read_step
+from meshtrain.checkpoint.restoring import read_params, read_step
 from meshtrain.checkpoint.retention import RetentionPolicy
 from meshtrain.checkpoint.saving import Saver, fmt_bytes  # noqa: F401 - fmt_bytes: `meshtrain ckpt` reads it here
 from meshtrain.checkpoint.types import (CheckpointError, Compression, NoValidCheckpoint, Restored, SaveResult,
@@ -260,6 +260,17 @@ class Checkpointer:
         return read_step(self._manager, self.directory, step, plan, allow_cast=allow_cast)
 
     # -- lifecycle ----------------------------------------------------------------------------------
+
+    def restore_params(self, plan, step: Optional[int] = None):
+        """``(step, params)``: only the parameters of ``step`` (default: the latest valid one), on
+        ``plan``'s shardings and dtypes, whatever optimizer saved them (fine-tuning from a run)."""
+        self._ensure_open()
+        self.wait()
+        step = self.latest_valid_step() if step is None else int(step)
+        if step is None or not self.check(step).status.usable:
+            raise CheckpointError(f"no valid checkpoint {'step ' + str(step) + ' ' if step is not None else ''}in "
+                                  f"{self.directory} (steps: {self.all_steps()}); pass another run or step")
+        return step, read_params(self._manager, self.directory, step, plan)
 
     @property
     def pending_step(self) -> Optional[int]:

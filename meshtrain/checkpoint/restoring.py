@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from meshtrain.checkpoint.inspection import read_meta
-from meshtrain.checkpoint.layout import from_nested, key_name, mismatch_error, mismatches, to_nested
+from meshtrain.checkpoint.layout import flat_paths, from_nested, key_name, mismatch_error, mismatches, to_nested
 from meshtrain.checkpoint.types import CheckpointError, Restored
 from meshtrain.precision import MasterWeightsState, has_master_weights
 from meshtrain.state import TrainState, abstract_train_state
@@ -82,3 +82,35 @@ def onto_target(state, target):
             return x
         return jax.device_put(x, t.sharding)
     return jax.tree.map(fix, state, target)
+
+
+def read_params(manager: ocp.CheckpointManager, directory: Path, step: int, plan):
+    """Only the parameters of ``step``, onto ``plan``'s parameter shardings and dtypes (fine-tuning
+    from another run: its optimizer state is not read, so any optimizer or recipe may have saved
+    it). A checkpoint with f32 master weights gives those (the exact values, not the 16-bit copy)."""
+    meta = read_meta(directory / str(step))
+    saved = meta["tree"]
+    source = "opt_state/master" if any(p.startswith("opt_state/master/") for p in saved) else "params"
+    final = abstract_train_state(plan).params
+    wanted = dict(flat_paths(final))
+    problems = [f"{path}: saved {saved.get(source + '/' + path, {}).get('shape')}, planned {list(sds.shape)}"
+                for path, sds in wanted.items()
+                if list(saved.get(source + "/" + path, {}).get("shape", [None])) != list(sds.shape)]
+    if problems:
+        raise CheckpointError(f"step {step} in {directory} does not hold this model's parameters: "
+                              f"{'; '.join(problems[:8])}{' ...' if len(problems) > 8 else ''}")
+    nested = to_nested(final)
+    for part in reversed(source.split("/")):
+        nested = {part: nested}
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=nested, restore_args=ocp.checkpoint_utils.construct_restore_args(nested), partial_restore=True))
+    try:
+        out = manager.restore(step, args=args)["state"]
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"reading the parameters of step {step} from {directory} failed: "
+                              f"{type(exc).__name__}: {str(exc).strip()[:500]}") from exc
+    for part in source.split("/"):
+        out = out[part]
+    params = from_nested(out, final)
+    return jax.tree.map(lambda x, t: jax.device_put(x.astype(t.dtype), t.sharding), params, final)
+

@@ -8,8 +8,9 @@ from meshtrain.cli import add_device_args
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
 from meshtrain.errors import ConfigError
 from meshtrain.settings import add_flags, given_flags, settings_of
-from meshtrain.models import DecoderConfig, ViTConfig, get_config
+from meshtrain.models import DecoderConfig, ViTConfig
 from meshtrain.train.config import TrainConfig
+from meshtrain.train.sources import model_config_for
 from meshtrain.train.trainer import Trainer
 
 
@@ -45,7 +46,7 @@ def decoder_memory_estimate(model_name: str):
     """The planner's full per-device estimate (activations included) for a built-in decoder, as the
     Trainer's pre-flight ``memory_estimate``; ``None`` for other models."""
     try:
-        cfg = get_config(model_name)
+        cfg = model_config_for(model_name)
     except Exception:  # noqa: BLE001 - an unknown model is reported by the Trainer
         return None
     if not isinstance(cfg, DecoderConfig):
@@ -75,7 +76,7 @@ def check_flags(args) -> None:
 
     import jax
 
-    if args.seq_len is not None and isinstance(get_config(args.model), ViTConfig):
+    if args.seq_len is not None and isinstance(model_config_for(args.model), ViTConfig):
         raise ConfigError(f"--seq-len does not apply to {args.model} (an image model: its sequence is the image's "
                           f"patches); drop --seq-len")
     if args.dcn and jax.process_count() == 1:

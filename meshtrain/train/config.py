@@ -59,7 +59,8 @@ class TrainConfig:
 
     # Every field is a setting (meshtrain.settings): its help text here is `meshtrain train --help`'s.
     # Model and layout
-    model: str = setting("small", "model config: tiny, small, llama3-8b, ... (`meshtrain plan --help` lists them)")
+    model: str = setting("small", "model config: tiny, small, llama3-8b, ... (`meshtrain plan --help` lists them), "
+                         "a HuggingFace model folder, or a run folder (the model it trained)")
     recipe: str = setting("fsdp", "recipe name (`meshtrain recipes`) or .yaml file")
     #: overrides of the recipe's knobs and dimension options, ``(name, value)`` pairs in
     #: :meth:`meshtrain.Recipe.with_options`' names, e.g. ``(("remat", "full"), ("load_balance", "none"))``
@@ -70,6 +71,9 @@ class TrainConfig:
                                  "the total sizes stay as --mesh says (default: the outermost axes, when devices "
                                  "span several processes)")
     devices: Optional[int] = setting(None, "number of devices", cli=False)  # CLI: cli.add_device_args, shared
+    init_from: Optional[str] = setting(None, "a HuggingFace model folder (config.json + *.safetensors) or a run "
+                                       "folder: start from its weights (a run's latest checkpoint); the optimizer "
+                                       "starts fresh (default: the model's own initialisation from --seed)")
     # Data
     data: Optional[str] = setting(None, "text file/folder or .npy/.bin token file (default: the embedded corpus, "
                                   "this Python's standard library)")

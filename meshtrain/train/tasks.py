@@ -27,11 +27,12 @@ from meshtrain.annotate import step_context
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.data import BatchIterator, check_token_ids, load_source
 from meshtrain.data.sources import is_prepared, prepared_meta
+from meshtrain.train.sources import model_config_for
 from meshtrain.data.feed import DeviceFeed
 from meshtrain.data.images import DigitsBatches
 from meshtrain.data.mlm import MLMBatches
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.models import get_config, model_factory
+from meshtrain.models import model_factory
 from meshtrain.models.bert import BertConfig, mlm_loss
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.vit import ViTConfig, vit_loss
@@ -173,7 +174,7 @@ def _eval_variant(loss_fn):
 
 def builtin_task(cfg) -> Task:
     """The task for ``cfg.model`` (a :class:`~meshtrain.train.TrainConfig`)."""
-    model_cfg = get_config(cfg.model)
+    model_cfg = model_config_for(cfg.model)
     if isinstance(model_cfg, DecoderConfig):
         return _language_model(cfg, model_cfg)
     if isinstance(model_cfg, ViTConfig):

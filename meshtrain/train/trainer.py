@@ -38,6 +38,7 @@ from meshtrain.train.loop import Interrupted, Run, TrainingError, TrainSummary, 
 from meshtrain.train.metrics import Stopwatch, open_outputs
 from meshtrain.train.preflight import Estimate, check_memory
 from meshtrain.train.rundir import RunLock, copy_tokenizer, restart_changes, resume_step, work_after
+from meshtrain.train.sources import initial_params
 from meshtrain.train.step import LossFn, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
                                    local_rows)
@@ -248,8 +249,8 @@ class Trainer:
     def _header(self) -> dict:
         """The run header's own fields: every run setting, the built-in model's config (what
         `meshtrain generate` rebuilds the model from); the data's tokenizer is copied beside it."""
-        if self.is_main:
-            copy_tokenizer(self.cfg.data, self.run_dir)
+        if self.is_main:  # the first of data, weights' source and model folder that has a tokenizer
+            any(copy_tokenizer(p, self.run_dir) for p in (self.cfg.data, self.cfg.init_from, self.cfg.model))
         model = dataclasses.asdict(self.task.model_cfg) if dataclasses.is_dataclass(self.task.model_cfg) else None
         return {"run_settings": plain_settings(self.cfg, skip=("recipe_options",)), "model_config": model}
 
@@ -279,7 +280,8 @@ class Trainer:
         """(state, start step, restart record or None)."""
         cfg = self.cfg
         if ckpt is None or cfg.resume is not Resume.LATEST or ckpt.latest_valid_step() is None:
-            return init_state(plan, seed=cfg.seed), 0, None
+            params = initial_params(cfg.init_from, plan, self.task.model_cfg, self._notice) if cfg.init_from else None
+            return init_state(plan, seed=cfg.seed, params=params), 0, None
         restored = ckpt.restore(plan)
         if data.restore(restored.data_state) is False:
             self._notice("the data source cannot save its position (no state()/restore() or grain "

@@ -1,0 +1,166 @@
+"""HuggingFace checkpoints in and out: transformers' own Flax Llama and Mistral (tiny random configs
+saved in HF's PyTorch naming) against meshtrain's decoder after `meshtrain import`, under dp and
+fsdp_tp; import -> export bit-exact; export loadable by transformers; bad folders refused with
+nothing written; fine-tuning from an imported run."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from flax.traverse_util import flatten_dict
+from safetensors.numpy import load_file, save_file
+
+import meshtrain as mt
+from meshtrain.cli import main
+from meshtrain.errors import ConfigError
+from meshtrain.hf import load_params, model_config
+from meshtrain.train import TrainConfig, Trainer
+from meshtrain.train.config import default_optimizer
+from meshtrain.train.interop import export_hf, import_hf
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = np.array([[1, 5, 9, 33, 2, 70, 11, 4, 250, 17, 3, 99]])
+SHAPE = dict(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def pytorch_naming(flax_params, dtype=np.float32):
+    """transformers' Flax parameter tree as the tensors its PyTorch models save (Linear: (out, in))."""
+    out = {}
+    for key, value in flatten_dict(flax_params).items():
+        name, leaf, value = ".".join(key[:-1]), key[-1], np.asarray(value)
+        tensor = value.T if leaf == "kernel" else value
+        out[name + (".weight" if leaf in ("kernel", "embedding") else "." + leaf)] = \
+            np.ascontiguousarray(tensor).astype(dtype)
+    return out
+
+
+def hf_folder(path, kind="llama", dtype=np.float32, **changes):
+    """A tiny random HF model folder; returns (folder, transformers' logits of TOKENS in f32)."""
+    config_cls, model_cls = {"llama": ("LlamaConfig", "FlaxLlamaForCausalLM"),
+                             "mistral": ("MistralConfig", "FlaxMistralForCausalLM")}[kind]
+    config = getattr(transformers, config_cls)(**{**SHAPE, **changes})
+    model = getattr(transformers, model_cls)(config, seed=0)
+    tensors = pytorch_naming(model.params, dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.torch_dtype = "bfloat16" if dtype != np.float32 else "float32"
+    config.save_pretrained(path)
+    # the reference reads the stored values back (bf16 files: the rounded ones), as meshtrain will
+    reloaded = getattr(transformers, model_cls).from_pretrained(path, from_pt=True, dtype=jax.numpy.float32)
+    return str(path), np.asarray(reloaded(TOKENS).logits, np.float32)
+
+
+def meshtrain_logits(folder, recipe):
+    cfg = model_config(folder)
+    factory = mt.models.model_factory(cfg)
+    abstract = mt.abstract_state(factory, default_optimizer(TrainConfig(), {}))
+    plan = mt.make_plan(abstract, recipe, batch=mt.BatchSpec(8, TOKENS.shape[1]))
+    params = load_params(folder, plan, cfg)
+    model = nnx.merge(abstract.graphdef, params)
+    with jax.set_mesh(plan.mesh):
+        return np.asarray(model(jax.numpy.asarray(TOKENS)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_logits_match_transformers(tmp_path, kind):
+    folder, reference = hf_folder(tmp_path / kind, kind)
+    for recipe in ("dp", "fsdp_tp"):
+        ours = meshtrain_logits(folder, recipe)
+        assert np.abs(ours - reference).max() < 1e-4, (kind, recipe, np.abs(ours - reference).max())
+
+
+def test_import_export_is_bit_exact_and_transformers_loads_it(tmp_path):
+    folder, reference = hf_folder(tmp_path / "src", dtype=jax.numpy.bfloat16)
+    assert main(["import", folder, "--out", str(tmp_path / "run")]) == 0
+    header = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert header["source_dtype"] == "bfloat16" and header["model_config"]["vocab_size"] == 260
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
+    before, after = load_file(os.path.join(folder, "model.safetensors")), load_file(str(tmp_path / "back" /
+                                                                                      "model.safetensors"))
+    assert sorted(before) == sorted(after) and len(before) == 21
+    for name in before:
+        assert before[name].dtype == after[name].dtype and before[name].tobytes() == after[name].tobytes(), name
+    model = transformers.FlaxLlamaForCausalLM.from_pretrained(str(tmp_path / "back"), from_pt=True,
+                                                             dtype=jax.numpy.float32)
+    assert np.abs(np.asarray(model(TOKENS).logits) - reference).max() < 1e-4
+
+
+def test_mixtral_layout_round_trips(tmp_path):
+    """Every expert, router and attention tensor of a Mixtral-shaped checkpoint lands in meshtrain's
+    expert layout and comes back unchanged (written here with HF's names and shapes)."""
+    rng = np.random.default_rng(0)
+    config = {**SHAPE, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+              "num_experts_per_tok": 2, "sliding_window": None, "hidden_act": "silu", "torch_dtype": "float32"}
+    d, f, v, kv = 32, 64, 260, 16
+    tensors = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        tensors.update({p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+                        p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+                        p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                        p + "block_sparse_moe.gate.weight": (4, d)})
+        for e in range(4):
+            q = p + f"block_sparse_moe.experts.{e}."
+            tensors.update({q + "w1.weight": (f, d), q + "w3.weight": (f, d), q + "w2.weight": (d, f)})
+    arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in tensors.items()}
+    src = tmp_path / "mixtral"
+    src.mkdir()
+    save_file(arrays, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps(config))
+    import_hf(str(src), str(tmp_path / "run"), recipe="fsdp_ep")
+    export_hf(str(tmp_path / "run"), str(tmp_path / "back"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(arrays)
+    assert all(np.array_equal(back[k], arrays[k]) for k in arrays)
+
+
+def _index_with_missing_shard(folder):
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weights = load_file(str(folder / "model-00001-of-00002.safetensors"))
+    names = sorted(weights)
+    index = {"weight_map": {n: "model-00001-of-00002.safetensors" for n in names}}
+    index["weight_map"][names[-1]] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _wrong_shape(folder):
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.norm.weight"] = np.ones(31, np.float32)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _unsupported_field(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (_index_with_missing_shard, "model-00002-of-00002.safetensors' is missing"),
+    (_wrong_shape, "tensor 'model.norm.weight' has shape (31,); config.json implies (32,)"),
+    (_unsupported_field, "rope_scaling={'rope_type': 'llama3', 'factor': 8.0} is not supported"),
+])
+def test_bad_folders_are_refused_and_nothing_is_written(tmp_path, capsys, break_it, message):
+    folder, _ = hf_folder(tmp_path / "src")
+    break_it(tmp_path / "src")
+    assert main(["import", folder, "--out", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("run")]
+
+
+def test_fine_tune_from_an_imported_run(tmp_path):
+    folder, _ = hf_folder(tmp_path / "src")
+    import_hf(folder, str(tmp_path / "imported"))
+    config = TrainConfig(model=str(tmp_path / "imported"), init_from=str(tmp_path / "imported"), recipe="fsdp_tp",
+                         steps=2, batch_size=8, seq_len=16, eval_every=0, out=str(tmp_path / "ft"), progress="none")
+    summary = Trainer(config).run()
+    first = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[1])
+    assert summary.steps == 2 and abs(first["loss"] - np.log(260)) < 0.2  # random HF init: about ln(vocab)
+    with pytest.raises(ConfigError, match="neither a HuggingFace folder"):
+        Trainer(TrainConfig(model="tiny", init_from=str(tmp_path), steps=1, out=str(tmp_path / "x"),
+                            progress="none")).run()
