@@ -68,3 +68,10 @@ def test_bad_input_probe_runs_and_judges_its_cases(tmp_path):
     results = json.load(open(tmp_path / "probe.json"))
     assert len(results) == 4 and all(r["ok"] and r["code"] == 2 and not r["traceback"] for r in results), results
     assert "4 passed, 0 failed; 0 tracebacks" in out.stdout
+
+
+def test_import_benchmark_reports_both_loaders():
+    out = tool("bench_import.py", "--layers", "1", "--d-model", "128", "--vocab", "512")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    peaks = re.findall(r"(sharded|whole)\s+peak host memory above baseline:\s+[0-9,]+ MiB = ([0-9.]+) x", out.stdout)
+    assert [h for h, _ in peaks] == ["sharded", "whole"], out.stdout
