@@ -132,6 +132,18 @@ def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "
                              replicate_ok=ctx.replicate_ok).spec
 
 
+def target_platform() -> str:
+    """The platform the active step is compiled *for*: its mesh's devices' (``tpu`` for a fake TPU
+    topology compiled on a CPU host, ``gpu`` for an XLA:GPU target), else JAX's default backend.
+    Kernels choose their implementation by it, never by the host they are traced on."""
+    ctx = _ACTIVE.get()
+    mesh = ctx.mesh if ctx is not None else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
 def constrain(x: jax.Array, logical: LogicalAxes, *, name: str = "activation") -> jax.Array:
     """Constrain activation ``x`` to the layout its logical axes map to (no-op outside a step)."""
     spec = activation_spec(logical, x.shape, name=name)

@@ -32,7 +32,9 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from meshtrain.annotate import activation_spec, current_step_context, target_platform
 from meshtrain.errors import ConfigError
 from meshtrain.strategies import FlashBackend  # noqa: F401 (re-exported: the cp dimension's option)
 
@@ -314,17 +316,43 @@ def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, q_idx=Non
     (default ``arange``). Example: ``flash_attention(q, k, v, seg, causal=True)``.
     """
     t, s = q.shape[1], k.shape[1]
-    chosen, _ = flash_backend(backend, dtype=q.dtype, segmented=segment_ids is not None)
+    chosen, _ = flash_backend(backend, platform=target_platform(), dtype=q.dtype, segmented=segment_ids is not None)
     natural = q_idx is None and k_idx is None
     if chosen is FlashBackend.CUDNN and natural and segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn").astype(q.dtype)
+        cudnn = lambda q_, k_, v_, _: jax.nn.dot_product_attention(q_, k_, v_, is_causal=causal,  # noqa: E731
+                                                                    implementation="cudnn").astype(q_.dtype)
+        return per_device(cudnn, q, k, v, None)
     if chosen is FlashBackend.SPLASH and natural and t == s:
-        return _splash(q, k, v, segment_ids, causal)
+        return per_device(lambda q_, k_, v_, seg: _splash(q_, k_, v_, seg, causal), q, k, v, segment_ids)
     q_idx = jnp.arange(t, dtype=jnp.int32) if q_idx is None else q_idx
     k_idx = jnp.arange(s, dtype=jnp.int32) if k_idx is None else k_idx
     rows_heads = q.shape[0] * q.shape[2]
     return flash_xla(q, k, v, q_idx, k_idx, segment_ids, segment_ids if s == t else None, causal,
                      block_q or block_for(t, rows_heads), block_k or block_for(s, rows_heads))
+
+
+def per_device(kernel, q, k, v, segment_ids):
+    """Run ``kernel(q, k, v, segment_ids)`` — a custom call XLA cannot partition (Pallas splash,
+    cuDNN) — inside ``shard_map`` over the active step's mesh: batch and heads stay split as the
+    rules place them, each device sees whole sequences. K/V are repeated to the query heads first, so
+    a device holds exactly the K/V heads its query heads read whatever the head split. Outside a
+    step, or on one device, the kernel runs as is."""
+    ctx = current_step_context()
+    if ctx is None or ctx.mesh.size == 1 or jax.sharding.get_abstract_mesh().manual_axes:
+        return kernel(q, k, v, segment_ids)  # one device, or already per device (inside a context kernel)
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    spec = tuple(activation_spec(("batch", "seq", "heads", "head_dim"), q.shape, name="attention"))
+    spec += (None,) * (4 - len(spec))
+    qspec = P(spec[0], None, spec[2], spec[3])  # the sequence whole on each device (gathered if it was split)
+    segspec = P(spec[0], None)
+    if segment_ids is None:
+        run = jax.shard_map(lambda q_, k_, v_: kernel(q_, k_, v_, None), mesh=ctx.mesh,
+                            in_specs=(qspec, qspec, qspec), out_specs=qspec, check_vma=False)
+        return run(q, k, v)
+    run = jax.shard_map(kernel, mesh=ctx.mesh, in_specs=(qspec, qspec, qspec, segspec), out_specs=qspec,
+                        check_vma=False)
+    return run(q, k, v, segment_ids)
 
 
 def _splash(q, k, v, segment_ids, causal, interpret: bool = False):
