@@ -11,6 +11,9 @@
 * :class:`PathRules` names the axes of a model you did not write, by parameter path pattern::
 
       PathRules([(r".*attn.*kernel", ("embed", "heads")), (r".*bias", (None,))])
+
+* :class:`ModelRules` adds the model's own logical names (``logical: {kv: null, joined_kv: tensor}``) and
+  reads both sections from a YAML file or a dict (``--rules FILE.yaml``, ``TrainConfig(rules=...)``).
 """
 
 from __future__ import annotations
