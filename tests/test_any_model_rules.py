@@ -197,6 +197,23 @@ def test_hf_style_wrapper_with_tied_weights():
         from_linen("gpt2", SAMPLE)
 
 
+def test_linen_activations_keep_the_batch_split_so_the_traced_estimate_holds():
+    """Without activation constraints XLA split this Linen model's activations over fsdp by their feature
+    dimension and kept the whole batch on every device: the compiled step needed 11x the traced estimate
+    (45.7 MB vs 4.1 MB per device). The Linen adapter keeps the batch dimension of its submodules' outputs
+    on the batch mesh axes inside a step: 1.33x (the rest is XLA's working buffers)."""
+    from meshtrain.analysis import estimate_memory, program_cost
+
+    abstract = mt.abstract_state(from_linen(Lm1bStyle(), SAMPLE), optax.adamw(1e-3), annotations=LM1B_RULES)
+    layout = mt.BatchLayout.from_example({"x": jax.ShapeDtypeStruct((64, 64), jnp.int32),
+                                          "y": jax.ShapeDtypeStruct((64,), jnp.int32)})
+    recipe = mt.get_recipe("fsdp")
+    compiled = program_cost(mt.make_plan(abstract, recipe, batch=layout), classify)
+    on_abstract_mesh = mt.make_plan(abstract, recipe, recipe.mesh.abstract(8), batch=layout)
+    traced = estimate_memory(on_abstract_mesh, None, cost=program_cost(on_abstract_mesh, classify, compile=False))
+    assert compiled.memory.peak < 1.5 * traced.total, (compiled.memory.peak, traced.total)
+
+
 def nnx_rngs():
     from flax import nnx
 
