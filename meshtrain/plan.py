@@ -538,6 +538,9 @@ def _replication_guard(plan: ShardingPlan) -> None:
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
             top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])
+            if len(repl) > 5:  # the plan's table (meshtrain plan ... --max-replicated-fraction 1) lists them all
+                top += (f" and {len(repl) - 5} more (`meshtrain plan` with --max-replicated-fraction 1 "
+                        f"lists every leaf)")
             raise PlanError(
                 f"recipe {plan.recipe.name!r} shards {group} but leaves {fraction:.1%} of their bytes replicated "
                 f"(limit {plan.recipe.max_replicated_fraction:.1%}); largest replicated: {top}. Give these "
