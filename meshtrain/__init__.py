@@ -11,8 +11,8 @@ The public API, re-exported from small modules::
 """
 
 from meshtrain import models
-from meshtrain.abstract import AbstractState, ModelFactory, abstract_state
-from meshtrain.annotate import PathRules, StepContext, constrain, remat, scan_layers
+from meshtrain.abstract import AbstractState, ModelFactory, ParamInfo, abstract_state, list_params
+from meshtrain.annotate import ModelRules, PathRules, StepContext, constrain, remat, scan_layers
 from meshtrain.axes import LOGICAL_AXES, MESH_AXES, register_logical_axis
 from meshtrain.batch_layout import BatchLayout, BatchLeaf
 from meshtrain.checkpoint import CheckpointError, Checkpointer, Restored, SaveResult, inspect_checkpoint
@@ -41,8 +41,8 @@ __all__ = [
     "BatchSpec", "CheckpointError",
     "Checkpointer", "ConfigError", "Restored", "SaveResult", "inspect_checkpoint",
     "LOGICAL_AXES", "LeafPlan", "LossFn", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
-    "NonFinite", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
-    "ShardingPlan", "StepContext", "StepInfo", "Stop", "Hook", "TrainState", "abstract_state", "abstract_train_state", "attention",
+    "ModelRules", "NonFinite", "ParamInfo", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
+    "ShardingPlan", "StepContext", "StepInfo", "Stop", "Hook", "TrainState", "abstract_state", "abstract_train_state", "list_params", "attention",
     "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
     "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
     "sequence_permutation", "PipelineParts", "Schedule", "LayerLoop", "Offload", "master_weights", "scan_layers",

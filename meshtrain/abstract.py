@@ -12,14 +12,14 @@ Next: :func:`meshtrain.make_plan` turns it into shardings for a recipe and mesh.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshtrain.annotate import PathRules
+from meshtrain.annotate import ModelRules, PathRules
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import RulesError
 from meshtrain.precision import has_master_weights, master_weights
@@ -69,6 +69,12 @@ class AbstractState:
     factory: ModelFactory
     tx: Optional[optax.GradientTransformation]
     model_state_axes: Dict[str, LogicalAxes] = dataclasses.field(default_factory=dict)
+    #: the model rules' ``logical:`` section, ``((name, mesh axes), ...)``: :func:`meshtrain.make_plan` adds
+    #: it to the recipe's parameter rules
+    logical_rules: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    #: ``{path: names given}`` for parameters named with fewer logical names than dimensions (the
+    #: trailing dimensions were padded with ``None``: unsharded, as JAX and Flax read a short spec)
+    short_axes: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -112,37 +118,99 @@ def split_model(model: nnx.Module):
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
+#: What ``annotations=`` takes: rules (:class:`ModelRules`, :class:`PathRules`), a rules YAML file or a dict.
+Annotations = Union[ModelRules, PathRules, Dict[str, Any], str, None]
+
+#: An error lists this many offenders, then says how many more and where the full list is.
+MAX_LISTED = 40
+LIST_HINT = "`meshtrain plan --model ... --list-params` or meshtrain.list_params(factory) lists every parameter"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the model builds it: ``names`` are its logical axes as given (``None``: none),
+    ``source`` where they came from (``model``: its own metadata, ``rules``: a path rule, ``none``)."""
+
+    path: str
+    shape: Tuple[int, ...]
+    dtype: str
+    names: Optional[LogicalAxes]
+    source: str
+
+    def line(self) -> str:
+        names = "(none)" if self.names is None else "(" + ", ".join(str(n) for n in self.names) + ")"
+        return f"{self.path}  {self.shape}  {self.dtype}  {names}  [{self.source}]"
+
+
+def model_rules(factory: ModelFactory, annotations: Annotations = None) -> Optional[ModelRules]:
+    """``annotations`` first, then the rules the factory carries (``factory.model_rules``, as
+    :func:`meshtrain.models.from_linen` sets it)."""
+    given = ModelRules.load(annotations)
+    own = getattr(factory, "model_rules", None)
+    return given.combined(own) if given is not None else own
+
+
+def listed(items: List[str], sep: str = ", ") -> str:
+    """``items`` joined, at most :data:`MAX_LISTED` of them, then how many more and where to see them all."""
+    shown = sep.join(items[:MAX_LISTED])
+    more = len(items) - MAX_LISTED
+    return shown + (f"{sep}... and {more} more ({LIST_HINT})" if more > 0 else "")
+
+
+def _param_infos(params_state, rules: Optional[ModelRules]) -> List[ParamInfo]:
+    leaves = jax.tree_util.tree_flatten_with_path(params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    out = []
+    for keypath, var in leaves:
+        path = path_str(keypath)
+        names, source = var.get_metadata().get("out_sharding"), "model"
+        if names is None and rules is not None:
+            names, source = rules.lookup(path), "rules"
+        out.append(ParamInfo(path, tuple(var.shape), str(var.dtype), None if names is None else tuple(names),
+                             source if names is not None else "none"))
+    return out
+
+
+def list_params(factory: ModelFactory, annotations: Annotations = None) -> List[ParamInfo]:
+    """Every parameter of the model ``factory`` builds (abstractly: no arrays), with its path, shape, dtype
+    and logical names: what path rules are written against. ``str(info.line())`` prints one."""
+    model = nnx.eval_shape(lambda: _build(factory, 0))
+    _, params_state, _ = nnx.split(model, nnx.Param, ...)
+    return _param_infos(params_state, model_rules(factory, annotations))
+
+
+def _param_axes(infos: List[ParamInfo]):
+    """``({path: axes padded to the rank}, {path: names given, where fewer})``; raises listing every
+    parameter without axes, and every one with more names than dimensions."""
+    missing = [f"{i.path} {i.shape}" for i in infos if i.names is None]
+    if missing:
+        raise RulesError(
+            f"{len(missing)} parameters without logical axes: " + listed(missing)
+            + "; annotate them (nnx.with_partitioning(init, names)) or give path rules (annotations= / path_rules= "
+              "/ --rules FILE.yaml with paths: {'REGEX': [embed, mlp]})")
+    long = [f"{i.path} (shape {i.shape}, logical axes {i.names})" for i in infos if len(i.names) > len(i.shape)]
+    if long:
+        raise RulesError(f"{len(long)} parameters have more logical names than dimensions: " + listed(long)
+                         + "; give at most one name (or None) per dimension")
+    axes = {i.path: i.names + (None,) * (len(i.shape) - len(i.names)) for i in infos}
+    short = {i.path: len(i.names) for i in infos if len(i.names) < len(i.shape)}
+    return axes, short
+
+
 def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformation] = None, *,
-                   annotations: Optional[PathRules] = None) -> AbstractState:
+                   annotations: Annotations = None) -> AbstractState:
     """Evaluate ``factory`` and ``tx.init`` abstractly and collect every parameter's logical axes.
 
     Logical axes come from the parameter's ``out_sharding`` metadata
     (``nnx.with_partitioning(init, ("embed", "mlp"))`` or ``nnx.Param(..., out_sharding=...)``),
-    else from ``annotations`` (a :class:`PathRules`). A parameter with neither raises, naming it.
+    else from ``annotations`` (a :class:`ModelRules` / :class:`PathRules`, a rules YAML file or a dict with
+    ``paths:`` and ``logical:``), then from the rules the factory carries. A parameter with none raises,
+    naming every such parameter. Fewer names than dimensions leave the trailing dimensions unsharded (as a
+    short ``PartitionSpec`` does in JAX); the ``logical:`` rules travel to :func:`meshtrain.make_plan`.
     """
+    rules = model_rules(factory, annotations)
     model = nnx.eval_shape(lambda: _build(factory, 0))
     graphdef, params_state, rest_state = nnx.split(model, nnx.Param, ...)
-    axes: Dict[str, LogicalAxes] = {}
-    missing = []
-    leaves = jax.tree_util.tree_flatten_with_path(params_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    for keypath, var in leaves:
-        path = path_str(keypath)
-        names = var.get_metadata().get("out_sharding")
-        if names is None and annotations is not None:
-            names = annotations.lookup(path)
-        if names is None:
-            missing.append(f"{path} {tuple(var.shape)}")
-            continue
-        names = tuple(names)
-        if len(names) != len(var.shape):
-            raise RulesError(f"parameter {path!r} (shape {tuple(var.shape)}) has logical axes {names} of rank "
-                             f"{len(names)}; give one name (or None) per dimension")
-        axes[path] = names
-    if missing:
-        raise RulesError(
-            "parameters without logical axes: " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            + "; annotate them (nnx.with_partitioning(init, names)) or pass "
-              "annotations=PathRules([(r'.*kernel', ('embed', 'mlp')), ...])")
+    axes, short = _param_axes(_param_infos(params_state, rules))
     state_axes: Dict[str, LogicalAxes] = {}
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     for keypath, var in jax.tree_util.tree_flatten_with_path(rest_state, is_leaf=is_var)[0]:
@@ -150,10 +218,11 @@ def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformat
         if names is None:
             continue
         path, names = path_str(keypath), tuple(names)
-        if len(names) != len(var.shape):
+        if len(names) > len(var.shape):
             raise RulesError(f"variable {path!r} ({type(var).__name__}, shape {tuple(var.shape)}) has logical axes "
-                             f"{names} of rank {len(names)}; give one name (or None) per dimension")
-        state_axes[path] = names
+                             f"{names} of rank {len(names)}; give at most one name (or None) per dimension")
+        state_axes[path] = names + (None,) * (len(var.shape) - len(names))  # short: trailing dims unsharded
     _, params, rest = split_model(model)
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else None
-    return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx, state_axes)
+    return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx, state_axes,
+                         rules.logical if rules is not None else (), short)

@@ -11,6 +11,9 @@
 * :class:`PathRules` names the axes of a model you did not write, by parameter path pattern::
 
       PathRules([(r".*attn.*kernel", ("embed", "heads")), (r".*bias", (None,))])
+
+* :class:`ModelRules` adds the model's own logical names (``logical: {kv: null, joined_kv: tensor}``) and
+  reads both sections from a YAML file or a dict (``--rules FILE.yaml``, ``TrainConfig(rules=...)``).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import re
-from typing import Iterator, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Iterator, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import jax
 
-from meshtrain.axes import LogicalAxes
+from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.rules import AxisRules
@@ -161,7 +165,7 @@ class PathRules:
 
     patterns: Tuple[Tuple[str, LogicalAxes], ...]
 
-    def __init__(self, patterns):
+    def __init__(self, patterns=()):
         compiled = []
         for pattern, axes in patterns:
             try:
@@ -176,3 +180,124 @@ class PathRules:
             if re.fullmatch(pattern, path):
                 return axes
         return None
+
+
+RULES_SECTIONS = ("paths", "logical")
+
+
+def _rules_error(source: str, where: str, text: str) -> RulesError:
+    return RulesError(f"rules {source}: {where}: {text}")
+
+
+def _path_entries(value, source: str):
+    """``paths:`` as ``[(regex, names)]``: a mapping (YAML keeps its order) or a list of ``[regex, names]``."""
+    if value is None:
+        return []
+    if isinstance(value, Mapping):
+        entries = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2 for e in value):
+        entries = [tuple(e) for e in value]
+    else:
+        raise _rules_error(source, "paths", f"{value!r} is not a mapping; write `paths: {{'REGEX': [name, ...]}}` "
+                                            f"(one logical name or null per dimension)")
+    out = []
+    for pattern, names in entries:
+        if isinstance(names, str) or names is None:
+            names = [names]
+        if not isinstance(pattern, str) or not isinstance(names, (list, tuple)) or not all(
+                n is None or isinstance(n, str) for n in names):
+            raise _rules_error(source, f"paths.{pattern}", f"{names!r} is not a list of logical names; give one "
+                                                           f"name (or null) per dimension, e.g. [embed, mlp]")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _rules_error(source, "paths", f"bad regular expression {pattern!r}: {exc}") from None
+        out.append((pattern, tuple(names)))
+    return out
+
+
+def _logical_entries(value, source: str) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """``logical:`` as ``((name, mesh axes), ...)``; each target a mesh axis, a list of them, or null."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise _rules_error(source, "logical", f"{value!r} is not a mapping; write `logical: {{kv: null, "
+                                              f"joined_kv: tensor}}`")
+    out = []
+    for name, target in value.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise _rules_error(source, "logical", f"{name!r} is not a logical axis name; use an identifier")
+        axes = () if target is None else (target,) if isinstance(target, str) else target
+        bad = [a for a in axes if a not in MESH_AXES] if isinstance(axes, (list, tuple)) else [axes]
+        if bad:
+            raise _rules_error(source, f"logical.{name}", f"{target!r} is not a mesh axis, a list of mesh axes or "
+                                                          f"null; mesh axes: {', '.join(MESH_AXES)}")
+        out.append((name, tuple(axes)))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRules:
+    """Rules for a model you did not write, from a YAML file or a dict with two sections::
+
+        paths:                       # regex (re.fullmatch on "a/b/kernel") -> one logical name per dimension
+          '.*/c_attn/kernel': [embed, joined_kv]
+          '.*bias': [null]
+        logical:                     # logical name -> mesh axis, list of mesh axes, or null (replicated)
+          kv: null
+          joined_kv: tensor
+
+    ``paths`` give axes to parameters that have none (first match wins; fewer names than dimensions
+    leave the trailing dimensions unsharded, as in JAX and Flax). ``logical`` maps the parameters'
+    names, the model's own (``kv``) or meshtrain's (then it overrides the recipe's rule); a mesh axis
+    that the recipe's mesh lacks is left out (a dp mesh has no ``tensor`` axis to split on).
+    """
+
+    paths: PathRules = PathRules(())
+    logical: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    source: str = "dict"
+
+    @classmethod
+    def load(cls, spec: "ModelRules | PathRules | Mapping | str | os.PathLike | None") -> Optional["ModelRules"]:
+        """A rules file path, a dict with ``paths``/``logical``, :class:`PathRules`, or ``None``."""
+        if spec is None or isinstance(spec, ModelRules):
+            return spec
+        if isinstance(spec, PathRules):
+            return cls(spec)
+        source = "dict"
+        if isinstance(spec, (str, os.PathLike)):
+            source = os.fspath(spec)
+            spec = _read_yaml(source)
+        if not isinstance(spec, Mapping):
+            raise _rules_error(source, "top level", f"a {type(spec).__name__}, not a mapping; give the sections "
+                                                    f"{', '.join(RULES_SECTIONS)}")
+        unknown = [k for k in spec if k not in RULES_SECTIONS]
+        if unknown:
+            raise _rules_error(source, "top level", f"unknown section {unknown[0]!r}; the sections are "
+                                                    f"{', '.join(RULES_SECTIONS)}")
+        return cls(PathRules(_path_entries(spec.get("paths"), source)), _logical_entries(spec.get("logical"), source),
+                   source)
+
+    def lookup(self, path: str) -> Optional[LogicalAxes]:
+        return self.paths.lookup(path)
+
+    def combined(self, other: Optional["ModelRules"]) -> "ModelRules":
+        """These rules first, then ``other``'s (path patterns: first match wins; logical: ours win)."""
+        if other is None:
+            return self
+        logical = dict(other.logical)
+        logical.update(dict(self.logical))
+        return ModelRules(PathRules(self.paths.patterns + other.paths.patterns), tuple(logical.items()),
+                          f"{self.source} + {other.source}")
+
+
+def _read_yaml(path: str):
+    import yaml  # lazy: only a rules file needs it
+
+    if not os.path.isfile(path):
+        raise RulesError(f"rules file {path!r} does not exist; give a YAML file with sections paths: and logical:")
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise RulesError(f"rules {path}: not valid YAML: {' '.join(str(exc).split())}") from None

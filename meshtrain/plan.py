@@ -24,14 +24,16 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.abstract import AbstractState, path_str, tree_paths
+from meshtrain.abstract import AbstractState, listed, path_str, tree_paths
 from meshtrain.batch_layout import BATCH_AXIS, BatchLayout, BatchSpec, as_batch_layout  # noqa: F401 (re-export)
-from meshtrain.errors import ConfigError, PlanError
+from meshtrain.errors import ConfigError, PlanError, RulesError
 from meshtrain.offload import offload_optimizer, to_host
 from meshtrain.recipes import Offload, Recipe, get_recipe
 from meshtrain.rules import AxisRules, shard_shape
 
 GROUPS = ("params", "optimizer", "batch", "model_state")
+#: The replication guard does not count replicated tensors smaller than this (bytes, whole tensor).
+REPLICATION_FLOOR_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +273,8 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     """
     recipe = get_recipe(recipe)
     mesh = recipe.mesh.build() if mesh is None else mesh
-    rules = recipe.axis_rules()
+    rules = with_model_rules(recipe.axis_rules(), abstract, dict(mesh.shape))
+    check_mapped(rules, abstract)
     abstract = abstract.with_param_dtype(recipe.param_dtype)
     leaves: List[LeafPlan] = []
     memo: Dict[Any, Any] = {"__sizes__": dict(mesh.shape)}
@@ -281,6 +284,10 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     for path, sds in flat_params:
         leaf, sh = _resolve_leaf(rules, "params", "params", path, sds.shape, sds.dtype, abstract.param_axes[path],
                                  mesh, recipe, memo)
+        given = abstract.short_axes.get(path)
+        if given is not None:  # say why the trailing dimensions stay whole
+            leaf = dataclasses.replace(leaf, rule=f"{leaf.rule}; {given} logical names for {len(sds.shape)} "
+                                                  f"dimensions: the trailing {len(sds.shape) - given} unsharded")
         leaves.append(leaf)
         param_sh[path] = sh
     param_shardings = _map_paths(param_tree, param_sh)
@@ -330,6 +337,34 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     if check:
         _replication_guard(plan)
     return plan
+
+
+def with_model_rules(rules: AxisRules, abstract: AbstractState, mesh_sizes) -> AxisRules:
+    """The recipe's rules with the model rules' ``logical:`` section over its parameter table; mesh axes
+    that this mesh lacks are left out (``joined_kv: tensor`` under dp: not split)."""
+    logical = getattr(abstract, "logical_rules", ())
+    if not logical:
+        return rules
+    params = {name: [a for a in axes if a in mesh_sizes] or None for name, axes in logical}
+    return rules.overridden_by(AxisRules.of(params=params, source="model rules"))
+
+
+def check_mapped(rules: AxisRules, abstract: AbstractState) -> None:
+    """Every logical name on a parameter (or a named model variable) must be mapped: raise naming each
+    unmapped name with every parameter that uses it."""
+    table = rules.table("params")
+    users: Dict[str, List[str]] = {}
+    named = list(abstract.param_axes.items()) + list((getattr(abstract, "model_state_axes", None) or {}).items())
+    for path, names in named:
+        for name in names:
+            if name is not None and name not in table:
+                users.setdefault(name, []).append(path)
+    if users:
+        parts = [f"{name!r} (used by {len(paths)}: {listed(paths)})" for name, paths in users.items()]
+        example = ", ".join(f"{name}: null" for name in users)
+        raise RulesError(f"logical names that no rule maps: {'; '.join(parts)}; map them in the rules' logical: "
+                         f"section (--rules FILE.yaml / rules=), e.g. `logical: {{{example}}}` to replicate or "
+                         f"`{next(iter(users))}: tensor` to shard")
 
 
 class _KeyedRef(weakref.ref):
@@ -498,11 +533,17 @@ def _replication_guard(plan: ShardingPlan) -> None:
         total = sum(l.bytes_total for l in leaves)
         if not shards or not total:
             continue
-        repl = plan.replicated(group)
+        # small tensors (norms, biases, a tiny model's position table) are not what the guard is for
+        repl = [l for l in plan.replicated(group) if l.bytes_total >= REPLICATION_FLOOR_BYTES]
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
             top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])
+            if len(repl) > 5:  # the plan's table (meshtrain plan ... --max-replicated-fraction 1) lists them all
+                top += (f" and {len(repl) - 5} more (`meshtrain plan` with --max-replicated-fraction 1 "
+                        f"lists every leaf)")
             raise PlanError(
                 f"recipe {plan.recipe.name!r} shards {group} but leaves {fraction:.1%} of their bytes replicated "
                 f"(limit {plan.recipe.max_replicated_fraction:.1%}); largest replicated: {top}. Give these "
-                f"parameters logical axes that the recipe shards, or raise max_replicated_fraction")
+                f"parameters logical axes that the recipe shards (--rules FILE.yaml), or raise "
+                f"max_replicated_fraction (--max-replicated-fraction; tensors under "
+                f"{fmt_bytes(REPLICATION_FLOOR_BYTES)} are not counted)")

@@ -181,7 +181,8 @@ class Recipe:
     replicate_indivisible: Tuple[str, ...] = setting((), "logical names that may be replicated when a dimension "
                                                      "does not divide its mesh axes", cli=False)
     max_replicated_fraction: float = setting(0.02, "at most this share of the bytes a recipe shards may stay "
-                                             "replicated (the plan guard)", cli=False)
+                                             "replicated (the plan guard; replicated tensors under 64 KiB each, "
+                                             "such as norms, biases and small embeddings, are not counted)")
     rules: AxisRules = AxisRules()
     attention: AttentionKind = _derived(AttentionKind.DENSE)
     micro_batches: int = _derived(1)

@@ -330,6 +330,6 @@ def test_linen_adapter_path_rules():
     assert factory(nnx.Rngs(1))(jnp.ones((3, 8))).shape == (3, 8)
     with pytest.raises(RulesError, match="without logical axes"):
         mt.abstract_state(from_linen(_PlainMLP(), jnp.zeros((1, 8))))
-    bad = mt.PathRules([(r".*", ("embed",))])
+    bad = mt.PathRules([(r".*", ("embed", "mlp", "heads"))])  # more names than dimensions (fewer: trailing unsharded)
     with pytest.raises(RulesError, match="Dense_0/kernel"):
         mt.abstract_state(from_linen(_PlainMLP(), jnp.zeros((1, 8)), rules=bad))

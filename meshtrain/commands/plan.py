@@ -11,7 +11,10 @@ and the usual warnings. ``--recipe auto`` searches recipes × meshes × remat ×
 
 ``--model`` is a built-in config name or ``module:function``: an importable function that takes one
 argument, ``rngs`` (an ``nnx.Rngs``), and returns an ``nnx.Module`` whose parameters carry logical
-axis names (``module`` may also be a ``path/to/file.py``; the current directory is importable).
+axis names (``module`` may also be a ``path/to/file.py``, whose folder is then importable too, so the file
+may import its neighbours; the current directory is importable). ``--rules FILE.yaml`` gives a model you
+did not write its logical axes (``paths:``) and maps its own logical names (``logical:``);
+``--list-params`` prints every parameter's path, shape, dtype and logical names to write them against.
 ``--batch`` describes the global batch for any model: comma-separated ``name=DIMS[:dtype][@axes]``,
 ``DIMS`` like ``16x8x8x1`` (the leading dimension is the batch), ``dtype`` default ``float32``,
 ``axes`` one logical name per dimension separated by ``/`` (``-`` for none; default ``batch`` on
@@ -40,7 +43,8 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from meshtrain.abstract import abstract_state
+from meshtrain.abstract import abstract_state, list_params
+from meshtrain.annotate import ModelRules
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.cli import add_device_args, setup_devices
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
@@ -70,6 +74,7 @@ def add_parser(sub):
     p.add_argument("--loss", default=None,
                    help="module:function, the loss (model, batch) -> (loss_sum, weight[, metrics]) for estimates "
                         "from the compiled step (default: the built-in model's loss)")
+    add_model_rules_args(p)
     p.add_argument("--recipe", default="fsdp", help="recipe name, .yaml file, or 'auto' to search all built-ins")
     p.add_argument("--mesh", default=None, help="override mesh sizes, e.g. fsdp=4,tensor=2")
     p.add_argument("--batch-size", type=int, default=None,
@@ -92,6 +97,27 @@ def add_parser(sub):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     add_device_args(p)
     p.set_defaults(run=run, setup_devices=False)
+
+
+def add_model_rules_args(p) -> None:
+    p.add_argument("--rules", default=None, metavar="FILE.yaml",
+                   help="rules for a model you did not write: paths: {REGEX: [logical names, one per dimension]} "
+                        "for parameters without axes, logical: {NAME: mesh axis, list of them, or null} for the "
+                        "model's own logical names (README, 'Your own model')")
+    p.add_argument("--list-params", action="store_true",
+                   help="print every parameter's path, shape, dtype and logical names (with --rules: as the rules "
+                        "give them), and stop; write path rules against these paths")
+
+
+def list_params_text(choice: "ModelChoice", infos=None) -> str:
+    """``--list-params``: one line per parameter, then how many have no logical axes yet."""
+    infos = infos if infos is not None else list_params(choice.factory, choice.rules)
+    missing = sum(i.names is None for i in infos)
+    lines = [f"# {len(infos)} parameters of --model {choice.name}: path  shape  dtype  (logical names)  [from]"]
+    lines += [i.line() for i in infos]
+    lines.append(f"# {missing} without logical axes" + (": give them path rules (--rules FILE.yaml, paths:)"
+                                                         if missing else ""))
+    return "\n".join(lines)
 
 
 def _apply_options(recipe, args):
@@ -146,6 +172,8 @@ class ModelChoice:
     cfg: Any
     factory: Callable
     loss_fn: Optional[Callable]
+    #: ``--rules``: path rules and logical mappings for the model (``None``: none given)
+    rules: Optional[ModelRules] = None
 
     @property
     def analytic(self) -> bool:
@@ -163,6 +191,9 @@ def load_ref(ref: str, flag: str):
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
             raise ConfigError(f"{flag} {ref!r}: no file {module_name!r}")
+        folder = os.path.dirname(os.path.abspath(module_name))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # like `python path/to/file.py`: modules next to the file import
         key = "meshtrain_user_" + re.sub(r"\W", "_", os.path.abspath(module_name))
         spec = importlib.util.spec_from_file_location(key, module_name)
         module = importlib.util.module_from_spec(spec)
@@ -232,7 +263,7 @@ def resolve_model(args) -> ModelChoice:
         _check_arity(loss_fn, loss, "--loss", 2, LOSS_CONTRACT)
     else:
         loss_fn = None  # a built-in model's own loss, once the batch is known (analysis.compiled.default_loss)
-    return ModelChoice(name, cfg, factory, loss_fn)
+    return ModelChoice(name, cfg, factory, loss_fn, ModelRules.load(getattr(args, "rules", None)))
 
 
 _ENTRY = re.compile(r"^(?P<name>[A-Za-z_][\w/.-]*)=(?P<dims>[0-9]+(?:x[0-9]+)*)(?::(?P<dtype>[A-Za-z0-9_]+))?"
@@ -344,7 +375,7 @@ def build(args, choice: Optional[ModelChoice] = None):
     else:  # more devices than this machine has (an accelerator host asked for a pod): plan abstractly
         mesh = recipe.mesh.abstract(n)
     try:
-        abstract = abstract_state(choice.factory, optax.adamw(1e-3))
+        abstract = abstract_state(choice.factory, optax.adamw(1e-3), annotations=choice.rules)
     except MeshtrainError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's factory: say what calling it did
@@ -382,6 +413,16 @@ def run(args) -> int:
     check_counts(args)
     _setup(args)
     choice = resolve_model(args)
+    if getattr(args, "list_params", False):
+        try:
+            infos = list_params(choice.factory, choice.rules)
+        except MeshtrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's factory: say what calling it did
+            raise ConfigError(f"--model {choice.name}: calling it with rngs failed: {type(exc).__name__}: {exc}; "
+                              f"{FACTORY_CONTRACT}") from None
+        print(json.dumps([dataclasses.asdict(i) for i in infos]) if args.json else list_params_text(choice, infos))
+        return 0
     if args.recipe == "auto":
         check_seq_len(choice, args)
         result = report.auto(args, choice.cfg)

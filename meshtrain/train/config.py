@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import optax
 
 from meshtrain.abstract import tree_paths
+from meshtrain.annotate import ModelRules
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, get_recipe
@@ -113,6 +114,10 @@ class TrainConfig:
                                       "(measured on this host) (default: from the device kind)")
     memory_check: MemoryCheckMode = setting(MemoryCheckMode.ON, "refuse to start when the plan's per-device "
                                             "memory exceeds the device's")
+    # Model rules (a model you did not write)
+    rules: Optional[str] = setting(None, "YAML file of model rules: paths: {REGEX: [logical names]} for parameters "
+                                   "without axes, logical: {NAME: mesh axis, list or null} (the Trainer also takes "
+                                   "a dict: Trainer(rules=...))")
 
     def __post_init__(self):
         for s in settings_of(TrainConfig):  # enums from their values; a wrong one names the allowed values
@@ -146,6 +151,7 @@ class TrainConfig:
         check_recipe_overrides(get_recipe(self.recipe), attention=options.get("attention"),
                                schedule=options.get("schedule"), repeats=options.get("repeats"))
         self.build_recipe()  # every other override is checked by the recipe
+        ModelRules.load(self.rules)  # a bad rules file fails here, naming the file and the key
 
     def build_recipe(self) -> Recipe:
         """The run's recipe: ``recipe`` (a name or file) with ``recipe_options`` applied."""

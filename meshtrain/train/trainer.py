@@ -11,6 +11,7 @@ is :mod:`meshtrain.train.loop` (a step generator) plus :mod:`meshtrain.train.hoo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -19,8 +20,8 @@ import jax
 import numpy as np
 import optax
 
-from meshtrain.abstract import ModelFactory, abstract_state
-from meshtrain.annotate import PathRules
+from meshtrain.abstract import Annotations, ModelFactory, abstract_state
+from meshtrain.annotate import ModelRules, PathRules
 from meshtrain.batch_layout import BatchLayout
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.checkpoint.types import CheckpointError, Verify
@@ -72,6 +73,8 @@ class Trainer:
       vocab_size: your model's vocabulary, to check token ids when it trains on token data.
       path_rules: logical axes for parameters without them, by path pattern
         (``PathRules([(r".*kernel", ("embed", "mlp")), ...])``), for models you did not write.
+      rules: model rules as a dict, file or :class:`~meshtrain.ModelRules` (``{"paths": {REGEX: names},
+        "logical": {name: mesh axis}}``), before ``config.rules``' file and ``path_rules``.
       memory_estimate: ``plan -> (bytes per device, description)`` for the pre-flight memory check
         (default: parameters + gradients + optimizer + batch; ``meshtrain train`` adds activations).
       hooks: your :class:`~meshtrain.train.hooks.Hook` s, run at each step after the built-in
@@ -93,7 +96,7 @@ class Trainer:
                  tx: Optional[optax.GradientTransformation] = None, loss_fn: Optional[LossFn] = None,
                  data: Any = None, eval_data: Any = None, batch_axes: Any = None,
                  vocab_size: Optional[int] = None, memory_estimate: Optional[Estimate] = None,
-                 path_rules: Optional[PathRules] = None, hooks: Sequence[Hook] = ()):
+                 path_rules: Optional[PathRules] = None, hooks: Sequence[Hook] = (), rules: Annotations = None):
         self.cfg = config
         self.user_hooks = tuple(hooks)
         if model is None and data is None:
@@ -110,7 +113,8 @@ class Trainer:
             task = custom_task(model, loss_fn, data, eval_data, batch_axes=batch_axes)
         self.task = task
         self.memory_estimate = memory_estimate
-        self.path_rules = path_rules
+        given = [ModelRules.load(r) for r in (rules, config.rules, path_rules) if r is not None]
+        self.path_rules = functools.reduce(ModelRules.combined, given) if given else None  # first ones win
         self.factory, self.tx, self.loss_fn = task.factory, tx, task.loss_fn
         self.model_cfg = task.model_cfg if isinstance(task.model_cfg, DecoderConfig) else None
         self.run_dir = config.out or _default_run_dir(config)
