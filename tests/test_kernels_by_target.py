@@ -64,3 +64,18 @@ def test_flash_compiles_for_tpu_with_splash_inside_a_sharded_step(recipe, option
     recipe = mt.get_recipe(recipe).with_options(compute_dtype="bfloat16", **options)
     _, compiled = compile_tpu_topology(abstract, recipe, mt.BatchSpec(8, 1024), "v5p:2x2x2")
     assert len(re.findall(r'custom_call_target="tpu_custom_call"', compiled.as_text())) >= 2 * cfg.n_layers
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--recipe", "fsdp", "--local-attention", "flash", "--hardware", "tpu-v5p"],
+     "attention kernel for tpu: splash: Pallas TPU splash-attention kernel; per device under shard_map"),
+    (["--recipe", "fsdp_cp", "--context-kind", "ulysses", "--flash-backend", "splash", "--hardware", "tpu-v5p"],
+     "attention kernel for tpu: splash (requested); inside the ulysses all-to-all's shard_map"),
+    (["--recipe", "fsdp_cp", "--hardware", "h100"], "attention kernel for gpu: ring context attention under shard_map"),
+    (["--recipe", "fsdp", "--local-attention", "flash", "--hardware", "cpu"], "attention kernel for cpu: xla: blockwise"),
+])
+def test_the_plan_names_the_kernel_of_the_target(capsys, flags, line):
+    from meshtrain.cli import main
+
+    assert main(["plan", "--model", "tiny", *flags]) == 0
+    assert line in capsys.readouterr().out

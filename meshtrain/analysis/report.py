@@ -32,7 +32,9 @@ from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collect
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.plan import fmt_bytes
-from meshtrain.recipes import Remat, Schedule
+from meshtrain.parallel.flash import flash_backend
+from meshtrain.recipes import AttentionKind, Remat, Schedule
+from meshtrain.strategies import Context, FlashBackend
 
 GiB = 2 ** 30
 SIG3 = ".3g"  # byte figures in the report: 3 significant digits
@@ -246,6 +248,30 @@ def _flags_line(hw) -> str:
         f"{var}={value}" for var, value in flags.items())
 
 
+def kernel_line(plan, hw) -> str:
+    """Which attention kernel every layer gets when the step is compiled for ``hw``'s platform (the
+    target's, not this host's: :func:`meshtrain.annotate.target_platform`)."""
+    r, platform = plan.recipe, backend_of_hardware(hw)
+    kind = r.attention
+    context = r.dimension(Context)
+    requested = context.flash_backend if context is not None else FlashBackend.AUTO
+    if kind is AttentionKind.DENSE:
+        return f"attention kernel for {platform}: dense (XLA dot-product attention)"
+    if kind in (AttentionKind.RING, AttentionKind.ALL_GATHER, AttentionKind.USP):
+        return (f"attention kernel for {platform}: {kind.value} context attention under shard_map, blockwise XLA "
+                f"flash blocks inside (its chunks' positions are permuted, which the fused kernels do not take)")
+    if kind is AttentionKind.ULYSSES and requested is FlashBackend.AUTO:
+        requested = FlashBackend.XLA  # the context kernels' local default (meshtrain.parallel.context)
+    try:  # packed documents (segment ids), as the built-in language-model data have
+        backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=True)
+    except ConfigError as exc:
+        return f"attention kernel for {platform}: refused: {exc}"
+    where = ("inside the ulysses all-to-all's shard_map" if kind is AttentionKind.ULYSSES else
+             "per device under shard_map over the batch and head split" if backend is not FlashBackend.XLA else
+             "partitioned by XLA")
+    return f"attention kernel for {platform}: {why}; {where}"
+
+
 def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name=None) -> str:
     a = analyse(plan, cfg, _hardware(args, plan.num_devices), loss_fn=loss_fn)
     hw, mem, step = a["hw"], a["memory"], a["step"]
@@ -257,7 +283,7 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
                   f"{_rate(hw.slow_link_bytes_per_s, 'B/s')} (sources: meshtrain.analysis.hardware)",
               f"model {_model_name(cfg, model_name)}; {_batch_line(plan)}; params {r.param_dtype}, compute "
               f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {r.micro_batches}",
-              _flags_line(hw), ""]
+              kernel_line(plan, hw), _flags_line(hw), ""]
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
     source = "" if mem.source == ANALYTIC else f" ({mem.source})"
     lines.append(f"memory per device{source}: {fmt_bytes(mem.total, SIG3)} of {fmt_bytes(hw.hbm_bytes, SIG3)} — "
