@@ -164,3 +164,30 @@ def test_fine_tune_from_an_imported_run(tmp_path):
     with pytest.raises(ConfigError, match="neither a HuggingFace folder"):
         Trainer(TrainConfig(model="tiny", init_from=str(tmp_path), steps=1, out=str(tmp_path / "x"),
                             progress="none")).run()
+
+
+def test_each_device_reads_only_its_blocks(tmp_path, monkeypatch):
+    """Bytes read from the safetensors files, summed over devices, equal the plan's parameter bytes
+    per device × devices: no device reads a tensor it does not hold (fsdp_tp on 8 devices)."""
+    from meshtrain.hf import weights
+
+    folder, _ = hf_folder(tmp_path / "src")
+    read = []
+    original = weights.SafetensorsFolder.slice
+
+    class Counting:
+        def __init__(self, view):
+            self.view = view
+
+        def __getitem__(self, index):
+            block = self.view[index]
+            read.append(block.nbytes)
+            return block
+
+    monkeypatch.setattr(weights.SafetensorsFolder, "slice", lambda self, name, shape: Counting(original(self, name,
+                                                                                                      shape)))
+    cfg = model_config(folder)
+    plan = mt.make_plan(mt.abstract_state(mt.models.model_factory(cfg), default_optimizer(TrainConfig(), {})),
+                        "fsdp_tp", batch=mt.BatchSpec(8, 16))
+    jax.block_until_ready(load_params(folder, plan, cfg))
+    assert sum(read) == plan.per_device_bytes()["params"] * plan.num_devices
