@@ -42,13 +42,32 @@ def pytorch_naming(flax_params, dtype=np.float32):
 def hf_folder(path, kind="llama", dtype=np.float32, **changes):
     """A tiny random HF model folder; returns (folder, transformers' logits of TOKENS in f32)."""
     config_cls, model_cls = {"llama": ("LlamaConfig", "FlaxLlamaForCausalLM"),
-                             "mistral": ("MistralConfig", "FlaxMistralForCausalLM")}[kind]
+                             "qwen2": ("LlamaConfig", "FlaxLlamaForCausalLM"),
+                             "mistral": ("MistralConfig", "FlaxMistralForCausalLM"),
+                             "gemma": ("GemmaConfig", "FlaxGemmaForCausalLM")}[kind]
+    if kind == "qwen2":  # Qwen2 = Llama with q/k/v biases and none on o_proj: Llama's biased attention, o's bias 0
+        changes = {"attention_bias": True, **changes}
+    if kind == "gemma":
+        changes = {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh", **changes}
     config = getattr(transformers, config_cls)(**{**SHAPE, **changes})
     model = getattr(transformers, model_cls)(config, seed=0)
+    if kind == "qwen2":
+        model.params = jax.tree_util.tree_map_with_path(
+            lambda p, x: 0 * x if "o_proj" in jax.tree_util.keystr(p) and "bias" in jax.tree_util.keystr(p) else
+            (x + 0.1 if "bias" in jax.tree_util.keystr(p) else x), model.params)  # nonzero q/k/v biases
     tensors = pytorch_naming(model.params, dtype)
     os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config.torch_dtype = "bfloat16" if dtype != np.float32 else "float32"
+    if kind == "qwen2":
+        tensors = {k: v for k, v in tensors.items() if not k.endswith("o_proj.bias")}
+        config.save_pretrained(path)
+        saved = json.loads(open(os.path.join(path, "config.json")).read())
+        saved.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], attention_bias=False,
+                     use_sliding_window=False, sliding_window=4096)
+        open(os.path.join(path, "config.json"), "w").write(json.dumps(saved))
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return str(path), np.asarray(model(TOKENS).logits, np.float32)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
     # the reference reads the stored values back (bf16 files: the rounded ones), as meshtrain will
     reloaded = getattr(transformers, model_cls).from_pretrained(path, from_pt=True, dtype=jax.numpy.float32)
@@ -66,12 +85,29 @@ def meshtrain_logits(folder, recipe):
         return np.asarray(model(jax.numpy.asarray(TOKENS)))
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma", "qwen2"])
 def test_logits_match_transformers(tmp_path, kind):
     folder, reference = hf_folder(tmp_path / kind, kind)
     for recipe in ("dp", "fsdp_tp"):
         ours = meshtrain_logits(folder, recipe)
         assert np.abs(ours - reference).max() < 1e-4, (kind, recipe, np.abs(ours - reference).max())
+
+
+def test_llama3_rope_scaling_matches_hf_formula():
+    """Llama 3.1's frequency scaling against a numpy transcription of HuggingFace's
+    ``_compute_llama3_parameters`` (transformers' Flax Llama has no rope scaling to compare with)."""
+    from meshtrain.models.decoder import rope_frequencies
+
+    factor, low, high, original, head_dim, theta = 8.0, 1.0, 4.0, 8192, 128, 500000.0
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv_freq
+    llama = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * llama / factor + smooth * llama
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    expected = np.where(medium, smoothed, llama)
+    ours = np.asarray(rope_frequencies(head_dim, theta, (factor, low, high, original)))
+    assert np.allclose(ours, expected, rtol=1e-5) and (ours != inv_freq.astype(np.float32)).sum() > 10
 
 
 def test_import_export_is_bit_exact_and_transformers_loads_it(tmp_path):
@@ -136,14 +172,14 @@ def _wrong_shape(folder):
 
 def _unsupported_field(folder):
     config = json.loads((folder / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (folder / "config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.parametrize("break_it, message", [
     (_index_with_missing_shard, "model-00002-of-00002.safetensors' is missing"),
     (_wrong_shape, "tensor 'model.norm.weight' has shape (31,); config.json implies (32,)"),
-    (_unsupported_field, "rope_scaling={'rope_type': 'llama3', 'factor': 8.0} is not supported"),
+    (_unsupported_field, "rope_scaling={'rope_type': 'yarn', 'factor': 4.0} is not supported"),
 ])
 def test_bad_folders_are_refused_and_nothing_is_written(tmp_path, capsys, break_it, message):
     folder, _ = hf_folder(tmp_path / "src")
@@ -191,3 +227,15 @@ def test_each_device_reads_only_its_blocks(tmp_path, monkeypatch):
                         "fsdp_tp", batch=mt.BatchSpec(8, 16))
     jax.block_until_ready(load_params(folder, plan, cfg))
     assert sum(read) == plan.per_device_bytes()["params"] * plan.num_devices
+
+
+@pytest.mark.parametrize("kind", ["gemma", "qwen2"])
+def test_gemma_and_qwen2_round_trip(tmp_path, kind):
+    folder, _ = hf_folder(tmp_path / "src", kind)
+    import_hf(folder, str(tmp_path / "run"))
+    export_hf(str(tmp_path / "run"), str(tmp_path / "back"))
+    before, after = load_file(os.path.join(folder, "model.safetensors")), load_file(str(tmp_path / "back" /
+                                                                                      "model.safetensors"))
+    assert sorted(before) == sorted(after) and all(np.array_equal(before[k], after[k]) for k in before)
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == kind and config["tie_word_embeddings"] == (kind == "gemma")

@@ -10,7 +10,9 @@ split out, and one array per parameter for all layers, leading ``layers`` axis):
     ...mlp.gate_proj / up_proj.weight        (F, D)      → blocks/mlp/gate_df, up_df[l] (D, F)
     ...mlp.down_proj.weight                  (D, F)      → blocks/mlp/down_fd[l]   (F, D)
     ...input_layernorm / post_attention_layernorm.weight → blocks/attn_norm, mlp_norm/scale[l]
-    model.norm.weight → final_norm/scale;  lm_head.weight (V, D) → lm_head_dv (D, V)
+    model.norm.weight → final_norm/scale;  lm_head.weight (V, D) → lm_head_dv (D, V) (none when tied)
+    Qwen2: ...self_attn.q_proj / k_proj / v_proj.bias (X·H,) → blocks/attn/bq_nh, bk_kh, bv_kh[l] (X, H)
+    Gemma: the same names; its norm weights w are stored as they are (the model computes 1 + w)
     Mixtral: ...block_sparse_moe.gate.weight (E, D) → blocks/mlp/router_de[l] (D, E);
              ...experts.{e}.w1 / w3.weight (F, D) → gate_edf / up_edf[l, e] (D, F); w2 (D, F) → down_efd[l, e]
 
@@ -37,8 +39,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 #: How a meshtrain block (one layer, one expert) is cut from an HF tensor, and written back.
-#: ``T``: transposed matrix; ``HEADS_IN``: (X·H, D) rows → (D, X, H); ``HEADS_OUT``: (D, N·H) → (N, H, D).
-SAME, T, HEADS_IN, HEADS_OUT = "same", "T", "heads_in", "heads_out"
+#: ``T``: transposed matrix; ``HEADS_IN``: (X·H, D) rows → (D, X, H); ``HEADS_OUT``: (D, N·H) → (N, H, D);
+#: ``HEADS_BIAS``: (X·H,) → (X, H).
+SAME, T, HEADS_IN, HEADS_OUT, HEADS_BIAS = "same", "T", "heads_in", "heads_out", "heads_bias"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +58,14 @@ class Mapping:
 def mappings(cfg: DecoderConfig) -> List[Mapping]:
     layer = "model.layers.{l}."
     out = [Mapping("embedding_vd", "model.embed_tokens.weight", SAME, per_layer=False),
-           Mapping("final_norm/scale", "model.norm.weight", SAME, per_layer=False),
-           Mapping("lm_head_dv", "lm_head.weight", T, per_layer=False),
-           Mapping("blocks/attn/wq_dnh", layer + "self_attn.q_proj.weight", HEADS_IN),
+           Mapping("final_norm/scale", "model.norm.weight", SAME, per_layer=False)]
+    if not cfg.tie_embeddings:
+        out.append(Mapping("lm_head_dv", "lm_head.weight", T, per_layer=False))
+    if cfg.qkv_bias:
+        out += [Mapping("blocks/attn/bq_nh", layer + "self_attn.q_proj.bias", HEADS_BIAS),
+                Mapping("blocks/attn/bk_kh", layer + "self_attn.k_proj.bias", HEADS_BIAS),
+                Mapping("blocks/attn/bv_kh", layer + "self_attn.v_proj.bias", HEADS_BIAS)]
+    out += [Mapping("blocks/attn/wq_dnh", layer + "self_attn.q_proj.weight", HEADS_IN),
            Mapping("blocks/attn/wk_dkh", layer + "self_attn.k_proj.weight", HEADS_IN),
            Mapping("blocks/attn/wv_dkh", layer + "self_attn.v_proj.weight", HEADS_IN),
            Mapping("blocks/attn/wo_nhd", layer + "self_attn.o_proj.weight", HEADS_OUT),
@@ -85,6 +93,8 @@ def hf_shape(kind: str, block_shape: Sequence[int]) -> Tuple[int, ...]:
     if kind == HEADS_IN:
         d, x, h = block_shape
         return (x * h, d)
+    if kind == HEADS_BIAS:
+        return (block_shape[0] * block_shape[1],)
     d_ = block_shape[2]
     return (d_, block_shape[0] * block_shape[1])
 
@@ -102,6 +112,11 @@ def cut(kind: str, tensor, index: Tuple[slice, ...], block_shape: Sequence[int])
         x0, x1, _ = x_sl.indices(block_shape[1])
         rows = np.asarray(tensor[x0 * h:x1 * h, d_sl])
         return rows.reshape(x1 - x0, h, -1)[:, h_sl, :].transpose(2, 0, 1)
+    if kind == HEADS_BIAS:  # (X·H,) → (X, H)
+        x_sl, h_sl = index
+        h = block_shape[1]
+        x0, x1, _ = x_sl.indices(block_shape[0])
+        return np.asarray(tensor[x0 * h:x1 * h]).reshape(x1 - x0, h)[:, h_sl]
     n_sl, h_sl, d_sl = index  # HEADS_OUT: (D, N·H) → (N, H, D)
     h = block_shape[1]
     n0, n1, _ = n_sl.indices(block_shape[0])
@@ -118,6 +133,8 @@ def to_hf(kind: str, block: np.ndarray) -> np.ndarray:
     if kind == HEADS_IN:
         d, x, h = block.shape
         return block.transpose(1, 2, 0).reshape(x * h, d)
+    if kind == HEADS_BIAS:
+        return block.reshape(-1)
     n, h, d = block.shape
     return block.transpose(2, 0, 1).reshape(d, n * h)
 

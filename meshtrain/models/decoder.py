@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,8 @@ from meshtrain.parallel.attention import attention
 from meshtrain.parallel.context import layout_positions
 
 RESIDUAL = ("batch", "residual_seq", "embed")
+#: The MLP gate's activation by name (GeGLU's gelu is the tanh approximation, as Gemma's).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +60,21 @@ class DecoderConfig:
     router_aux_coef: float = 0.01
     router_z_coef: float = 0.001
     router_norm_topk: bool = True  # renormalise the chosen experts' scores (Mixtral, Qwen3); False: raw
+    # Variants of published families (meshtrain.hf imports them; the defaults are Llama's):
+    qkv_bias: bool = False             # biases on the q/k/v projections (Qwen2)
+    norm_offset: float = 0.0           # RMSNorm multiplies by offset + scale (Gemma: 1, its weights stored so)
+    embed_scale: float = 1.0           # embeddings multiplied by this (Gemma: sqrt(d_model))
+    mlp_activation: str = "silu"       # the gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    tied_head_scale: Optional[float] = None  # tied logits' factor (None: d_model^-0.5; HuggingFace: 1)
+    #: Llama 3.1's rotary frequency scaling (factor, low_freq_factor, high_freq_factor, original context)
+    rope_scaling: Optional[Tuple[float, float, float, int]] = None
 
     def __post_init__(self):
+        if self.rope_scaling is not None:  # (a list when read back from JSON)
+            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
+        if self.mlp_activation not in ACTIVATIONS:
+            raise ConfigError(f"mlp_activation={self.mlp_activation!r} of model {self.name!r}: use one of "
+                              f"{sorted(ACTIVATIONS)}")
         if self.n_experts:
             self.moe()  # validates top-k, capacity and widths with errors naming the field
 
@@ -75,7 +90,8 @@ class DecoderConfig:
         """All parameters, or (``active=True``) those one token uses: MoE blocks count the router,
         ``experts_per_token`` routed experts and the shared ones."""
         d, l = self.d_model, self.n_layers
-        attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn = (d + int(self.qkv_bias)) * self.head_dim * (self.n_heads + 2 * self.n_kv_heads) + \
+            d * self.head_dim * self.n_heads
         moe = self.moe()
         mlp = 3 * d * self.d_ff if moe is None else (moe.active_params() if active else moe.num_params())
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -95,20 +111,38 @@ def _param(rngs, init, shape, names):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, d: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), out_sharding=("embed",))
-        self.eps = eps
+    """``x / rms(x) * (offset + scale)`` in f32; ``offset`` 1 with scales stored from 0 (Gemma)."""
+
+    def __init__(self, d: int, eps: float, offset: float = 0.0):
+        self.scale = nnx.Param(jnp.full((d,), 1.0 - offset, jnp.float32), out_sharding=("embed",))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x_btd):
         x = x_btd.astype(jnp.float32)
         y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (scale + self.offset if self.offset else scale)).astype(x_btd.dtype)
 
 
-def rope(x_btnh, positions_bt, theta: float):
-    """Rotary embedding on the last dim (split-halves convention), in f32."""
-    half = x_btnh.shape[-1] // 2
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[Tuple[float, float, float, int]] = None):
+    """``(head_dim // 2,)`` rotary frequencies; ``scaling`` = Llama 3.1's (factor, low_freq_factor,
+    high_freq_factor, original context): long wavelengths divided by ``factor``, short ones kept, a
+    smooth blend between."""
+    half = head_dim // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelength = 2 * jnp.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelength > original / low, inv_freq / factor,
+                     jnp.where(wavelength < original / high, inv_freq, blended))
+
+
+def rope(x_btnh, positions_bt, theta: float, scaling: Optional[Tuple[float, float, float, int]] = None):
+    """Rotary embedding on the last dim (split-halves convention, as HuggingFace's rotate_half), in f32."""
+    inv_freq = rope_frequencies(x_btnh.shape[-1], theta, scaling)
     angle_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     sin, cos = jnp.sin(angle_bth)[:, :, None, :], jnp.cos(angle_bth)[:, :, None, :]
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
@@ -122,38 +156,50 @@ class Attention(nnx.Module):
         self.wk_dkh = _param(rngs, _init(0, (1, 2)), (d, k, h), ("embed", "kv_heads", "head_dim"))
         self.wv_dkh = _param(rngs, _init(0, (1, 2)), (d, k, h), ("embed", "kv_heads", "head_dim"))
         self.wo_nhd = _param(rngs, _init((0, 1), 2), (n, h, d), ("heads", "head_dim", "embed"))
-        self.theta = cfg.rope_theta
+        if cfg.qkv_bias:
+            zeros = jax.nn.initializers.zeros
+            self.bq_nh = _param(rngs, zeros, (n, h), ("heads", "head_dim"))
+            self.bk_kh = _param(rngs, zeros, (k, h), ("kv_heads", "head_dim"))
+            self.bv_kh = _param(rngs, zeros, (k, h), ("kv_heads", "head_dim"))
+        self.theta, self.rope_scaling, self.qkv_bias = cfg.rope_theta, cfg.rope_scaling, cfg.qkv_bias
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt):
-        q = constrain(jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...]), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...]), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...]), ("batch", "seq", "kv_heads", "head_dim"))
-        q, k = rope(q, positions_bt, self.theta), rope(k, positions_bt, self.theta)
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...])
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...])
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...])
+        if self.qkv_bias:
+            q, k, v = q + self.bq_nh[...], k + self.bk_kh[...], v + self.bv_kh[...]
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q, k = rope(q, positions_bt, self.theta, self.rope_scaling), rope(k, positions_bt, self.theta, self.rope_scaling)
         o = attention(q, k, v, segment_ids_bt=segment_ids_bt)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...])
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``mlp`` is the column/row split axis."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (GeGLU with ``mlp_activation="gelu_tanh"``); ``mlp`` is
+    the column/row split axis."""
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
         self.gate_df = _param(rngs, _init(0, 1), (d, f), ("embed", "mlp"))
         self.up_df = _param(rngs, _init(0, 1), (d, f), ("embed", "mlp"))
         self.down_fd = _param(rngs, _init(0, 1), (f, d), ("mlp", "embed"))
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x_btd):
-        h_btf = jax.nn.silu(x_btd @ self.gate_df[...]) * (x_btd @ self.up_df[...])
+        h_btf = ACTIVATIONS[self.activation](x_btd @ self.gate_df[...]) * (x_btd @ self.up_df[...])
         h_btf = constrain(h_btf, ("batch", "seq", "mlp"))
         return h_btf @ self.down_fd[...]
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg, rngs) if not cfg.n_experts else MoE(cfg.moe(), rngs)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt):
@@ -175,7 +221,7 @@ class Decoder(nnx.Module):
             return Block(cfg, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, _init(0, 1), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
@@ -187,8 +233,7 @@ class Decoder(nnx.Module):
                              f"model {cfg.name!r}")
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(layout_positions(tokens_bt.shape[1]), tokens_bt.shape)
-        table_vd = self.embedding_vd[...]
-        x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), RESIDUAL)
+        x_btd = self.embed(tokens_bt)
 
         graphdef, layers = nnx.split(self.blocks)
 
@@ -201,9 +246,23 @@ class Decoder(nnx.Module):
         x_btd, stats = scan_layers(layer, x_btd, layers)
         if stats:  # their mean over layers, for the loss (meshtrain.models.moe.pop_moe_stats)
             self.moe_stats = nnx.Intermediate({k: jnp.mean(v) for k, v in stats.items()})
+        return self.head(x_btd)
+
+    def embed(self, tokens_bt):
+        """Token ids → the residual stream (``embed_scale`` × the embedding rows)."""
+        x_btd = jnp.take(self.embedding_vd[...], tokens_bt, axis=0)
+        if self.cfg.embed_scale != 1.0:
+            x_btd = x_btd * jnp.asarray(self.cfg.embed_scale, x_btd.dtype)
+        return constrain(x_btd, RESIDUAL)
+
+    def head(self, x_btd):
+        """Final norm and the vocabulary projection (tied: the embedding, times ``tied_head_scale``)."""
+        cfg = self.cfg
         x_btd = self.final_norm(x_btd)
         if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x_btd, table_vd) * cfg.d_model ** -0.5
+            scale = cfg.d_model ** -0.5 if cfg.tied_head_scale is None else cfg.tied_head_scale
+            logits = jnp.einsum("btd,vd->btv", x_btd, self.embedding_vd[...])
+            logits = logits * scale if scale != 1.0 else logits
         else:
             logits = x_btd @ self.lm_head_dv[...]
         return constrain(logits, ("batch", "seq", "vocab"))
@@ -222,8 +281,7 @@ class Decoder(nnx.Module):
                               f"model {self.cfg.name!r}")
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(layout_positions(tokens_bt.shape[1]), tokens_bt.shape)
-        x_btd = constrain(jnp.take(self.embedding_vd[...], tokens_bt, axis=0), RESIDUAL)
-        return x_btd, {"positions": positions_bt, "segment_ids": segment_ids_bt}
+        return self.embed(tokens_bt), {"positions": positions_bt, "segment_ids": segment_ids_bt}
 
     def pipeline_sown(self, values):
         """What ``__call__`` keeps of its layers' stored values, from one micro-batch's ``values`` (the
@@ -236,12 +294,7 @@ class Decoder(nnx.Module):
                                                for k in found[0]})
 
     def pipeline_after(self, x_btd, side):
-        x_btd = self.final_norm(x_btd)
-        if self.cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x_btd, self.embedding_vd[...]) * self.cfg.d_model ** -0.5
-        else:
-            logits = x_btd @ self.lm_head_dv[...]
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return self.head(x_btd)
 
 
 def _pipeline_layer(block, x_btd, side):
