@@ -1,0 +1,124 @@
+"""How generation stores the weights: as trained, bf16, or int8 weight-only.
+
+``int8``: each matrix is stored as int8 with one f32 scale per output channel (symmetric:
+``scale = max|w| / 127`` over the dimensions the matmul contracts), and dequantised inside the
+compiled step right where it is used (``q * scale``, which XLA fuses into the matmul's operand where
+the backend can). Norm scales and the MoE router stay in f32 (tiny; routing is sensitive). The
+embedding table gets one scale per row (a row is a token's vector and, when tied, the head's output
+channel).
+
+Example::
+
+    params = store_weights(params, WeightFormat.INT8)     # on the plan's shardings
+    weight_bytes_per_device(params)                       # from the arrays' shardings
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.errors import ConfigError
+
+
+class WeightFormat(str, enum.Enum):
+    NONE = "none"    # as restored / trained (f32 unless the recipe keeps 16-bit parameters)
+    BF16 = "bf16"
+    INT8 = "int8"
+
+
+#: the dimensions each built-in decoder weight contracts in its matmul (negative: a leading ``layers``
+#: axis does not move them); the scale has one value per remaining (output) index
+CONTRACTED: Dict[str, Tuple[int, ...]] = {
+    "wq_dnh": (-3,), "wk_dkh": (-3,), "wv_dkh": (-3,), "wo_nhd": (-3, -2),
+    "gate_df": (-2,), "up_df": (-2,), "down_fd": (-2,),
+    "shared_gate_df": (-2,), "shared_up_df": (-2,), "shared_down_fd": (-2,),
+    "gate_edf": (-2,), "up_edf": (-2,), "down_efd": (-2,),
+    "lm_head_dv": (-2,), "embedding_vd": (-1,),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """``q`` (int8, the weight's shape and sharding) times ``scale`` (f32, 1 on the contracted dims)."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, dtype=jnp.float32):
+        return self.q.astype(dtype) * self.scale.astype(dtype)
+
+
+def _quantize(w, axes):
+    axes = tuple(a % w.ndim for a in axes)
+    scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes, keepdims=True) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(w.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
+    return Int8Weight(q, scale)
+
+
+def _scale_sharding(sh: NamedSharding, ndim: int, axes) -> NamedSharding:
+    spec = list(sh.spec) + [None] * (ndim - len(sh.spec))
+    for a in axes:
+        spec[a % ndim] = None
+    return NamedSharding(sh.mesh, PartitionSpec(*spec))
+
+
+def _walk(params, fn, path=()):
+    if isinstance(params, dict):
+        return {k: _walk(v, fn, path + (k,)) for k, v in params.items()}
+    return fn(path, params)
+
+
+def store_weights(params, fmt: "WeightFormat | str"):
+    """``params`` (nested dict of sharded arrays) in format ``fmt``; every array keeps its sharding."""
+    try:
+        fmt = WeightFormat(fmt)
+    except ValueError:
+        raise ConfigError(f"--quantize {fmt!r}: use one of {[f.value for f in WeightFormat]}") from None
+    if fmt is WeightFormat.NONE:
+        return params
+    if fmt is WeightFormat.BF16:
+        return jax.tree.map(lambda w: _cast(w, jnp.bfloat16) if jnp.issubdtype(w.dtype, jnp.floating) else w, params)
+
+    def one(path, w):
+        axes = CONTRACTED.get(path[-1])
+        if axes is None or w.ndim < 2:
+            return w
+        sh = w.sharding
+        out = jax.jit(lambda x: _quantize(x, axes),
+                      out_shardings=Int8Weight(sh, _scale_sharding(sh, w.ndim, axes)))(w)
+        return out
+
+    return _walk(params, one)
+
+
+def _cast(w, dtype):
+    return jax.jit(lambda x: x.astype(dtype), out_shardings=w.sharding)(w)
+
+
+def dequantize(params, dtype=jnp.float32):
+    """Inside a step: every :class:`Int8Weight` as a ``dtype`` array (others unchanged)."""
+    return jax.tree.map(lambda x: x.dequantize(dtype) if isinstance(x, Int8Weight) else x, params,
+                        is_leaf=lambda x: isinstance(x, Int8Weight))
+
+
+def weight_bytes_per_device(params) -> int:
+    """Bytes of the weights one device holds, from each array's sharding (its shard shape × itemsize)."""
+    total = 0
+    for x in jax.tree.leaves(params):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def shardings_of(params) -> Any:
+    """The tree of each leaf's sharding (for ``jit`` ``in_shardings``)."""
+    return jax.tree.map(lambda x: x.sharding, params)
