@@ -1,11 +1,12 @@
 """How generation stores the weights: as trained, bf16, or int8 weight-only.
 
-``int8``: each matrix is stored as int8 with one f32 scale per output channel (symmetric:
-``scale = max|w| / 127`` over the dimensions the matmul contracts), and dequantised inside the
-compiled step right where it is used (``q * scale``, which XLA fuses into the matmul's operand where
-the backend can). Norm scales and the MoE router stay in f32 (tiny; routing is sensitive). The
-embedding table gets one scale per row (a row is a token's vector and, when tied, the head's output
-channel).
+``int8``: each matrix is stored as int8 with one bf16 scale per output channel (symmetric:
+``scale = max|w| / 127`` over the dimensions the matmul contracts), and dequantised to bf16 inside
+the compiled step right where it is used (``q * scale``, which XLA fuses into the matmul's operand
+where the backend can); the other weights (norm scales, the MoE router) are stored in bf16 as in
+``bf16``. The embedding table gets one scale per row (a row is a token's vector and, when tied, the
+head's output channel). The scales replicate over the mesh axes that shard a contracted dimension, so
+their share of a device's bytes grows with those axes (e.g. ``fsdp``).
 
 Example::
 
@@ -48,7 +49,7 @@ CONTRACTED: Dict[str, Tuple[int, ...]] = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
-    """``q`` (int8, the weight's shape and sharding) times ``scale`` (f32, 1 on the contracted dims)."""
+    """``q`` (int8, the weight's shape and sharding) times ``scale`` (bf16, 1 on the contracted dims)."""
 
     q: jax.Array
     scale: jax.Array
@@ -62,7 +63,7 @@ def _quantize(w, axes):
     scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes, keepdims=True) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale)
     q = jnp.clip(jnp.round(w.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
-    return Int8Weight(q, scale)
+    return Int8Weight(q, scale.astype(jnp.bfloat16))
 
 
 def _scale_sharding(sh: NamedSharding, ndim: int, axes) -> NamedSharding:
@@ -86,13 +87,10 @@ def store_weights(params, fmt: "WeightFormat | str"):
         raise ConfigError(f"--quantize {fmt!r}: use one of {[f.value for f in WeightFormat]}") from None
     if fmt is WeightFormat.NONE:
         return params
-    if fmt is WeightFormat.BF16:
-        return jax.tree.map(lambda w: _cast(w, jnp.bfloat16) if jnp.issubdtype(w.dtype, jnp.floating) else w, params)
-
     def one(path, w):
         axes = CONTRACTED.get(path[-1])
-        if axes is None or w.ndim < 2:
-            return w
+        if fmt is WeightFormat.BF16 or axes is None or w.ndim < 2:
+            return _cast(w, jnp.bfloat16) if jnp.issubdtype(w.dtype, jnp.floating) else w
         sh = w.sharding
         out = jax.jit(lambda x: _quantize(x, axes),
                       out_shardings=Int8Weight(sh, _scale_sharding(sh, w.ndim, axes)))(w)
