@@ -18,7 +18,7 @@ from meshtrain.distributed import add_distributed_args
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
 
-COMMANDS = ("recipes", "plan", "train", "ckpt", "launch")
+COMMANDS = ("recipes", "plan", "train", "ckpt", "launch", "generate")
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:

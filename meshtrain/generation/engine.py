@@ -60,6 +60,32 @@ def generation_config(cfg: DecoderConfig) -> DecoderConfig:
     return dataclasses.replace(cfg, capacity_factor=None) if cfg.n_experts else cfg
 
 
+def check_prompts(cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
+    """The prompts as lists of ints, or a ``ConfigError`` naming the prompt and what to change."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens!r}: use an integer >= 0")
+    if not prompts:
+        raise ConfigError("no prompts: give at least one (--prompt, --prompt-ids or --prompts)")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = [int(t) for t in p]
+        if not ids:
+            raise ConfigError(f"prompt {i} is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i}: token id {bad[0]} is outside the vocabulary of model {cfg.name!r} "
+                              f"(0..{cfg.vocab_size - 1})")
+        if len(ids) > cfg.max_seq_len:
+            raise ConfigError(f"prompt {i} has {len(ids)} tokens, more than max_seq_len {cfg.max_seq_len} of "
+                              f"model {cfg.name!r}; shorten it")
+        if len(ids) + max_new_tokens > cfg.max_seq_len:
+            raise ConfigError(f"prompt {i} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds "
+                              f"max_seq_len {cfg.max_seq_len} of model {cfg.name!r}; use --max-new-tokens <= "
+                              f"{cfg.max_seq_len - len(ids)}")
+        out.append(ids)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """One prompt's result. ``new_logprobs[i]``: log p(new_ids[i]) under the model (before temperature,
@@ -164,30 +190,7 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------------
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
-        """The prompts as lists of ints, or a ``ConfigError`` naming the prompt and what to change."""
-        cfg = self.cfg
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ConfigError(f"--max-new-tokens {max_new_tokens!r}: use an integer >= 0")
-        if not prompts:
-            raise ConfigError("no prompts: give at least one (--prompt, --prompt-ids or --prompts)")
-        out = []
-        for i, p in enumerate(prompts):
-            ids = [int(t) for t in p]
-            if not ids:
-                raise ConfigError(f"prompt {i} is empty: give at least one token")
-            bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-            if bad:
-                raise ConfigError(f"prompt {i}: token id {bad[0]} is outside the vocabulary of model {cfg.name!r} "
-                                  f"(0..{cfg.vocab_size - 1})")
-            if len(ids) > cfg.max_seq_len:
-                raise ConfigError(f"prompt {i} has {len(ids)} tokens, more than max_seq_len {cfg.max_seq_len} of "
-                                  f"model {cfg.name!r}; shorten it")
-            if len(ids) + max_new_tokens > cfg.max_seq_len:
-                raise ConfigError(f"prompt {i} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds "
-                                  f"max_seq_len {cfg.max_seq_len} of model {cfg.name!r}; use --max-new-tokens <= "
-                                  f"{cfg.max_seq_len - len(ids)}")
-            out.append(ids)
-        return out
+        return check_prompts(self.cfg, prompts, max_new_tokens)
 
     def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(), *,
             stop_ids: Sequence[int] = (), prompt_logprobs: bool = False, decode=None) -> Output:
