@@ -83,3 +83,21 @@ def test_missing_run_folder_is_one_line_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"error: {tmp_path / 'nothing'} does not exist; pass a run folder or "
                                                f"its checkpoints/ folder"]
+
+
+def test_bench_generate_runs_and_prints_its_figures():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_generate.py"), "--models", "tiny",
+                         "--recipes", "dp", "tp", "--batch-sizes", "1", "8", "--prompt-len", "8", "--new-tokens", "4",
+                         "--repeats", "1", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    cells = [json.loads(line) for line in out.stdout.splitlines()[1:]]
+    assert [(c["recipe"], c["batch"], c["padded"]) for c in cells] == [("dp", 1, 8), ("dp", 8, 8), ("tp", 1, 1),
+                                                                       ("tp", 8, 8)]
+    for c in cells:  # figures, not bounds: the speeds are printed, never compared
+        assert c["prefill_tokens_per_s"] > 0 and c["decode_tokens_per_s"] > 0 and c["per_token_ms"] > 0
+    # tp splits the weights and the cache's kv_heads over 8 devices; dp replicates them
+    assert cells[2]["weight_bytes_per_device"] < cells[0]["weight_bytes_per_device"] / 4
+    assert cells[3]["cache_bytes_per_device"] == cells[1]["cache_bytes_per_device"]  # 8 rows: batch or heads / 8
