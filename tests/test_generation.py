@@ -144,3 +144,23 @@ def test_pipeline_trained_run_generates_after_restore_on_a_non_pipeline_mesh(tmp
     assert [g.new_ids for g in tp.generate(["def main(", "import os"], 5).generations] == [g.new_ids for g in out]
     with pytest.raises(mt.RecipeError, match="without a pipeline"):
         load(run, recipe="pp")
+
+
+@pytest.mark.parametrize("recipe", ["fsdp_tp", "fsdp_ep"])
+def test_planned_generation_bytes_equal_the_arrays_and_int8_halves_bf16(recipe):
+    from meshtrain.generation.memory import generation_bytes
+
+    name = "tiny-moe" if recipe.endswith("ep") else "tiny"
+    model = make_model(name)
+    measured = {}
+    for fmt in WeightFormat:
+        loaded = load(model, recipe=recipe, quantize=fmt)
+        measured[fmt.value] = loaded.engine.weight_bytes_per_device()
+    plan = loaded.engine.plan
+    planned = generation_bytes(model.cfg, plan, batch=3, seq=40)
+    assert {f: planned[f"weights_{f}"] for f in measured} == measured
+    assert 0.5 < planned["weights_int8"] / planned["weights_bf16"] < 0.6
+    cache = loaded.engine.cache_bytes_per_device(3, 40)  # int8 engine: a bf16 cache
+    rows = loaded.engine.padded_batch(3)  # a multiple of the data-parallel size (fsdp_tp: 4, fsdp_ep: 8)
+    c = model.cfg
+    assert planned["kv_cache_bf16"] == cache == 2 * c.n_layers * rows * 40 * c.n_kv_heads * c.head_dim * 2 // 8

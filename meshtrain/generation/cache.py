@@ -71,8 +71,18 @@ def empty_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32) -> K
                    jax.device_put(jnp.asarray(pad, jnp.int32), sh.pad))
 
 
+def shard_elements(shape, spec, mesh_sizes) -> int:
+    """Elements of one device's shard of an array of ``shape`` laid out by ``spec`` on a mesh of ``mesh_sizes``
+    (works for an ``AbstractMesh`` plan too: no devices needed)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    n = 1
+    for dim, entry in zip(shape, entries):
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        n *= -(-dim // math.prod(mesh_sizes[a] for a in axes))
+    return n
+
+
 def cache_bytes_per_device(cfg: DecoderConfig, plan, batch: int, seq: int, dtype: Any = jnp.float32) -> int:
-    """Bytes of ``k`` + ``v`` one device holds (its shard's shape × itemsize)."""
+    """Bytes of ``k`` + ``v`` one device holds (its shard's elements × itemsize)."""
     shape = cache_shape(cfg, batch, seq)
-    shard = NamedSharding(plan.mesh, cache_spec(cfg, plan, batch, seq)).shard_shape(shape)
-    return 2 * math.prod(shard) * np.dtype(dtype).itemsize
+    return 2 * shard_elements(shape, cache_spec(cfg, plan, batch, seq), plan.mesh_sizes) * np.dtype(dtype).itemsize

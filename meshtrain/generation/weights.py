@@ -87,20 +87,21 @@ def store_weights(params, fmt: "WeightFormat | str"):
         raise ConfigError(f"--quantize {fmt!r}: use one of {[f.value for f in WeightFormat]}") from None
     if fmt is WeightFormat.NONE:
         return params
-    def one(path, w):
+
+    def convert(path, w):
         axes = CONTRACTED.get(path[-1])
-        if fmt is WeightFormat.BF16 or axes is None or w.ndim < 2:
-            return _cast(w, jnp.bfloat16) if jnp.issubdtype(w.dtype, jnp.floating) else w
-        sh = w.sharding
-        out = jax.jit(lambda x: _quantize(x, axes),
-                      out_shardings=Int8Weight(sh, _scale_sharding(sh, w.ndim, axes)))(w)
-        return out
+        if fmt is WeightFormat.INT8 and axes is not None and w.ndim >= 2:
+            return _quantize(w, axes)
+        return w.astype(jnp.bfloat16) if jnp.issubdtype(w.dtype, jnp.floating) else w
 
-    return _walk(params, one)
+    def placed(path, w):  # where each converted leaf lives: the weight's sharding (scales: see _scale_sharding)
+        axes = CONTRACTED.get(path[-1])
+        if fmt is WeightFormat.INT8 and axes is not None and w.ndim >= 2:
+            return Int8Weight(w.sharding, _scale_sharding(w.sharding, w.ndim, axes))
+        return w.sharding
 
-
-def _cast(w, dtype):
-    return jax.jit(lambda x: x.astype(dtype), out_shardings=w.sharding)(w)
+    # one compiled conversion for the whole tree, each leaf written straight into its shards
+    return jax.jit(lambda p: _walk(p, convert), out_shardings=_walk(params, placed))(params)
 
 
 def dequantize(params, dtype=jnp.float32):
