@@ -101,3 +101,20 @@ def test_bench_generate_runs_and_prints_its_figures():
     # tp splits the weights and the cache's kv_heads over 8 devices; dp replicates them
     assert cells[2]["weight_bytes_per_device"] < cells[0]["weight_bytes_per_device"] / 4
     assert cells[3]["cache_bytes_per_device"] == cells[1]["cache_bytes_per_device"]  # 8 rows: batch or heads / 8
+
+
+def test_plan_generate_shows_weights_and_kv_cache_per_device():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    plan = [sys.executable, "-m", "meshtrain", "plan", "--model", "small", "--batch-size", "8", "--seq-len", "512",
+            "--generate"]
+    out = processes.run(plan + ["--recipe", "fsdp_tp", "--json"], capture_output=True, text=True, env=env, cwd=ROOT,
+                        timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    g = json.loads(out.stdout)["generation"]
+    assert g["weights_bf16"] * 2 == g["weights_none"] and 0.5 < g["weights_int8"] / g["weights_bf16"] < 0.52
+    # 2 (k, v) × 4 layers × 8 rows × 512 slots × 8 kv heads × 16 × 4 bytes, over fsdp=4 (rows) × tensor=2 (heads)
+    assert g["kv_cache"] == 2 * 4 * 8 * 512 * 8 * 16 * 4 // 8 and g["kv_cache_bf16"] * 2 == g["kv_cache"]
+    refused = processes.run(plan + ["--recipe", "pp", "--batch-size", "16"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --generate with recipe 'pp'"), refused.stderr

@@ -48,7 +48,7 @@ from meshtrain.data.mlm import KEYS
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
 from meshtrain.models import BertConfig, DecoderConfig, ViTConfig, get_config, model_factory
-from meshtrain.plan import make_plan
+from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import check_recipe_overrides
 
@@ -413,7 +413,6 @@ def run(args) -> int:
 def _with_generation(out, plan, choice, args):
     """``--generate``: the report with the generation figures (:mod:`meshtrain.generation.memory`)."""
     from meshtrain.generation.memory import generation_bytes  # lazy: off the CLI's path
-    from meshtrain.plan import fmt_bytes
 
     if not isinstance(choice.cfg, DecoderConfig):
         raise ConfigError(f"--generate needs a built-in decoder (tiny, small, llama3-8b, ...), not {choice.name!r}")
