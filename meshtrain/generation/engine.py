@@ -68,7 +68,11 @@ def check_prompts(cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_
         raise ConfigError("no prompts: give at least one (--prompt, --prompt-ids or --prompts)")
     out = []
     for i, p in enumerate(prompts):
-        ids = [int(t) for t in p]
+        try:
+            ids = [int(t) for t in p]
+        except (TypeError, ValueError):
+            raise ConfigError(f"prompt {i}: give text (with a tokenizer) or a list of integer token ids, not "
+                              f"{str(p)[:40]!r}") from None
         if not ids:
             raise ConfigError(f"prompt {i} is empty: give at least one token")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
