@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -45,10 +44,9 @@ from jax.sharding import NamedSharding
 from meshtrain.abstract import abstract_state
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
-from meshtrain.generation.cache import REPLICATE_OK, KVCache, cache_bytes_per_device, cache_shardings, empty_cache
+from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device, empty_cache
 from meshtrain.generation.sampling import Sampling, choose, token_logprobs
-from meshtrain.generation.weights import (WeightFormat, dequantize, shardings_of, store_weights,
-                                          weight_bytes_per_device)
+from meshtrain.generation.weights import WeightFormat, dequantize, store_weights, weight_bytes_per_device
 from meshtrain.models.configs import model_factory
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.precision import cast_floats

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +117,3 @@ def weight_bytes_per_device(params) -> int:
         total += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
     return total
 
-
-def shardings_of(params) -> Any:
-    """The tree of each leaf's sharding (for ``jit`` ``in_shardings``)."""
-    return jax.tree.map(lambda x: x.sharding, params)
