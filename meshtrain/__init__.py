@@ -33,6 +33,7 @@ from meshtrain.losses import LossFn, next_token_loss
 from meshtrain.train.hooks import Hook
 from meshtrain.train.loop import StepInfo, Stop
 from meshtrain.train.step import NonFinite, make_eval_step, make_grad_fn, make_train_step
+from meshtrain.generation import generate
 
 __version__ = "0.1.0"
 
@@ -47,5 +48,5 @@ __all__ = [
     "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
     "sequence_permutation", "PipelineParts", "Schedule", "LayerLoop", "Offload", "master_weights", "scan_layers",
     "Strategy", "DataParallel", "FSDP", "ZeRO", "ZeroStage", "HSDP", "Tensor", "Context", "ContextKind", "LoadBalance",
-    "FlashBackend", "Expert", "Pipeline", "LocalAttention",
+    "FlashBackend", "Expert", "Pipeline", "LocalAttention", "generate",
 ]

@@ -18,7 +18,7 @@ from meshtrain.distributed import add_distributed_args
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
 
-COMMANDS = ("recipes", "plan", "train", "ckpt", "launch", "data", "import", "export")
+COMMANDS = ("recipes", "plan", "train", "generate", "ckpt", "launch", "data", "import", "export")
 #: Sub-commands whose module name differs from the command (``import`` is a keyword).
 _MODULES = {"import": "hf_import", "export": "hf_export"}
 

@@ -52,7 +52,7 @@ from meshtrain.data.mlm import KEYS
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
 from meshtrain.models import BertConfig, DecoderConfig, ViTConfig, get_config, model_factory
-from meshtrain.plan import make_plan
+from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import check_recipe_overrides
 
@@ -95,6 +95,9 @@ def add_parser(sub):
                    help="with --check tpu: fake TPU topology, e.g. v5e:4x4 or v5p:2x2x2 (default: from "
                         "--hardware and --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--generate", action="store_true",
+                   help="a built-in decoder: also the generation memory per device (weights as trained, bf16, int8; "
+                        "the KV cache of --batch-size rows x --seq-len slots)")
     add_device_args(p)
     p.set_defaults(run=run, setup_devices=False)
 
@@ -442,5 +445,22 @@ def run(args) -> int:
                               + (f" with --loss {args.loss}" if args.loss else "")
                               + f" on the --batch layout failed: {type(exc).__name__}: {exc}; check that the loss "
                                 f"reads the batch's keys and returns (loss_sum, weight[, metrics])") from None
+    if args.generate and args.recipe != "auto":
+        out = _with_generation(out, plan, choice, args)
     print(json.dumps(out, default=str) if args.json else out)
     return 0
+
+
+def _with_generation(out, plan, choice, args):
+    """``--generate``: the report with the generation figures (:mod:`meshtrain.generation.memory`)."""
+    from meshtrain.generation.memory import generation_bytes  # lazy: off the CLI's path
+
+    if not isinstance(choice.cfg, DecoderConfig):
+        raise ConfigError(f"--generate needs a built-in decoder (tiny, small, llama3-8b, ...), not {choice.name!r}")
+    g = generation_bytes(choice.cfg, plan, plan.batch.batch_size, plan.batch.seq_len)
+    if args.json:
+        return {**out, "generation": g}
+    return out + (f"\ngeneration ({g['batch']} rows x {g['seq']} slots), per device: weights "
+                  f"{fmt_bytes(g['weights_none'])} as trained, {fmt_bytes(g['weights_bf16'])} bf16, "
+                  f"{fmt_bytes(g['weights_int8'])} int8; KV cache {fmt_bytes(g['kv_cache'])} "
+                  f"({plan.recipe.compute_dtype}), {fmt_bytes(g['kv_cache_bf16'])} bf16")

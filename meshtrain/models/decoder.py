@@ -30,6 +30,10 @@ from meshtrain.parallel.context import layout_positions
 RESIDUAL = ("batch", "residual_seq", "embed")
 #: The MLP gate's activation by name (GeGLU's gelu is the tanh approximation, as Gemma's).
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+#: One layer's KV cache (generation): the layout of the attention's keys and values.
+CACHE_LAYER = ("batch", "seq", "kv_heads", "head_dim")
+#: The whole cache: one layer's, stacked like the blocks' parameters.
+CACHE = ("layers",) + CACHE_LAYER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +167,7 @@ class Attention(nnx.Module):
             self.bv_kh = _param(rngs, zeros, (k, h), ("kv_heads", "head_dim"))
         self.theta, self.rope_scaling, self.qkv_bias = cfg.rope_theta, cfg.rope_scaling, cfg.qkv_bias
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+    def _qkv(self, x_btd, positions_bt):
         q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...])
         k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...])
         v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...])
@@ -172,10 +176,28 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        q, k = rope(q, positions_bt, self.theta, self.rope_scaling), rope(k, positions_bt, self.theta, self.rope_scaling)
+        return rope(q, positions_bt, self.theta, self.rope_scaling), rope(k, positions_bt, self.theta,
+                                                                          self.rope_scaling), v
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt):
+        q, k, v = self._qkv(x_btd, positions_bt)
         o = attention(q, k, v, segment_ids_bt=segment_ids_bt)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...])
+
+    def cached(self, x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, index):
+        """Attention of ``t`` new tokens written into one layer's KV cache at slot ``index``: returns the
+        output and the updated ``(k, v)`` caches. ``allowed_bts`` says which cache slots each new token
+        sees (left padding and causality; :meth:`Decoder.__call__` with ``cache=`` builds it)."""
+        q, k, v = self._qkv(x_btd, positions_bt)
+        k_bskh = constrain(jax.lax.dynamic_update_slice_in_dim(k_bskh, k.astype(k_bskh.dtype), index, axis=1),
+                           CACHE_LAYER)
+        v_bskh = constrain(jax.lax.dynamic_update_slice_in_dim(v_bskh, v.astype(v_bskh.dtype), index, axis=1),
+                           CACHE_LAYER)
+        o = jax.nn.dot_product_attention(q, k_bskh.astype(q.dtype), v_bskh.astype(q.dtype),
+                                         mask=allowed_bts[:, None]).astype(q.dtype)
+        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...]), k_bskh, v_bskh
 
 
 class MLP(nnx.Module):
@@ -206,6 +228,13 @@ class Block(nnx.Module):
         x_btd = constrain(x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt), RESIDUAL)
         return constrain(x_btd + self.mlp(self.mlp_norm(x_btd)), RESIDUAL)
 
+    def cached(self, x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, index):
+        """:meth:`__call__` for new tokens against this layer's KV cache (see :meth:`Attention.cached`)."""
+        a_btd, k_bskh, v_bskh = self.attn.cached(self.attn_norm(x_btd), positions_bt, allowed_bts, k_bskh, v_bskh,
+                                                 index)
+        x_btd = constrain(x_btd + a_btd, RESIDUAL)
+        return constrain(x_btd + self.mlp(self.mlp_norm(x_btd)), RESIDUAL), k_bskh, v_bskh
+
 
 class Decoder(nnx.Module):
     """Token ids ``(batch, seq)`` → logits ``(batch, seq, vocab)``."""
@@ -226,7 +255,12 @@ class Decoder(nnx.Module):
             self.lm_head_dv = _param(rngs, _init(0, 1), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens_bt, positions_bt: Optional[jax.Array] = None,
-                 segment_ids_bt: Optional[jax.Array] = None):
+                 segment_ids_bt: Optional[jax.Array] = None, *, cache=None):
+        """Logits of ``tokens_bt``; with ``cache=`` (a KV cache, e.g. :class:`meshtrain.generation.KVCache`)
+        ``(logits, cache)`` for generation: see :meth:`cached`. Without a cache this is the training
+        forward pass, unchanged."""
+        if cache is not None:
+            return self.cached(tokens_bt, cache)
         cfg = self.cfg
         if tokens_bt.shape[1] > cfg.max_seq_len:
             raise ConfigError(f"sequence length {tokens_bt.shape[1]} exceeds max_seq_len {cfg.max_seq_len} of "
@@ -266,6 +300,46 @@ class Decoder(nnx.Module):
         else:
             logits = x_btd @ self.lm_head_dv[...]
         return constrain(logits, ("batch", "seq", "vocab"))
+
+    # -- generation: the same layers against a KV cache --------------------------------------------
+    def cached(self, tokens_bt, cache):
+        """``(logits, cache)`` for ``t`` new tokens per row written at cache slot ``cache.index``.
+
+        ``cache`` is a dataclass with ``k`` and ``v`` ``(layers, batch, seq, kv_heads, head_dim)``,
+        ``index`` (int32 scalar: the slot of ``tokens_bt[:, 0]``) and ``pad`` ``(batch,)`` (int32: each
+        row's left padding: slots ``< pad`` hold no token). Prompts are **left-padded**, so every row
+        writes its next token at the same slot; row ``b``'s token at slot ``s`` has position
+        ``s - pad[b]`` and sees the slots ``pad[b] .. s``. Returns the cache with ``k``/``v`` written
+        and ``index`` advanced by ``t`` (``dataclasses.replace``). MoE router statistics are dropped."""
+        cfg = self.cfg
+        t = tokens_bt.shape[1]
+        slots_t = cache.index + jnp.arange(t, dtype=jnp.int32)
+        positions_bt = jnp.maximum(slots_t[None, :] - cache.pad[:, None], 0)
+        keys_s = jnp.arange(cache.k.shape[2], dtype=jnp.int32)
+        allowed_bts = ((keys_s[None, None, :] >= cache.pad[:, None, None])
+                       & (keys_s[None, None, :] <= slots_t[None, :, None]))
+        # a padding slot's query sees itself, so no softmax row is empty (its output is never read)
+        allowed_bts = allowed_bts | (keys_s[None, :] == slots_t[:, None])[None]
+        table_vd = self.embedding_vd[...]
+        x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), RESIDUAL)
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(x_btd, xs):
+            layer_state, k_bskh, v_bskh = xs
+            block = nnx.merge(graphdef, layer_state)
+            x_btd, k_bskh, v_bskh = block.cached(x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, cache.index)
+            if cfg.n_experts:
+                pop_moe_stats(block)  # router statistics are for the training loss
+            return x_btd, (k_bskh, v_bskh)
+
+        x_btd, (k, v) = scan_layers(layer, x_btd, (layers, cache.k, cache.v))
+        x_btd = self.final_norm(x_btd)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x_btd, table_vd) * cfg.d_model ** -0.5
+        else:
+            logits = x_btd @ self.lm_head_dv[...]
+        return (constrain(logits, ("batch", "seq", "vocab")),
+                dataclasses.replace(cache, k=k, v=v, index=cache.index + t))
 
     # -- pipeline contract (meshtrain.parallel.pipeline): the same parts __call__ runs ------------
     def pipeline_parts(self) -> "PipelineParts":

@@ -277,7 +277,8 @@ class Trainer:
 
     def _metadata(self, plan: ShardingPlan) -> Dict[str, Any]:
         return {"recipe": plan.recipe.to_dict(), "mesh": plan.mesh_sizes, "model": self.cfg.model,
-                "seed": self.cfg.seed, "batch_size": self.cfg.batch_size, "seq_len": self.cfg.seq_len,
+                "seed": self.cfg.seed, "data": self.cfg.data,  # the tokenizer of `meshtrain generate`
+                "batch_size": self.cfg.batch_size, "seq_len": self.cfg.seq_len,
                 "num_params": plan.abstract.num_params}
 
     def _initial_state(self, plan: ShardingPlan, ckpt: Optional[Checkpointer], data):

@@ -1,0 +1,248 @@
+"""Prefill and decode: two compiled steps on the training plan's shardings.
+
+* **prefill** runs a batch of (left-padded) prompts through the decoder in one pass, writes every
+  layer's keys and values into the KV cache, returns each prompt token's log-probability given the
+  tokens before it, and chooses the first new token from the last position's logits.
+* **decode** feeds one token per row, writes it at the next cache slot and chooses the next.
+
+Both are ``jax.jit`` s whose parameter shardings are the plan's (the recipe's rules: weights where
+training keeps them), whose cache follows the activation rules (:mod:`meshtrain.generation.cache`)
+and whose activations are constrained exactly as in training (the model's ``constrain`` calls, under
+a step context of the plan). The cache is donated to decode, so it is updated in place.
+
+**Padding**: prompts of different lengths are *left*-padded to the longest; every row then writes its
+next token at the same cache slot, and each row's positions start at 0 at its first real token, so a
+row's tokens and log-probabilities do not depend on the other prompts in the batch (up to float
+rounding). The batch is also padded with one-token dummy rows to a multiple of the recipe's
+data-parallel size (they are dropped from the results).
+
+**Stop tokens**: a row stops after it emits one of ``stop_ids`` (the stop token is included in its
+``new_ids``); the loop ends when every row has stopped or ``max_new_tokens`` are out.
+
+**MoE**: generation routes *dropless* (no expert capacity): capacity drops depend on the other tokens
+of a sequence, future ones included, which one-token decoding cannot reproduce.
+
+Example::
+
+    engine = Engine(cfg, params, plan)
+    out = engine.run([[1, 2, 3], [4, 5]], max_new_tokens=16, sampling=Sampling(temperature=0.7, seed=1))
+    out.generations[0].new_ids
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from meshtrain.abstract import abstract_state
+from meshtrain.annotate import StepContext, step_context
+from meshtrain.errors import ConfigError
+from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device, empty_cache
+from meshtrain.generation.sampling import Sampling, choose, token_logprobs
+from meshtrain.generation.weights import WeightFormat, dequantize, store_weights, weight_bytes_per_device
+from meshtrain.models.configs import model_factory
+from meshtrain.models.decoder import DecoderConfig
+from meshtrain.precision import cast_floats
+from meshtrain.recipes import AttentionKind, Remat
+
+
+def generation_config(cfg: DecoderConfig) -> DecoderConfig:
+    """``cfg`` as generation runs it: MoE layers dropless (see the module docstring)."""
+    return dataclasses.replace(cfg, capacity_factor=None) if cfg.n_experts else cfg
+
+
+def check_prompts(cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
+    """The prompts as lists of ints, or a ``ConfigError`` naming the prompt and what to change."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens!r}: use an integer >= 0")
+    if not prompts:
+        raise ConfigError("no prompts: give at least one (--prompt, --prompt-ids or --prompts)")
+    out = []
+    for i, p in enumerate(prompts):
+        try:
+            ids = [int(t) for t in p]
+        except (TypeError, ValueError):
+            raise ConfigError(f"prompt {i}: give text (with a tokenizer) or a list of integer token ids, not "
+                              f"{str(p)[:40]!r}") from None
+        if not ids:
+            raise ConfigError(f"prompt {i} is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {i}: token id {bad[0]} is outside the vocabulary of model {cfg.name!r} "
+                              f"(0..{cfg.vocab_size - 1})")
+        if len(ids) > cfg.max_seq_len:
+            raise ConfigError(f"prompt {i} has {len(ids)} tokens, more than max_seq_len {cfg.max_seq_len} of "
+                              f"model {cfg.name!r}; shorten it")
+        if len(ids) + max_new_tokens > cfg.max_seq_len:
+            raise ConfigError(f"prompt {i} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds "
+                              f"max_seq_len {cfg.max_seq_len} of model {cfg.name!r}; use --max-new-tokens <= "
+                              f"{cfg.max_seq_len - len(ids)}")
+        out.append(ids)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One prompt's result. ``new_logprobs[i]``: log p(new_ids[i]) under the model (before temperature,
+    top-k, top-p); ``prompt_logprobs[j]``: log p(prompt[j + 1] | prompt[: j + 1]) (when asked for);
+    ``new_text``: the new tokens decoded, when there is a tokenizer; ``stopped``: ended on a stop id."""
+
+    prompt_ids: Tuple[int, ...]
+    new_ids: Tuple[int, ...]
+    new_logprobs: Tuple[float, ...]
+    prompt_logprobs: Optional[Tuple[float, ...]] = None
+    new_text: Optional[str] = None
+    stopped: bool = False
+
+    def to_dict(self) -> Dict:
+        out = {"new_ids": list(self.new_ids)}
+        if self.new_text is not None:
+            out["new_text"] = self.new_text
+        out["new_logprobs"] = list(self.new_logprobs)
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(self.prompt_logprobs)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall seconds of the prefill and of each decode step (each ends when its tokens reach the host)."""
+
+    batch: int
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: Tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    generations: Tuple[Generation, ...]
+    timing: Timing
+
+
+class Engine:
+    """The compiled prefill and decode steps of decoder ``cfg`` with ``params`` (nested dict, any
+    placement: they are put on ``plan.param_shardings``) on ``plan`` (a params plan of the same model:
+    :func:`meshtrain.generation.plan_for`). ``weights``: how they are stored (:class:`WeightFormat`)."""
+
+    def __init__(self, cfg: DecoderConfig, params, plan, *, weights: "WeightFormat | str" = WeightFormat.NONE):
+        self.cfg = generation_config(cfg)
+        self.plan = plan
+        self.weights = WeightFormat(weights)
+        abstract = abstract_state(model_factory(self.cfg))
+        self.graphdef, self.model_state = abstract.graphdef, abstract.model_state
+        placed = jax.device_put(params, plan.param_shardings)
+        self.params = store_weights(placed, self.weights)
+        compute = {WeightFormat.NONE: plan.recipe.compute_dtype}.get(self.weights, "bfloat16")
+        self.compute_dtype = jnp.dtype(compute)
+        r = plan.recipe
+        self.ctx = StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible) | REPLICATE_OK, Remat.NONE,
+                               AttentionKind.DENSE, tuple(r.strategies), r.layer_loop, r.scan_unroll)
+        self.batch_multiple = plan.data_parallel_size
+        self._steps: Dict[Sampling, Tuple] = {}
+
+    # -- figures ----------------------------------------------------------------------------------
+    def weight_bytes_per_device(self) -> int:
+        return weight_bytes_per_device(self.params)
+
+    def cache_bytes_per_device(self, batch: int, seq: int) -> int:
+        return cache_bytes_per_device(self.cfg, self.plan, self.padded_batch(batch), seq, self.compute_dtype)
+
+    def padded_batch(self, batch: int) -> int:
+        return -(-batch // self.batch_multiple) * self.batch_multiple
+
+    # -- the two steps ----------------------------------------------------------------------------
+    def _model(self, params):
+        weights = cast_floats(dequantize(params, self.compute_dtype), self.compute_dtype)
+        return nnx.merge(self.graphdef, weights, self.model_state)
+
+    def _compiled(self, sampling: Sampling):
+        """``(prefill, decode)`` for ``sampling`` (its settings are static: one compile per setting)."""
+        if sampling in self._steps:
+            return self._steps[sampling]
+        ctx = self.ctx
+
+        def prefill(params, tokens_bt, cache, key):
+            with step_context(ctx):
+                logits_btv, cache = self._model(params)(tokens_bt, cache=cache)
+            prompt_lp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:])
+            nxt = choose(logits_btv[:, -1], key, sampling)
+            return nxt, token_logprobs(logits_btv[:, -1], nxt), prompt_lp, cache
+
+        def decode(params, token_b, cache, key):
+            with step_context(ctx):
+                logits_btv, cache = self._model(params)(token_b[:, None], cache=cache)
+            nxt = choose(logits_btv[:, 0], key, sampling)
+            return nxt, token_logprobs(logits_btv[:, 0], nxt), cache
+
+        self._steps[sampling] = (jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)))
+        return self._steps[sampling]
+
+    def _rows(self, batch: int) -> NamedSharding:
+        spec = self.plan.rules.resolve("activations", ("batch", None), (batch, 1), self.plan.mesh_sizes,
+                                       path="tokens").spec
+        return NamedSharding(self.plan.mesh, spec)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
+        return check_prompts(self.cfg, prompts, max_new_tokens)
+
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(), *,
+            stop_ids: Sequence[int] = (), prompt_logprobs: bool = False, decode=None) -> Output:
+        """Generate up to ``max_new_tokens`` for each prompt (token id lists). ``decode``: ids -> text."""
+        prompts = self.check(prompts, max_new_tokens)
+        n = len(prompts)
+        batch = self.padded_batch(n)
+        rows = prompts + [[0]] * (batch - n)
+        longest = max(len(p) for p in rows)
+        pad = np.array([longest - len(p) for p in rows], np.int32)
+        tokens = np.zeros((batch, longest), np.int32)
+        for b, p in enumerate(rows):
+            tokens[b, pad[b]:] = p
+        prefill, decode_step = self._compiled(sampling)
+        cache = empty_cache(self.cfg, self.plan, pad, longest + max(max_new_tokens - 1, 0), self.compute_dtype)
+        row_sh = self._rows(batch)
+        start = time.perf_counter()
+        nxt, lp, prompt_lp, cache = prefill(self.params, jax.device_put(tokens, row_sh), cache, sampling.key(0))
+        new = [np.asarray(nxt)]
+        new_lp = [np.asarray(lp)]
+        prompt_lp = np.asarray(prompt_lp)
+        prefill_s = time.perf_counter() - start
+        stops = np.asarray(list(stop_ids), np.int32)
+        done = np.isin(new[0], stops)
+        done[n:] = True
+        decode_s = []
+        for step in range(1, max_new_tokens):
+            if done.all():
+                break
+            start = time.perf_counter()
+            nxt, lp, cache = decode_step(self.params, nxt, cache, sampling.key(step))
+            new.append(np.asarray(nxt))
+            new_lp.append(np.asarray(lp))
+            decode_s.append(time.perf_counter() - start)
+            done |= np.isin(new[-1], stops)
+        new_bt = np.stack(new, axis=1)[:, :max_new_tokens]
+        lp_bt = np.stack(new_lp, axis=1)[:, :max_new_tokens]
+        gens = tuple(self._result(prompts[b], new_bt[b], lp_bt[b], prompt_lp[b, pad[b]:] if prompt_logprobs else None,
+                                  stops, decode) for b in range(n))
+        return Output(gens, Timing(batch, int(batch * longest), prefill_s, tuple(decode_s)))
+
+    @staticmethod
+    def _result(prompt, new_t, lp_t, prompt_lp, stops, decode) -> Generation:
+        ids, lps, stopped = [], [], False
+        for t, lp in zip(new_t.tolist(), lp_t.tolist()):
+            ids.append(int(t))
+            lps.append(float(lp))
+            if t in stops:
+                stopped = True
+                break
+        return Generation(tuple(prompt), tuple(ids), tuple(lps),
+                          tuple(float(x) for x in prompt_lp) if prompt_lp is not None else None,
+                          decode(ids) if decode is not None else None, stopped)

@@ -1,0 +1,107 @@
+"""A run folder as generation reads it: its model, recipe, tokenizer and one checkpoint step's
+parameters, restored onto a generation plan through the checkpoint's restore-against-a-plan path
+(another recipe, mesh or device count reshards on load; 16-bit runs through their master weights).
+
+The generation recipe: the one asked for, else the run's own, unless it has a pipeline (generation
+runs the layer stack whole on every device group): then ``fsdp`` over the same devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from meshtrain.abstract import abstract_state
+from meshtrain.checkpoint import Checkpointer
+from meshtrain.checkpoint.inspection import read_meta, resolve_directory
+from meshtrain.checkpoint.integrity import step_dirs
+from meshtrain.checkpoint.types import CheckpointError
+from meshtrain.errors import ConfigError, RecipeError
+from meshtrain.generation.engine import generation_config
+from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_data
+from meshtrain.mesh import MeshSpec, select_devices
+from meshtrain.models import DecoderConfig, get_config, model_factory
+from meshtrain.plan import make_plan
+from meshtrain.recipes import Recipe, get_recipe
+from meshtrain.strategies import Pipeline
+from meshtrain.train.config import TrainConfig, default_optimizer
+
+#: the generation recipe of a run trained with a pipeline, or of a model given without a recipe
+FALLBACK_RECIPE = "fsdp"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What a run folder says about itself (from a checkpoint step's metadata; no arrays read)."""
+
+    directory: Path
+    step: int
+    model: str
+    cfg: DecoderConfig
+    recipe: Optional[Recipe]
+    tokenizer: Optional[ByteTokenizer]
+    metadata: Dict[str, Any]
+
+
+def read_run(run: str, step: Optional[int] = None) -> RunInfo:
+    """The run at ``run`` (a run folder or its ``checkpoints/``): ``step`` (default: the newest step
+    folder) and its model, recipe and tokenizer. Unknown steps and non-decoder models raise."""
+    directory = resolve_directory(run)
+    steps = step_dirs(directory)
+    if not steps:
+        raise CheckpointError(f"{directory} holds no checkpoint steps; train with --ckpt-every N first")
+    if step is None:
+        step = max(steps)
+    elif step not in steps:
+        raise CheckpointError(f"--step {step}: no such checkpoint step in {directory}; steps: {sorted(steps)}")
+    meta = (read_meta(steps[step]).get("user") or {})
+    name = meta.get("model")
+    if not name:
+        raise CheckpointError(f"checkpoint step {step} in {directory} does not name its model (trained without "
+                              f"the Trainer?); generate with mt.generate(model, ...) instead")
+    cfg = get_config(name)
+    if not isinstance(cfg, DecoderConfig):
+        raise ConfigError(f"run {run!r} trained model {name!r}, not a decoder: generation needs a language model "
+                          f"(tiny, small, tiny-moe, ...)")
+    saved = meta.get("recipe")
+    recipe = Recipe.from_dict(saved, source=f"{directory}/{step}") if isinstance(saved, dict) else None
+    return RunInfo(directory, step, name, cfg, recipe, tokenizer_for_data(meta.get("data"), cfg.vocab_size), meta)
+
+
+def generation_recipe(requested: "str | Recipe | None", trained: Optional[Recipe] = None,
+                      mesh: Optional[str] = None) -> Recipe:
+    """The recipe generation runs under (see the module docstring), with ``mesh`` (``"fsdp=4,tensor=2"``)."""
+    if requested is not None:
+        recipe = get_recipe(requested)
+        if recipe.dimension(Pipeline) is not None:
+            raise RecipeError(f"--recipe {recipe.name}: generation runs without a pipeline (pp); use a recipe "
+                              f"without one (e.g. {FALLBACK_RECIPE}, tp, fsdp_tp); a pipeline-trained run restores "
+                              f"onto it")
+    elif trained is not None and trained.dimension(Pipeline) is None:
+        recipe = trained
+    else:
+        recipe = get_recipe(FALLBACK_RECIPE)
+    return recipe.with_mesh(**MeshSpec.parse(mesh)) if mesh else recipe
+
+
+def params_plan(cfg: DecoderConfig, recipe: Recipe, devices=None, tx=None):
+    """A plan of ``cfg``'s parameters (and ``tx``'s state, for a restore) over ``devices``."""
+    devices = select_devices(None) if devices is None else devices
+    abstract = abstract_state(model_factory(generation_config(cfg)), tx)
+    return make_plan(abstract, recipe, recipe.mesh.build(devices))
+
+
+def restore_params(info: RunInfo, recipe: Recipe, devices=None):
+    """``(params, plan)``: ``info.step``'s parameters on ``recipe``'s plan (the optimizer state is
+    restored with them, by the checkpoint's one restore path, and dropped)."""
+    cfg = info.cfg
+    axes = abstract_state(model_factory(cfg)).param_axes
+    tx = default_optimizer(TrainConfig(model=info.model), axes)
+    plan = params_plan(cfg, recipe, devices, tx)
+    ckpt = Checkpointer(info.directory, save_every=1 << 30)
+    try:
+        restored = ckpt.restore(plan, info.step)
+    finally:
+        ckpt.close()
+    return restored.state.params, plan

@@ -1,0 +1,119 @@
+"""How generation stores the weights: as trained, bf16, or int8 weight-only.
+
+``int8``: each matrix is stored as int8 with one bf16 scale per output channel (symmetric:
+``scale = max|w| / 127`` over the dimensions the matmul contracts), and dequantised to bf16 inside
+the compiled step right where it is used (``q * scale``, which XLA fuses into the matmul's operand
+where the backend can); the other weights (norm scales, the MoE router) are stored in bf16 as in
+``bf16``. The embedding table gets one scale per row (a row is a token's vector and, when tied, the
+head's output channel). The scales replicate over the mesh axes that shard a contracted dimension, so
+their share of a device's bytes grows with those axes (e.g. ``fsdp``).
+
+Example::
+
+    params = store_weights(params, WeightFormat.INT8)     # on the plan's shardings
+    weight_bytes_per_device(params)                       # from the arrays' shardings
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshtrain.errors import ConfigError
+
+
+class WeightFormat(str, enum.Enum):
+    NONE = "none"    # as restored / trained (f32 unless the recipe keeps 16-bit parameters)
+    BF16 = "bf16"
+    INT8 = "int8"
+
+
+#: the dimensions each built-in decoder weight contracts in its matmul (negative: a leading ``layers``
+#: axis does not move them); the scale has one value per remaining (output) index
+CONTRACTED: Dict[str, Tuple[int, ...]] = {
+    "wq_dnh": (-3,), "wk_dkh": (-3,), "wv_dkh": (-3,), "wo_nhd": (-3, -2),
+    "gate_df": (-2,), "up_df": (-2,), "down_fd": (-2,),
+    "shared_gate_df": (-2,), "shared_up_df": (-2,), "shared_down_fd": (-2,),
+    "gate_edf": (-2,), "up_edf": (-2,), "down_efd": (-2,),
+    "lm_head_dv": (-2,), "embedding_vd": (-1,),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """``q`` (int8, the weight's shape and sharding) times ``scale`` (bf16, 1 on the contracted dims)."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, dtype=jnp.float32):
+        return self.q.astype(dtype) * self.scale.astype(dtype)
+
+
+def _quantize(w, axes):
+    axes = tuple(a % w.ndim for a in axes)
+    scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes, keepdims=True) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(w.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
+    return Int8Weight(q, scale.astype(jnp.bfloat16))
+
+
+def _scale_sharding(sh: NamedSharding, ndim: int, axes) -> NamedSharding:
+    spec = list(sh.spec) + [None] * (ndim - len(sh.spec))
+    for a in axes:
+        spec[a % ndim] = None
+    return NamedSharding(sh.mesh, PartitionSpec(*spec))
+
+
+def _walk(params, fn, path=()):
+    if isinstance(params, dict):
+        return {k: _walk(v, fn, path + (k,)) for k, v in params.items()}
+    return fn(path, params)
+
+
+def store_weights(params, fmt: "WeightFormat | str"):
+    """``params`` (nested dict of sharded arrays) in format ``fmt``; every array keeps its sharding."""
+    try:
+        fmt = WeightFormat(fmt)
+    except ValueError:
+        raise ConfigError(f"--quantize {fmt!r}: use one of {[f.value for f in WeightFormat]}") from None
+    if fmt is WeightFormat.NONE:
+        return params
+
+    def convert(path, w):
+        axes = CONTRACTED.get(path[-1])
+        if fmt is WeightFormat.INT8 and axes is not None and w.ndim >= 2:
+            return _quantize(w, axes)
+        return w.astype(jnp.bfloat16) if jnp.issubdtype(w.dtype, jnp.floating) else w
+
+    def placed(path, w):  # where each converted leaf lives: the weight's sharding (scales: see _scale_sharding)
+        axes = CONTRACTED.get(path[-1])
+        if fmt is WeightFormat.INT8 and axes is not None and w.ndim >= 2:
+            return Int8Weight(w.sharding, _scale_sharding(w.sharding, w.ndim, axes))
+        return w.sharding
+
+    # one compiled conversion for the whole tree, each leaf written straight into its shards
+    return jax.jit(lambda p: _walk(p, convert), out_shardings=_walk(params, placed))(params)
+
+
+def dequantize(params, dtype=jnp.float32):
+    """Inside a step: every :class:`Int8Weight` as a ``dtype`` array (others unchanged)."""
+    return jax.tree.map(lambda x: x.dequantize(dtype) if isinstance(x, Int8Weight) else x, params,
+                        is_leaf=lambda x: isinstance(x, Int8Weight))
+
+
+def weight_bytes_per_device(params) -> int:
+    """Bytes of the weights one device holds, from each array's sharding (its shard shape × itemsize)."""
+    total = 0
+    for x in jax.tree.leaves(params):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+    return total
+

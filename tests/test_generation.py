@@ -1,0 +1,166 @@
+"""Generation on the training plan: the KV cache is right (generated tokens' log-probabilities equal
+the same sequence scored in one pass), under every recipe, with left-padded batches, sampling,
+int8 weights, and from a restored (pipeline-trained) run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import meshtrain as mt
+from meshtrain.errors import ConfigError
+from meshtrain.generation import Sampling, WeightFormat, choose, load
+from meshtrain.models import Decoder, get_config
+
+PROMPTS = [[10, 20, 30, 40, 50, 60, 70], [5, 6, 7], [101, 102, 103, 104, 105]]
+NEW = 8
+
+
+def make_model(name: str, seed: int = 0) -> Decoder:
+    with nnx.use_eager_sharding(False):
+        return Decoder(get_config(name), rngs=nnx.Rngs(seed))
+
+
+def gap_to_one_pass(loaded, generations) -> float:
+    """Max |log p| difference between each generated token and the same full sequence scored in one pass."""
+    worst = 0.0
+    for g in generations:
+        full = list(g.prompt_ids) + list(g.new_ids)
+        scored = loaded.generate([full], 0, prompt_logprobs=True).generations[0]
+        tail = np.array(scored.prompt_logprobs[len(g.prompt_ids) - 1:])
+        worst = max(worst, float(np.max(np.abs(tail - np.array(g.new_logprobs)))))
+    return worst
+
+
+# (model, [(recipe, devices)]): 1 device, then the 8-device recipes; continuations must agree across all
+CASES = {
+    "tiny": [("dp", 1), ("tp", 8), ("fsdp_tp", 8)],
+    "tiny-moe": [("dp", 1), ("fsdp_ep", 8)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cached_logprobs_equal_one_pass_and_greedy_agrees_across_recipes(name):
+    model = make_model(name)
+    continuations, gaps = {}, {}
+    for recipe, devices in CASES[name]:
+        loaded = load(model, recipe=recipe, devices=devices)
+        out = loaded.generate(PROMPTS, NEW)
+        gaps[recipe] = gap_to_one_pass(loaded, out.generations)
+        continuations[recipe] = [g.new_ids for g in out.generations]
+        assert all(len(g.new_ids) == NEW for g in out.generations)
+    print(f"{name}: max |logprob(generated) - logprob(one pass)| per recipe: {gaps}")
+    assert max(gaps.values()) < 1e-4, gaps
+    first = next(iter(continuations.values()))
+    assert all(c == first for c in continuations.values()), continuations
+
+
+def test_prompt_logprobs_equal_the_training_forward_and_padding_changes_nothing():
+    model = make_model("tiny")
+    loaded = load(model, recipe="dp", devices=1)
+    batch = loaded.generate(PROMPTS, 3, prompt_logprobs=True).generations
+    for prompt, g in zip(PROMPTS, batch):
+        alone = loaded.generate([prompt], 3, prompt_logprobs=True).generations[0]
+        assert alone.new_ids == g.new_ids  # left padding: a row does not depend on the others
+        np.testing.assert_allclose(alone.prompt_logprobs, g.prompt_logprobs, atol=1e-5)
+        logits = model(jnp.asarray([prompt]))[0, :-1]
+        ref = jax.nn.log_softmax(logits, -1)[jnp.arange(len(prompt) - 1), jnp.asarray(prompt[1:])]
+        np.testing.assert_allclose(g.prompt_logprobs, np.asarray(ref), atol=1e-5)
+        assert len(g.prompt_logprobs) == len(prompt) - 1
+
+
+def test_sampling_is_seeded_and_respects_top_k_top_p_and_stops():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 64))
+    keys = [jax.random.key(i) for i in range(8)]
+    top1 = {int(t) for k in keys for t in choose(logits, k, Sampling(temperature=1.0, top_k=1))}
+    assert top1 == {0}
+    nucleus = {int(t) for k in keys for t in choose(logits, k, Sampling(temperature=1.0, top_p=0.7))}
+    assert nucleus == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+    wide = {int(t) for k in keys for t in choose(logits, k, Sampling(temperature=1.0))}
+    assert wide == {0, 1, 2, 3}
+    model = make_model("tiny")
+    loaded = load(model, recipe="dp", devices=1)
+    s = Sampling(temperature=0.9, top_k=20, seed=3)
+    a, b = (loaded.generate(PROMPTS, 6, s).generations for _ in range(2))
+    assert [g.new_ids for g in a] == [g.new_ids for g in b]
+    greedy = loaded.generate(PROMPTS[:1], 6).generations[0]
+    stop = greedy.new_ids[2]
+    stopped = loaded.generate(PROMPTS[:1], 6, stop_ids=[stop]).generations[0]
+    assert stopped.stopped and stopped.new_ids == greedy.new_ids[:greedy.new_ids.index(stop) + 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (([[]], 4), "prompt 0 is empty"),
+    (([[1] * 257], 0), "more than max_seq_len 256"),
+    (([[1] * 250], 7), "exceeds max_seq_len 256"),
+    (([[300]], 1), "outside the vocabulary"),
+    (([[1]], -1), "--max-new-tokens -1"),
+])
+def test_bad_prompts_raise_one_line_config_errors(bad, message):
+    loaded = load(make_model("tiny"), recipe="dp", devices=1)
+    with pytest.raises(ConfigError, match=message) as info:
+        loaded.engine.check(*bad)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("recipe", ["dp", "fsdp_tp"])
+def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
+    model = make_model("tiny")
+    engines = {f: load(model, recipe=recipe, quantize=f) for f in (WeightFormat.BF16, WeightFormat.INT8)}
+    bf16, int8 = (engines[f].engine.weight_bytes_per_device() for f in (WeightFormat.BF16, WeightFormat.INT8))
+    ratio = int8 / bf16
+    # int8 + bf16 scales (one per output channel: 1/64 of a d=64 matrix; replicated over fsdp) + bf16 norms
+    assert 0.5 < ratio < {"dp": 0.54, "fsdp_tp": 0.6}[recipe]
+    q = engines[WeightFormat.INT8].engine.params["blocks"]["attn"]["wq_dnh"]
+    ref = engines[WeightFormat.BF16].engine.params["blocks"]["attn"]["wq_dnh"]
+    assert q.q.dtype == jnp.int8 and q.q.sharding.spec == ref.sharding.spec
+    # An untrained model's logits are nearly flat, so free-running greedy paths part at the first near-tie
+    # (bf16 and f32 part too); compare the two on the same sequence instead (teacher forcing).
+    outs = {f: e.generate(PROMPTS, 16).generations for f, e in engines.items()}
+    seqs = [list(g.prompt_ids) + list(g.new_ids) for g in outs[WeightFormat.BF16]]
+    scored = {f: e.generate(seqs, 0, prompt_logprobs=True).generations for f, e in engines.items()}
+    gap = max(float(np.max(np.abs(np.subtract(a.prompt_logprobs, b.prompt_logprobs))))
+              for a, b in zip(scored[WeightFormat.BF16], scored[WeightFormat.INT8]))
+    firsts = [g.new_ids[:4] for g in outs[WeightFormat.BF16]] == [g.new_ids[:4] for g in outs[WeightFormat.INT8]]
+    print(f"{recipe}: weight bytes per device: bf16 {bf16}, int8 {int8} ({ratio:.3f}); max |logprob int8 - bf16| "
+          f"{gap:.4f}")
+    assert gap < 0.1 and firsts
+
+
+def test_pipeline_trained_run_generates_after_restore_on_a_non_pipeline_mesh(tmp_path):
+    from meshtrain.train import TrainConfig, Trainer
+
+    run = str(tmp_path / "pp")
+    Trainer(TrainConfig(model="tiny", recipe="pp", steps=2, batch_size=16, seq_len=32, ckpt_every=2, eval_every=0,
+                        progress="none", out=run)).run()
+    out = mt.generate(run, ["def main(", "import os"], max_new_tokens=5, prompt_logprobs=True)
+    assert [len(g.new_ids) for g in out] == [5, 5] and all(isinstance(g.new_text, str) for g in out)
+    loaded = load(run)
+    assert loaded.engine.plan.recipe.name == "fsdp"  # the run's pp recipe has a pipeline
+    tp = load(run, recipe="tp")
+    assert [g.new_ids for g in tp.generate(["def main(", "import os"], 5).generations] == [g.new_ids for g in out]
+    with pytest.raises(mt.RecipeError, match="without a pipeline"):
+        load(run, recipe="pp")
+
+
+@pytest.mark.parametrize("recipe", ["fsdp_tp", "fsdp_ep"])
+def test_planned_generation_bytes_equal_the_arrays_and_int8_halves_bf16(recipe):
+    from meshtrain.generation.memory import generation_bytes
+
+    name = "tiny-moe" if recipe.endswith("ep") else "tiny"
+    model = make_model(name)
+    measured = {}
+    for fmt in WeightFormat:
+        loaded = load(model, recipe=recipe, quantize=fmt)
+        measured[fmt.value] = loaded.engine.weight_bytes_per_device()
+    plan = loaded.engine.plan
+    planned = generation_bytes(model.cfg, plan, batch=3, seq=40)
+    assert {f: planned[f"weights_{f}"] for f in measured} == measured
+    assert 0.5 < planned["weights_int8"] / planned["weights_bf16"] < 0.6
+    cache = loaded.engine.cache_bytes_per_device(3, 40)  # int8 engine: a bf16 cache
+    rows = loaded.engine.padded_batch(3)  # a multiple of the data-parallel size (fsdp_tp: 4, fsdp_ep: 8)
+    c = model.cfg
+    assert planned["kv_cache_bf16"] == cache == 2 * c.n_layers * rows * 40 * c.n_kv_heads * c.head_dim * 2 // 8
