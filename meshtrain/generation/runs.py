@@ -19,13 +19,14 @@ from meshtrain.checkpoint.integrity import step_dirs
 from meshtrain.checkpoint.types import CheckpointError
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.generation.engine import generation_config
-from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_data
+from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_run
 from meshtrain.mesh import MeshSpec, select_devices
 from meshtrain.models import DecoderConfig, get_config, model_factory
 from meshtrain.plan import make_plan
 from meshtrain.recipes import Recipe, get_recipe
 from meshtrain.strategies import Pipeline
 from meshtrain.train.config import TrainConfig, default_optimizer
+from meshtrain.train.sources import model_config_for, run_header
 
 #: the generation recipe of a run trained with a pipeline, or of a model given without a recipe
 FALLBACK_RECIPE = "fsdp"
@@ -60,13 +61,17 @@ def read_run(run: str, step: Optional[int] = None) -> RunInfo:
     if not name:
         raise CheckpointError(f"checkpoint step {step} in {directory} does not name its model (trained without "
                               f"the Trainer?); generate with mt.generate(model, ...) instead")
-    cfg = get_config(name)
+    run_dir = directory.parent if directory.name == "checkpoints" else directory
+    # the model config the run trained (its header: an imported or token-data run's vocabulary differs
+    # from the built-in name's), else the built-in config of that name
+    cfg = model_config_for(str(run_dir)) if run_header(str(run_dir)) else get_config(name)
     if not isinstance(cfg, DecoderConfig):
         raise ConfigError(f"run {run!r} trained model {name!r}, not a decoder: generation needs a language model "
                           f"(tiny, small, tiny-moe, ...)")
     saved = meta.get("recipe")
     recipe = Recipe.from_dict(saved, source=f"{directory}/{step}") if isinstance(saved, dict) else None
-    return RunInfo(directory, step, name, cfg, recipe, tokenizer_for_data(meta.get("data"), cfg.vocab_size), meta)
+    return RunInfo(directory, step, name, cfg, recipe, tokenizer_for_run(str(run_dir), meta.get("data"),
+                                                                         cfg.vocab_size), meta)
 
 
 def generation_recipe(requested: "str | Recipe | None", trained: Optional[Recipe] = None,
@@ -93,15 +98,14 @@ def params_plan(cfg: DecoderConfig, recipe: Recipe, devices=None, tx=None):
 
 
 def restore_params(info: RunInfo, recipe: Recipe, devices=None):
-    """``(params, plan)``: ``info.step``'s parameters on ``recipe``'s plan (the optimizer state is
-    restored with them, by the checkpoint's one restore path, and dropped)."""
+    """``(params, plan)``: ``info.step``'s parameters on ``recipe``'s plan (only the parameters are
+    read: whatever optimizer the run used; a 16-bit run gives its f32 master weights)."""
     cfg = info.cfg
     axes = abstract_state(model_factory(cfg)).param_axes
-    tx = default_optimizer(TrainConfig(model=info.model), axes)
-    plan = params_plan(cfg, recipe, devices, tx)
+    plan = params_plan(cfg, recipe, devices, default_optimizer(TrainConfig(), axes))
     ckpt = Checkpointer(info.directory, save_every=1 << 30)
     try:
-        restored = ckpt.restore(plan, info.step)
+        _, params = ckpt.restore_params(plan, info.step)
     finally:
         ckpt.close()
-    return restored.state.params, plan
+    return params, plan

@@ -1,29 +1,30 @@
-"""Text <-> token ids for generation. The built-in language-model data are byte-level (the embedded
-corpus and text files: one token per UTF-8 byte, vocabulary 256; :mod:`meshtrain.data.sources`);
-token files (``.npy`` / ``.bin``) carry no tokenizer."""
+"""Which tokenizer a run reads text with: the ``tokenizer.json`` in its folder (a run trained on
+prepared data or imported from HuggingFace: :mod:`meshtrain.data.tokenizer`), else bytes for the
+built-in language-model data (the embedded corpus and text files: one token per UTF-8 byte,
+vocabulary 256); token files (``.npy`` / ``.bin``) carry none."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional
 
+from meshtrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_path
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255; decoding replaces an incomplete or invalid sequence with U+FFFD."""
-
-    name = "bytes"
-
-    def encode(self, text: str) -> List[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(t) for t in ids if 0 <= int(t) < 256).decode("utf-8", errors="replace")
+Tokenizer = "ByteTokenizer | HFTokenizer"
 
 
 def tokenizer_for_data(data: Optional[str], vocab_size: int) -> Optional[ByteTokenizer]:
-    """The tokenizer a run trained on ``data`` (its ``--data``; ``None``: the embedded corpus) reads text
-    with: bytes for the corpus and text files, none for token files or a vocabulary other than 256."""
+    """The byte tokenizer for a run trained on ``data`` (its ``--data``; ``None``: the embedded corpus)
+    without a tokenizer file: bytes for the corpus and text files, none for token files or a
+    vocabulary other than 256."""
     if vocab_size != 256:
         return None
     if data is not None and str(data).endswith((".npy", ".bin")):
         return None
     return ByteTokenizer()
+
+
+def tokenizer_for_run(run_dir: str, data: Optional[str], vocab_size: int):
+    """The run folder's ``tokenizer.json`` when it has one, else :func:`tokenizer_for_data`."""
+    if tokenizer_path(run_dir) is not None:
+        return load_tokenizer(run_dir)
+    return tokenizer_for_data(data, vocab_size)

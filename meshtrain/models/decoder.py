@@ -320,8 +320,7 @@ class Decoder(nnx.Module):
                        & (keys_s[None, None, :] <= slots_t[None, :, None]))
         # a padding slot's query sees itself, so no softmax row is empty (its output is never read)
         allowed_bts = allowed_bts | (keys_s[None, :] == slots_t[:, None])[None]
-        table_vd = self.embedding_vd[...]
-        x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), RESIDUAL)
+        x_btd = self.embed(tokens_bt)
         graphdef, layers = nnx.split(self.blocks)
 
         def layer(x_btd, xs):
@@ -333,13 +332,7 @@ class Decoder(nnx.Module):
             return x_btd, (k_bskh, v_bskh)
 
         x_btd, (k, v) = scan_layers(layer, x_btd, (layers, cache.k, cache.v))
-        x_btd = self.final_norm(x_btd)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x_btd, table_vd) * cfg.d_model ** -0.5
-        else:
-            logits = x_btd @ self.lm_head_dv[...]
-        return (constrain(logits, ("batch", "seq", "vocab")),
-                dataclasses.replace(cache, k=k, v=v, index=cache.index + t))
+        return self.head(x_btd), dataclasses.replace(cache, k=k, v=v, index=cache.index + t)
 
     # -- pipeline contract (meshtrain.parallel.pipeline): the same parts __call__ runs ------------
     def pipeline_parts(self) -> "PipelineParts":
