@@ -75,3 +75,9 @@ def test_import_benchmark_reports_both_loaders():
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     peaks = re.findall(r"(sharded|whole)\s+peak host memory above baseline:\s+[0-9,]+ MiB = ([0-9.]+) x", out.stdout)
     assert [h for h, _ in peaks] == ["sharded", "whole"], out.stdout
+
+
+def test_import_plan_reads_exactly_each_devices_blocks():
+    out = tool("bench_import.py", "--plan-only", "tiny", "--devices", "8", "--recipe", "fsdp_tp")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "equal: True" in out.stdout, out.stdout

@@ -8,9 +8,13 @@ Writes a random Llama-shaped HF folder (f32, default ~0.5 GB), then in two fresh
   onto the same shardings — what a loader without slicing does.
 
 It prints each one's peak resident memory (``ru_maxrss``) above the process's baseline after JAX
-started, in units of the model's bytes. Example::
+started, in units of the model's bytes. ``--plan-only llama3-8b --devices 64`` instead plans a
+built-in config's import on that many simulated devices without any file: every device's blocks are
+cut from zero-stride stand-ins of the HF tensors, counting the elements each device reads, against
+the plan's parameter elements per device. Example::
 
     python tools/bench_import.py --layers 8 --d-model 1024
+    python tools/bench_import.py --plan-only llama3-8b --devices 64 --recipe fsdp
 """
 
 from __future__ import annotations
@@ -83,6 +87,49 @@ def child(folder: str, how: str) -> None:
     print(json.dumps({"how": how, "above_baseline": peak - base}))
 
 
+def plan_only(model: str, devices: int, recipe: str) -> None:
+    """Elements each device reads from the HF tensors (stand-ins, no file) vs the plan's (see above)."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", devices)
+    import meshtrain as mt
+    from meshtrain.abstract import tree_paths
+    from meshtrain.hf.weights import block_reader, check_coverage, mappings
+
+    cfg = mt.models.get_config(model)
+    plan = mt.make_plan(mt.abstract_state(mt.models.model_factory(cfg)), recipe)
+    read = {d: 0 for d in jax.devices()}
+
+    class StandIns:  # HF tensors of the right shapes, zero-stride: slicing reads no memory
+        def slice(self, name, shape):
+            return Counted(np.broadcast_to(np.zeros((), np.float32), shape))
+
+    class Counted:
+        def __init__(self, array):
+            self.array = array
+
+        def __getitem__(self, index):
+            block = self.array[index]
+            read[current[0]] += block.size
+            return block
+
+    current = [None]
+    by_path = {m.path: m for m in mappings(cfg)}
+    paths = tree_paths(plan.abstract.params)
+    check_coverage(cfg, jax.tree.leaves(paths), model)  # (shared experts, say, have no HF layout)
+    for path, sds, sharding in zip(jax.tree.leaves(paths), jax.tree.leaves(plan.abstract.params),
+                                   jax.tree.leaves(plan.param_shardings)):
+        reader = block_reader(StandIns(), by_path[path], sds.shape)
+        for device, index in sharding.devices_indices_map(sds.shape).items():
+            current[0] = device
+            reader(index)
+    per_device = plan.per_device_bytes()["params"] // np.dtype(plan.abstract.params["embedding_vd"].dtype).itemsize
+    counts = sorted(set(read.values()))
+    print(f"{model} on {devices} devices, {recipe}: {cfg.num_params():,} parameters; the plan holds {per_device:,} "
+          f"elements per device; each device reads {counts[0]:,}" + (f"..{counts[-1]:,}" if len(counts) > 1 else "")
+          + f" elements; equal: {counts == [per_device]}")
+
+
 def _ours(kind, t, cfg, path):
     from meshtrain.hf.weights import cut
 
@@ -99,10 +146,16 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--plan-only", metavar="MODEL", help="plan a built-in config's import without files")
+    ap.add_argument("--devices", type=int, default=64, help="with --plan-only: simulated devices")
+    ap.add_argument("--recipe", default="fsdp", help="with --plan-only: the recipe")
     ap.add_argument("--child", nargs=2, metavar=("FOLDER", "HOW"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(*args.child)
+        return 0
+    if args.plan_only:
+        plan_only(args.plan_only, args.devices, args.recipe)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         model_bytes = write_folder(tmp, args.layers, args.d_model, args.vocab)
