@@ -113,7 +113,8 @@ def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     bf16, int8 = (engines[f].engine.weight_bytes_per_device() for f in (WeightFormat.BF16, WeightFormat.INT8))
     ratio = int8 / bf16
     # int8 + bf16 scales (one per output channel: 1/64 of a d=64 matrix; replicated over fsdp) + bf16 norms
-    assert 0.5 < ratio < {"dp": 0.54, "fsdp_tp": 0.6}[recipe]
+    # and the bf16 output projection (1/8 of the tiny model's weights; 2 % of small's)
+    assert 0.5 < ratio < {"dp": 0.6, "fsdp_tp": 0.66}[recipe]
     q = engines[WeightFormat.INT8].engine.params["blocks"]["attn"]["wq_dnh"]
     ref = engines[WeightFormat.BF16].engine.params["blocks"]["attn"]["wq_dnh"]
     assert q.q.dtype == jnp.int8 and q.q.sharding.spec == ref.sharding.spec
@@ -159,7 +160,7 @@ def test_planned_generation_bytes_equal_the_arrays_and_int8_halves_bf16(recipe):
     plan = loaded.engine.plan
     planned = generation_bytes(model.cfg, plan, batch=3, seq=40)
     assert {f: planned[f"weights_{f}"] for f in measured} == measured
-    assert 0.5 < planned["weights_int8"] / planned["weights_bf16"] < 0.6
+    assert 0.5 < planned["weights_int8"] / planned["weights_bf16"] < 0.66  # (tiny: a bf16 head is 1/8)
     cache = loaded.engine.cache_bytes_per_device(3, 40)  # int8 engine: a bf16 cache
     rows = loaded.engine.padded_batch(3)  # a multiple of the data-parallel size (fsdp_tp: 4, fsdp_ep: 8)
     c = model.cfg

@@ -113,7 +113,8 @@ def test_plan_generate_shows_weights_and_kv_cache_per_device():
                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     g = json.loads(out.stdout)["generation"]
-    assert g["weights_bf16"] * 2 == g["weights_none"] and 0.5 < g["weights_int8"] / g["weights_bf16"] < 0.52
+    # int8 + bf16 scales + the bf16 output projection (2 % of small's weights)
+    assert g["weights_bf16"] * 2 == g["weights_none"] and 0.5 < g["weights_int8"] / g["weights_bf16"] < 0.53
     # 2 (k, v) × 4 layers × 8 rows × 512 slots × 8 kv heads × 16 × 4 bytes, over fsdp=4 (rows) × tensor=2 (heads)
     assert g["kv_cache"] == 2 * 4 * 8 * 512 * 8 * 16 * 4 // 8 and g["kv_cache_bf16"] * 2 == g["kv_cache"]
     refused = processes.run(plan + ["--recipe", "pp", "--batch-size", "16"], capture_output=True, text=True, env=env,
