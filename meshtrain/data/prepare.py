@@ -33,6 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
 from meshtrain.data.sources import PREPARED_FORMAT, PREPARED_META
 from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from meshtrain.errors import ConfigError
+from meshtrain.folders import new_folder
 
 _JSON_SUFFIXES = (".jsonl", ".json")
 
@@ -86,17 +87,13 @@ def prepare_tokens(tokenizer, inputs: Sequence[str], out: str, *, text_field: st
                    batch_docs: int = 512, progress: bool = True) -> dict:
     """Tokenize ``inputs`` with ``tokenizer`` (:func:`~meshtrain.data.tokenizer.load_tokenizer`) into
     the folder ``out`` (which must not exist, or be empty); the description written, as a dict."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"--out {out!r} already exists and is not an empty folder; pass a new folder")
     if tokenizer.eos_id is None:
         raise ConfigError(f"tokenizer {tokenizer.name!r} has no end-of-text token (none of its "
                           f"tokenizer_config.json eos_token, <|endoftext|>, </s>, <eos>); documents could not be "
                           f"told apart: use a tokenizer with one")
     files = input_files(inputs)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    partial = os.path.abspath(out).rstrip(os.sep) + f".partial-{os.getpid()}"
-    os.makedirs(partial)
-    try:
+    with new_folder(out) as partial:
         num_tokens, starts = _write_tokens(tokenizer, files, text_field, os.path.join(partial, "tokens.bin"),
                                            dtype, batch_docs, progress)
         if num_tokens < 2:
@@ -111,12 +108,6 @@ def prepare_tokens(tokenizer, inputs: Sequence[str], out: str, *, text_field: st
                 "text_field": text_field, "inputs": files}
         with open(os.path.join(partial, PREPARED_META), "w") as f:
             json.dump(meta, f, indent=1)
-        if os.path.isdir(out):
-            os.rmdir(out)  # the empty folder given as --out
-        os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return meta
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from meshtrain.abstract import tree_paths
 from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from meshtrain.errors import ConfigError
+from meshtrain.folders import new_folder
 from meshtrain.hf.config import CONFIG_FILE, decoder_config, hf_config, read_hf_config
 from meshtrain.hf.weights import (INDEX_FILE, SINGLE_FILE, SafetensorsFolder, block_reader, check_coverage,
                                   hf_tensors, mappings, unused_tensors)
@@ -71,12 +72,8 @@ def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *,
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"--out {out!r} already exists and is not an empty folder; pass a new folder")
     config = hf_config(cfg, dtype)
-    partial = os.path.abspath(out).rstrip(os.sep) + f".partial-{os.getpid()}"
-    os.makedirs(partial)
-    try:
+    with new_folder(out) as partial:
         shards, current, size = [], {}, 0
         for name, tensor in hf_tensors(cfg, params):
             tensor = tensor.astype(DTYPES[dtype])
@@ -101,10 +98,4 @@ def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *,
             source = os.path.join(tokenizer_from, name) if tokenizer_from else None
             if source and os.path.isfile(source):
                 shutil.copyfile(source, os.path.join(partial, name))
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return {"files": len(shards), "tensors": len(weight_map), "bytes": total, "dtype": dtype}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from typing import Any, Dict, Optional
 
 import jax
@@ -23,6 +22,7 @@ from meshtrain import hf
 from meshtrain.abstract import abstract_state, tree_paths
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
+from meshtrain.folders import new_folder
 from meshtrain.mesh import select_devices
 from meshtrain.models import DecoderConfig, model_factory
 from meshtrain.plan import make_plan
@@ -47,16 +47,14 @@ def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[
     """Turn HuggingFace folder ``source`` into run folder ``out`` (which must not exist, or be empty):
     a step-0 checkpoint (the weights; a fresh optimizer), the run header (model config, source and
     dtype), the tokenizer files. Written beside ``out`` and renamed at the end."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before reading any weight
         raise ConfigError(f"--out {out!r} already exists and is not an empty folder; pass a new folder")
     cfg = hf.model_config(source)
     dtype = hf.source_dtype(source)
     train = TrainConfig(model=out, init_from=out)
     plan = _plan(cfg, recipe, devices, train)
     state = init_state(plan, params=hf.load_params(source, plan, cfg))
-    partial = os.path.abspath(out).rstrip(os.sep) + f".partial-{os.getpid()}"
-    os.makedirs(partial)
-    try:
+    with new_folder(out) as partial:
         ckpt = Checkpointer(os.path.join(partial, "checkpoints"), save_every=1, async_save=False)
         try:
             ckpt.maybe_save(0, state, data_state={}, force=True,
@@ -69,12 +67,6 @@ def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[
                   "source_dtype": dtype}
         open_outputs(partial, plan, None, True, header).close()
         copy_tokenizer(source, partial)
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return {"model_config": cfg, "dtype": dtype, "num_params": plan.abstract.num_params, "recipe": recipe}
 
 
