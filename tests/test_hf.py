@@ -126,12 +126,12 @@ def test_import_export_is_bit_exact_and_transformers_loads_it(tmp_path):
     assert np.abs(np.asarray(model(TOKENS).logits) - reference).max() < 1e-4
 
 
-def test_mixtral_layout_round_trips(tmp_path):
-    """Every expert, router and attention tensor of a Mixtral-shaped checkpoint lands in meshtrain's
-    expert layout and comes back unchanged (written here with HF's names and shapes)."""
+def mixtral_folder(path, scale=1.0):
+    """A Mixtral-shaped HF folder of random tensors (HF's names and shapes); returns (folder, tensors, config)."""
     rng = np.random.default_rng(0)
     config = {**SHAPE, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
-              "num_experts_per_tok": 2, "sliding_window": None, "hidden_act": "silu", "torch_dtype": "float32"}
+              "num_experts_per_tok": 2, "sliding_window": None, "hidden_act": "silu", "torch_dtype": "float32",
+              "rope_theta": 10000.0}
     d, f, v, kv = 32, 64, 260, 16
     tensors = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d)}
     for layer in range(2):
@@ -143,12 +143,62 @@ def test_mixtral_layout_round_trips(tmp_path):
         for e in range(4):
             q = p + f"block_sparse_moe.experts.{e}."
             tensors.update({q + "w1.weight": (f, d), q + "w3.weight": (f, d), q + "w2.weight": (d, f)})
-    arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in tensors.items()}
-    src = tmp_path / "mixtral"
-    src.mkdir()
-    save_file(arrays, str(src / "model.safetensors"), metadata={"format": "pt"})
-    (src / "config.json").write_text(json.dumps(config))
-    import_hf(str(src), str(tmp_path / "run"), recipe="fsdp_ep")
+    arrays = {k: (1 + 0.1 * rng.standard_normal(s) if len(s) == 1 else scale * rng.standard_normal(s))
+              .astype(np.float32) for k, s in tensors.items()}
+    os.makedirs(path, exist_ok=True)
+    save_file(arrays, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    return str(path), arrays, config
+
+
+def mixtral_reference(w, config, tokens):
+    """HuggingFace's Mixtral forward pass, transcribed in numpy (f64): RMSNorm, rotate-half RoPE, GQA
+    causal attention, softmax router -> top-k -> renormalised weights over SwiGLU experts."""
+    d, n, kv, hd = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], 8
+    norm = lambda x, g: x / np.sqrt((x * x).mean(-1, keepdims=True) + config["rms_norm_eps"]) * g  # noqa: E731
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    t = len(tokens)
+    inv = 1.0 / config["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+    ang = np.arange(t)[:, None] * np.concatenate([inv, inv])[None]
+    rot = lambda x: x * np.cos(ang)[:, None] + np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1) * \
+        np.sin(ang)[:, None]  # noqa: E731
+    x = w["model.embed_tokens.weight"][tokens].astype(np.float64)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = rot((h @ w[p + "self_attn.q_proj.weight"].T).reshape(t, n, hd))
+        k = np.repeat(rot((h @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kv, hd)), n // kv, axis=1)
+        v = np.repeat((h @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kv, hd), n // kv, axis=1)
+        scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(hd) + np.triu(np.full((t, t), -np.inf), 1)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("nts,snh->tnh", probs, v).reshape(t, n * hd) @ w[p + "self_attn.o_proj.weight"].T
+        h = norm(x, w[p + "post_attention_layernorm.weight"])
+        logits = h @ w[p + "block_sparse_moe.gate.weight"].T
+        router = np.exp(logits - logits.max(-1, keepdims=True))
+        router /= router.sum(-1, keepdims=True)
+        top = np.argsort(-router, -1)[:, :config["num_experts_per_tok"]]
+        out = np.zeros_like(x)
+        for i in range(t):
+            chosen = router[i, top[i]] / router[i, top[i]].sum()
+            for weight, e in zip(chosen, top[i]):
+                q_ = p + f"block_sparse_moe.experts.{e}."
+                out[i] += weight * ((silu(h[i] @ w[q_ + "w1.weight"].T) * (h[i] @ w[q_ + "w3.weight"].T))
+                                    @ w[q_ + "w2.weight"].T)
+        x = x + out
+    return norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+
+def test_mixtral_matches_hf_formulas_and_round_trips(tmp_path):
+    """A Mixtral-shaped checkpoint (HF's names and shapes) against a numpy transcription of HF's
+    Mixtral, under fsdp_ep; every expert, router and attention tensor comes back unchanged."""
+    folder, arrays, config = mixtral_folder(tmp_path / "mixtral", scale=0.2)
+    reference = mixtral_reference(arrays, config, TOKENS[0])
+    for recipe in ("dp", "fsdp_ep"):
+        ours = meshtrain_logits(folder, recipe)[0]
+        assert np.abs(ours - reference).max() < 1e-4 * max(1.0, np.abs(reference).max()), recipe
+    import_hf(folder, str(tmp_path / "run"), recipe="fsdp_ep")
     export_hf(str(tmp_path / "run"), str(tmp_path / "back"))
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(back) == sorted(arrays)
