@@ -109,6 +109,13 @@ class TrainConfig:
                                       "(measured on this host) (default: from the device kind)")
     memory_check: MemoryCheckMode = setting(MemoryCheckMode.ON, "refuse to start when the plan's per-device "
                                             "memory exceeds the device's")
+    # Resilience (meshtrain.train.watchdog)
+    hang_timeout: Optional[float] = setting(None, "seconds without a completed step after which the watchdog "
+                                            "dumps every thread's stack to <run>/hang-<process>.txt and exits 75 "
+                                            "(default: max(300, 10 × the median step time) after 5 steps; the "
+                                            "first step, which compiles, always gets at least 1800)")
+    straggler_fraction: float = setting(0.2, "report a process whose host time per step exceeds the others' by "
+                                        "more than this fraction of the step time (multi-process runs)")
 
     def __post_init__(self):
         for s in settings_of(TrainConfig):  # enums from their values; a wrong one names the allowed values

@@ -41,6 +41,7 @@ from meshtrain.train.rundir import RunLock, restart_changes, resume_step, work_a
 from meshtrain.train.step import LossFn, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
                                    local_rows)
+from meshtrain.train.watchdog import Watchdog, check_settings
 
 __all__ = ["Interrupted", "Trainer", "TrainingError", "TrainSummary"]
 
@@ -94,6 +95,7 @@ class Trainer:
                  vocab_size: Optional[int] = None, memory_estimate: Optional[Estimate] = None,
                  path_rules: Optional[PathRules] = None, hooks: Sequence[Hook] = ()):
         self.cfg = config
+        check_settings(config.hang_timeout, config.straggler_fraction)
         self.user_hooks = tuple(hooks)
         if model is None and data is None:
             task = builtin_task(config)
@@ -231,7 +233,8 @@ class Trainer:
                                   cfg.eval_batches, cfg.eval_every))
         checkpoint = CheckpointHook(ckpt, self._metadata(plan)) if ckpt is not None else None
         hooks += [checkpoint] if checkpoint is not None else []
-        return hooks + [*self.user_hooks, MetricsHook(), ProgressHook(), PreemptionHook(checkpoint)]
+        watchdog = Watchdog.from_env(cfg.hang_timeout, cfg.straggler_fraction)   # also injects test faults
+        return hooks + [*self.user_hooks, watchdog, MetricsHook(), ProgressHook(), PreemptionHook(checkpoint)]
 
     def _tokens_per_example(self, plan: ShardingPlan) -> Optional[int]:
         per = self.task.tokens_per_example

@@ -1,0 +1,136 @@
+"""Supervised restarts for ``meshtrain launch --max-restarts K``.
+
+When any process of the job dies, hangs (the watchdog's exit 75) or loses the coordinator, the
+launcher's :class:`~meshtrain.commands.launch.ProcessGroup` stops all of them; the
+:class:`Supervisor` then starts the whole job again with ``--resume latest`` (from the last
+committed checkpoint), after ``backoff`` seconds, up to K times. Each attempt and how it ended is a
+line of ``<run>/events.jsonl``::
+
+    {"event": "attempt", "attempt": 1, "unix": ..., "command": [...]}
+    {"event": "failed", "attempt": 0, "status": 137, "process": 1, "cause": "process 1 killed by SIGKILL", ...}
+    {"event": "restart", "attempt": 1, "after_s": 2.0, "cause": "..."}
+    {"event": "done", "attempt": 1, "status": 0, ...} / {"event": "gave_up", ...}
+
+No restart for bad input (exit 2), Ctrl-C (130) or a signal the launcher itself received (the
+cluster or the user is stopping the job). On a cluster that restarts jobs itself (SLURM
+``--requeue``, Kubernetes ``restartPolicy``/JobSet ``maxRestarts``), run ``meshtrain train
+--resume`` there instead: ``--resume`` is the contract.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable, List, Optional, Tuple
+
+from meshtrain.errors import EXIT_BAD_INPUT, EXIT_HANG, ConfigError
+from meshtrain.train.watchdog import append_event
+
+#: Exit statuses that a restart cannot fix, or that mean "stop": bad input, Ctrl-C.
+NO_RESTART = (EXIT_BAD_INPUT, 130)
+
+
+def option_value(cmd: List[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` in ``cmd`` (``--out X`` or ``--out=X``), else ``None``."""
+    for i, a in enumerate(cmd):
+        if a == flag and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if a.startswith(flag + "="):
+            return a.partition("=")[2]
+    return None
+
+
+def with_resume(cmd: List[str]) -> List[str]:
+    """``cmd`` with ``--resume latest`` in place of any ``--resume [VALUE]`` it had."""
+    out, skip = [], False
+    for i, a in enumerate(cmd):
+        if skip:
+            skip = False
+            continue
+        if a == "--resume":
+            skip = i + 1 < len(cmd) and cmd[i + 1] in ("latest", "no")
+            continue
+        if a.startswith("--resume="):
+            continue
+        out.append(a)
+    return out + ["--resume", "latest"]
+
+
+def check_command(cmd: List[str], max_restarts: int, backoff: float) -> str:
+    """The run folder of a command launched with ``--max-restarts``; ConfigError if it cannot restart."""
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts {max_restarts}: give the number of restarts allowed (>= 0)")
+    if not (backoff >= 0 and backoff != float("inf")):
+        raise ConfigError(f"--restart-backoff {backoff:g}: give the seconds to wait before a restart (>= 0)")
+    if cmd[0] != "train":
+        raise ConfigError(f"--max-restarts restarts training runs; the command is {cmd[0]!r}: launch `train ...`")
+    out = option_value(cmd, "--out")
+    if not out:
+        raise ConfigError("--max-restarts needs the launched command's --out (the run folder it resumes from and "
+                          "writes events.jsonl to), e.g. meshtrain launch --processes 2 --max-restarts 3 -- train "
+                          "--ckpt-every 10 --out runs/job")
+    return out
+
+
+def describe(process: Optional[int], status: int) -> str:
+    """Why an attempt ended, in words (``status``: the launcher's 128+N for a signal)."""
+    if process is None:
+        return f"exit status {status}"
+    if status == EXIT_HANG:
+        return f"process {process} found a hang (watchdog, exit {EXIT_HANG})"
+    if status > 128 and status - 128 in {s.value for s in signal.Signals}:
+        what = f"killed by {signal.Signals(status - 128).name}"
+    else:
+        what = f"exited with status {status}"
+    return (f"coordinator (process 0) lost: {what}" if process == 0 else f"process {process} {what}")
+
+
+class Supervisor:
+    """Runs attempts until one succeeds, one must not be retried, or ``max_restarts`` restarts failed.
+
+    ``attempt(k)`` starts attempt ``k`` (0: the command as given; later: with ``--resume latest``) and
+    returns ``(status, failed process or None, the launcher itself was signalled)``.
+    """
+
+    def __init__(self, attempt: Callable[[int], Tuple[int, Optional[int], bool]], run_dir: str,
+                 max_restarts: int, backoff: float, say: Callable[[str], None]):
+        self.attempt, self.run_dir, self.max_restarts, self.backoff, self.say = (attempt, run_dir, max_restarts,
+                                                                                 backoff, say)
+
+    def _hang_report(self, process: Optional[int], status: int) -> str:
+        """The watchdog's first line (who is slow, where it is stuck), from ``hang-<process>.txt``."""
+        if status != EXIT_HANG or process is None:
+            return ""
+        try:
+            with open(os.path.join(self.run_dir, f"hang-{process}.txt")) as f:
+                return ": " + f.readline().strip()
+        except OSError:
+            return ""
+
+    def run(self) -> int:
+        k = 0
+        while True:
+            append_event(self.run_dir, {"event": "attempt", "attempt": k, "unix": time.time()})
+            status, process, signalled = self.attempt(k)
+            now = time.time()
+            if status == 0:
+                append_event(self.run_dir, {"event": "done", "attempt": k, "status": 0, "unix": now})
+                return 0
+            cause = describe(process, status) + self._hang_report(process, status)
+            append_event(self.run_dir, {"event": "failed", "attempt": k, "status": status, "process": process,
+                                        "cause": cause, "unix": now})
+            if signalled or status in NO_RESTART or k >= self.max_restarts:
+                why = ("the launcher was signalled" if signalled else f"status {status} is not retried"
+                       if status in NO_RESTART else f"{self.max_restarts} restart(s) used")
+                append_event(self.run_dir, {"event": "gave_up", "attempt": k, "status": status, "cause": cause,
+                                            "reason": why, "unix": now})
+                if not signalled and status not in NO_RESTART:
+                    self.say(f"giving up after {k + 1} attempt(s): {cause}; exit status {status}")
+                return status
+            k += 1
+            self.say(f"{cause}; restart {k}/{self.max_restarts} from the last committed checkpoint"
+                     + (f" in {self.backoff:g} s" if self.backoff else ""))
+            append_event(self.run_dir, {"event": "restart", "attempt": k, "after_s": self.backoff, "cause": cause,
+                                        "unix": now})
+            time.sleep(self.backoff)
