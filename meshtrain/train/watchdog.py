@@ -172,7 +172,8 @@ class Watchdog(Hook):
 
     def on_step(self, run: Run, info: StepInfo) -> None:
         now = time.monotonic()
-        interval, first = now - self._last, self.step is None
+        # from one step's hooks to the next: everything a process does besides the step counts
+        interval, first, self._last = now - self._last, self.step is None, now
         self.step = info.step
         if not first:
             self.intervals.append(interval)
@@ -183,7 +184,6 @@ class Watchdog(Hook):
         if self.processes > 1 and info.step % STRAGGLER_EVERY == 0:
             self._report_stragglers(run, info.step)
         self._inject(run, info.step)
-        self._last = time.monotonic()   # the next interval starts when this step's hooks are done
 
     def on_end(self, run: Run) -> None:
         self._stop.set()   # the final save and summary are not steps

@@ -1,0 +1,147 @@
+"""``meshtrain launch --max-restarts``: a killed or hung process restarts the whole job from its last
+checkpoint, the run ends like an uninterrupted one (bit for bit), every attempt is in events.jsonl and
+no process outlives the launcher. Faults are injected deterministically (``MESHTRAIN_FAULT``)."""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import pytest
+
+import processes
+from meshtrain.cli import main
+from meshtrain.supervisor import describe, with_resume
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+STEPS, HANG_S = 6, 6
+TRAIN = ["train", "--model", "tiny", "--recipe", "fsdp", "--steps", str(STEPS), "--batch-size", "8", "--seq-len",
+         "32", "--eval-every", "0", "--progress", "lines", "--log-every", "1", "--ckpt-every", "1",
+         "--hang-timeout", str(HANG_S)]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_resilience", os.path.join(ROOT, "tools", "bench_resilience.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def env(fault=None):
+    e = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "MESHTRAIN_FAULT")}
+    e["JAX_PLATFORMS"] = "cpu"
+    if fault:
+        e["MESHTRAIN_FAULT"] = fault
+    return e
+
+
+def launch(out, *extra, fault=None):
+    return processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
+                          "2", "--grace", "2", *extra, "--", *TRAIN, "--out", str(out)], env=env(fault), timeout=420,
+                         cwd=ROOT)
+
+
+def records(path):
+    return [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in records(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # a zombie is not running; only its parent can reap it
+        return f.read().split(") ", 1)[1][0] != "Z"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-restarts", "2", "--", "train", "--steps", "3"], "--max-restarts needs the launched command's --out"),
+    (["--max-restarts", "-1", "--", "train", "--out", "x"], "--max-restarts -1: give the number of restarts"),
+    (["--max-restarts", "1", "--restart-backoff", "-1", "--", "train", "--out", "x"], "--restart-backoff -1"),
+    (["--max-restarts", "1", "--", "plan", "--model", "tiny"], "--max-restarts restarts training runs"),
+])
+def test_restart_flags_are_checked_before_anything_starts(extra, message, capsys, tmp_path):
+    assert main(["launch", "--processes", "2", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("cmd, want", [
+    (["train", "--out", "r"], ["train", "--out", "r", "--resume", "latest"]),
+    (["train", "--resume", "--out", "r"], ["train", "--out", "r", "--resume", "latest"]),
+    (["train", "--resume", "no", "--out", "r"], ["train", "--out", "r", "--resume", "latest"]),
+    (["train", "--resume=latest"], ["train", "--resume", "latest"]),
+])
+def test_restarts_resume_and_causes_are_named(cmd, want):
+    assert with_resume(cmd) == want
+    assert describe(1, 137) == "process 1 killed by SIGKILL"
+    assert describe(0, 134) == "coordinator (process 0) lost: killed by SIGABRT"
+    assert describe(0, 75) == "process 0 found a hang (watchdog, exit 75)"
+    assert describe(1, 1) == "process 1 exited with status 1"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = launch(out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(fault, uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    done = launch(out, "--max-restarts", "2", "--restart-backoff", "0", fault=f"{fault}@step=3,process=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = records(out / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds == ["attempt", "first_step", "fault", "failed", "restart", "attempt", "first_step", "done"], events
+    failed = events[3]
+    if fault == "kill":
+        assert (failed["process"], failed["status"], failed["cause"]) == (1, 137, "process 1 killed by SIGKILL")
+    else:   # process 0 waits in the step's collective; its watchdog names process 1 and the frame
+        assert (failed["process"], failed["status"]) == (0, 75), failed
+        head = (out / "hang-0.txt").read_text()
+        first = head.splitlines()[0]
+        assert "slow: process 1 (not running" in first and "in train_steps" in first, first
+        elapsed, bound = map(float, re.search(r"no step for (\d+) s \(bound (\S+) s\)", first).groups())
+        assert bound == HANG_S and elapsed <= bound + 5, first   # fired within its bound (1 s polls)
+        assert "all threads (faulthandler)" in head and "meshtrain-watchdog" not in first
+        assert first in failed["cause"]
+    assert events[6]["resumed_from"] <= 3 and events[6]["step"] == events[6]["resumed_from"] + 1
+    # the same losses at every step and the same parameters and optimizer state, bit for bit
+    assert losses(out) == losses(uninterrupted)
+    bench = _bench()
+    assert bench.same_arrays(bench.final_arrays(str(out), STEPS), bench.final_arrays(str(uninterrupted), STEPS))
+    pids = [int(p) for line in re.findall(r"\[launch\] 2 processes: pids ([\d ]+)", done.stderr)
+            for p in line.split()]
+    assert len(pids) == 4 and not [p for p in pids if alive(p)], done.stderr[-2000:]
+
+
+def test_restarts_stop_after_k_failures_with_the_last_error(tmp_path):
+    """Every attempt is killed (the fault fires in each): after --max-restarts 1 the launcher gives up."""
+    out = tmp_path / "run"
+    fault = "kill@step=1,process=1,attempt=0;kill@step=2,process=1,attempt=1"
+    done = launch(out, "--max-restarts", "1", "--restart-backoff", "0", fault=fault)
+    assert done.returncode == 137, done.stderr[-3000:]
+    events = records(out / "events.jsonl")
+    assert [e["event"] for e in events if e["event"] in ("attempt", "failed", "gave_up")] == \
+        ["attempt", "failed", "attempt", "failed", "gave_up"]
+    assert events[-1]["reason"] == "1 restart(s) used"
+    assert "giving up after 2 attempt(s): process 1 killed by SIGKILL; exit status 137" in done.stderr
+
+
+def test_chaos_benchmark_reports_its_figures(tmp_path):
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_resilience.py"), "--model", "tiny",
+                         "--steps", "8", "--seq-len", "32", "--mixes", "kill", "--hang-timeout", "6", "--work",
+                         str(tmp_path)], env=env(), timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert re.search(r"kill of process \d at step \d+: RPO \d+ steps, RTO [0-9.]+ s", out.stdout), out.stdout
+    assert re.search(r"mix kill: RPO [0-9.]+ steps, RTO [0-9.]+ s, goodput [0-9.]+%, slowdown [0-9.]+x, jitter "
+                     r"[0-9.]+, resilience 1.00, RS [0-9.]+, attempts 2, .*final state bit-identical", out.stdout)
+    assert "load average" in out.stdout and "'w3': 0.0" in out.stdout
