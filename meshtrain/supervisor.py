@@ -11,6 +11,14 @@ line of ``<run>/events.jsonl``::
     {"event": "restart", "attempt": 1, "after_s": 2.0, "cause": "..."}
     {"event": "done", "attempt": 1, "status": 0, ...} / {"event": "gave_up", ...}
 
+With ``elastic`` the job shrinks on each restart, as when the failed host does not come back: it
+runs on the largest process count below the last one that divides the first (2 → 1, 4 → 2 → 1,
+6 → 3 → 2 → 1), the recipe's mesh is re-resolved over the devices present (the command must not
+pin ``--mesh``), and ``--grad-accum`` grows by the same factor so the global batch, and each
+device's micro-batch, stay the same; the checkpoint reshards onto the new mesh and the data
+position (samples of the whole run) carries over. ``metrics.jsonl`` gets a ``start`` record with
+the mesh of every segment; each ``attempt`` event records its processes and gradient accumulation.
+
 No restart for bad input (exit 2), Ctrl-C (130) or a signal the launcher itself received (the
 cluster or the user is stopping the job). On a cluster that restarts jobs itself (SLURM
 ``--requeue``, Kubernetes ``restartPolicy``/JobSet ``maxRestarts``), run ``meshtrain train
@@ -19,6 +27,7 @@ cluster or the user is stopping the job). On a cluster that restarts jobs itself
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -73,6 +82,43 @@ def check_command(cmd: List[str], max_restarts: int, backoff: float) -> str:
     return out
 
 
+def with_option(cmd: List[str], flag: str, value: str) -> List[str]:
+    """``cmd`` with ``flag value`` in place of any ``flag X`` / ``flag=X`` it had."""
+    out, skip = [], False
+    for i, a in enumerate(cmd):
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out + [flag, value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Processes and gradient accumulation of one attempt."""
+
+    processes: int
+    grad_accum: int
+
+
+def elastic_layouts(cmd: List[str], processes: int) -> List[Layout]:
+    """The layouts an elastic job shrinks through: process counts that divide the first, largest
+    first, with the gradient accumulation that keeps every device's micro-batch. ConfigError when the
+    command cannot keep its global batch on fewer processes."""
+    for flag, why in (("--mesh", "the mesh must be re-resolved over the devices present; leave it to the recipe"),
+                      ("--micro-batches", "give --grad-accum instead (it is scaled on each shrink)")):
+        if option_value(cmd, flag) is not None:
+            raise ConfigError(f"--elastic: remove {flag} from the command: {why}")
+    if option_value(cmd, "--batch-size") is None:
+        raise ConfigError("--elastic needs the command's --batch-size: the global batch it keeps on fewer processes "
+                          "(the default is rounded to the device count)")
+    accum = option_value(cmd, "--grad-accum")
+    base = int(accum) if accum and accum.isdigit() else 1
+    return [Layout(n, base * processes // n) for n in range(processes, 0, -1) if processes % n == 0]
+
+
 def describe(process: Optional[int], status: int) -> str:
     """Why an attempt ended, in words (``status``: the launcher's 128+N for a signal)."""
     if process is None:
@@ -94,9 +140,11 @@ class Supervisor:
     """
 
     def __init__(self, attempt: Callable[[int], Tuple[int, Optional[int], bool]], run_dir: str,
-                 max_restarts: int, backoff: float, say: Callable[[str], None]):
+                 max_restarts: int, backoff: float, say: Callable[[str], None],
+                 layout: Optional[Callable[[int], Layout]] = None):
         self.attempt, self.run_dir, self.max_restarts, self.backoff, self.say = (attempt, run_dir, max_restarts,
                                                                                  backoff, say)
+        self.layout = layout   # elastic: the processes and gradient accumulation of attempt k
 
     def _hang_report(self, process: Optional[int], status: int) -> str:
         """The watchdog's first line (who is slow, where it is stuck), from ``hang-<process>.txt``."""
@@ -111,7 +159,8 @@ class Supervisor:
     def run(self) -> int:
         k = 0
         while True:
-            append_event(self.run_dir, {"event": "attempt", "attempt": k, "unix": time.time()})
+            shape = dataclasses.asdict(self.layout(k)) if self.layout else {}
+            append_event(self.run_dir, {"event": "attempt", "attempt": k, **shape, "unix": time.time()})
             status, process, signalled = self.attempt(k)
             now = time.time()
             if status == 0:
@@ -129,7 +178,9 @@ class Supervisor:
                     self.say(f"giving up after {k + 1} attempt(s): {cause}; exit status {status}")
                 return status
             k += 1
-            self.say(f"{cause}; restart {k}/{self.max_restarts} from the last committed checkpoint"
+            shrink = (f" on {self.layout(k).processes} process(es) with --grad-accum {self.layout(k).grad_accum}"
+                      if self.layout and self.layout(k) != self.layout(k - 1) else "")
+            self.say(f"{cause}; restart {k}/{self.max_restarts} from the last committed checkpoint{shrink}"
                      + (f" in {self.backoff:g} s" if self.backoff else ""))
             append_event(self.run_dir, {"event": "restart", "attempt": k, "after_s": self.backoff, "cause": cause,
                                         "unix": now})

@@ -12,7 +12,8 @@ import pytest
 
 import processes
 from meshtrain.cli import main
-from meshtrain.supervisor import describe, with_resume
+from meshtrain.errors import ConfigError
+from meshtrain.supervisor import Layout, describe, elastic_layouts, with_option, with_resume
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 STEPS, HANG_S = 6, 6
@@ -64,6 +65,10 @@ def alive(pid: int) -> bool:
     (["--max-restarts", "-1", "--", "train", "--out", "x"], "--max-restarts -1: give the number of restarts"),
     (["--max-restarts", "1", "--restart-backoff", "-1", "--", "train", "--out", "x"], "--restart-backoff -1"),
     (["--max-restarts", "1", "--", "plan", "--model", "tiny"], "--max-restarts restarts training runs"),
+    (["--elastic", "--", "train", "--out", "x"], "--elastic applies to restarts: add --max-restarts K"),
+    (["--elastic", "--max-restarts", "1", "--", "train", "--out", "x"], "--elastic needs the command's --batch-size"),
+    (["--elastic", "--max-restarts", "1", "--", "train", "--batch-size", "8", "--mesh", "fsdp=4", "--out", "x"],
+     "--elastic: remove --mesh from the command"),
 ])
 def test_restart_flags_are_checked_before_anything_starts(extra, message, capsys, tmp_path):
     assert main(["launch", "--processes", "2", *extra]) == 2
@@ -79,6 +84,11 @@ def test_restart_flags_are_checked_before_anything_starts(extra, message, capsys
 ])
 def test_restarts_resume_and_causes_are_named(cmd, want):
     assert with_resume(cmd) == want
+    assert with_option(["train", "--grad-accum", "2", "--out", "r"], "--grad-accum", "4") == \
+        ["train", "--out", "r", "--grad-accum", "4"]
+    assert elastic_layouts(["train", "--batch-size", "8"], 2) == [Layout(2, 1), Layout(1, 2)]
+    assert elastic_layouts(["train", "--batch-size", "8", "--grad-accum=2"], 6) == \
+        [Layout(6, 2), Layout(3, 4), Layout(2, 6), Layout(1, 12)]
     assert describe(1, 137) == "process 1 killed by SIGKILL"
     assert describe(0, 134) == "coordinator (process 0) lost: killed by SIGABRT"
     assert describe(0, 75) == "process 0 found a hang (watchdog, exit 75)"
@@ -121,6 +131,23 @@ def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(faul
     pids = [int(p) for line in re.findall(r"\[launch\] 2 processes: pids ([\d ]+)", done.stderr)
             for p in line.split()]
     assert len(pids) == 4 and not [p for p in pids if alive(p)], done.stderr[-2000:]
+
+
+def test_elastic_restart_finishes_on_one_process_with_the_same_global_batch(uninterrupted, tmp_path):
+    """A 2-process run loses process 1; the restart runs on 1 process (2 devices instead of 4) with
+    --grad-accum 2: the same batch per device and globally, the loss curve within f32 rounding."""
+    out = tmp_path / "run"
+    done = launch(out, "--max-restarts", "1", "--restart-backoff", "0", "--elastic", fault="kill@step=3,process=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    attempts = [e for e in records(out / "events.jsonl") if e["event"] == "attempt"]
+    assert [(a["processes"], a["grad_accum"]) for a in attempts] == [(2, 1), (1, 2)]
+    starts = [r for r in records(out / "metrics.jsonl") if r.get("event") == "start"]
+    assert [(r["mesh"], r["recipe_settings"]["grad_accum"]) for r in starts] == [({"fsdp": 4}, 1), ({"fsdp": 2}, 2)]
+    assert [r["run_settings"]["batch_size"] for r in starts] == [8, 8]
+    got, want = losses(out), losses(uninterrupted)
+    assert got.keys() == want.keys()
+    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
+    assert "on 1 process(es) with --grad-accum 2" in done.stderr
 
 
 def test_restarts_stop_after_k_failures_with_the_last_error(tmp_path):

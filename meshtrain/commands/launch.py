@@ -69,6 +69,9 @@ def add_parser(sub):
                         "restarts)")
     p.add_argument("--restart-backoff", type=float, default=1.0, metavar="SECONDS",
                    help="seconds to wait before each restart (default 1)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --max-restarts: each restart runs on fewer processes (the largest count that divides "
+                        "--processes), the mesh re-resolved and --grad-accum scaled to keep the global batch")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the meshtrain command to run in every process, after --, e.g. -- train --steps 10")
     p.set_defaults(run=run, setup_devices=False)
@@ -262,21 +265,32 @@ class ProcessGroup:
 def run(args) -> int:
     cmd = _command(args)
     check_host_memory(args.processes, host_memory_bytes())
+    if args.elastic and args.max_restarts is None:
+        raise ConfigError("--elastic applies to restarts: add --max-restarts K")
     if args.max_restarts is None:
         return _attempt(args, cmd, args.port)[0]
     run_dir = supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
     if args.port and args.max_restarts:
         _say(f"--port {args.port} is used for the first attempt; restarts take a free port (the old one may linger)")
+    layouts = supervisor.elastic_layouts(cmd, args.processes) if args.elastic else None
+
+    def layout(k: int) -> supervisor.Layout:
+        return layouts[min(k, len(layouts) - 1)]
 
     def attempt(k: int):
-        return _attempt(args, supervisor.with_resume(cmd) if k else cmd, args.port if not k else 0, k)
+        run_cmd, n = (supervisor.with_resume(cmd) if k else cmd), args.processes
+        if layouts and k:
+            n = layout(k).processes
+            run_cmd = supervisor.with_option(run_cmd, "--grad-accum", str(layout(k).grad_accum))
+        return _attempt(args, run_cmd, args.port if not k else 0, k, processes=n)
 
-    return supervisor.Supervisor(attempt, run_dir, args.max_restarts, args.restart_backoff, _say).run()
+    return supervisor.Supervisor(attempt, run_dir, args.max_restarts, args.restart_backoff, _say,
+                                 layout=layout if layouts else None).run()
 
 
-def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None):
+def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, processes: Optional[int] = None):
     """Run ``cmd`` once in every process: (exit status, first failing process, launcher signalled)."""
-    n = args.processes
+    n = processes or args.processes
     port = port or distributed.free_port()
     env = dict(os.environ)
     for name in (distributed.ENV_BIND, "JAX_COORDINATOR_ADDRESS"):
