@@ -161,7 +161,10 @@ class Watchdog(Hook):
 
         self.run, self.process, self.processes = run, jax.process_index(), jax.process_count()
         self._last = time.monotonic()
-        os.makedirs(os.path.join(run.run_dir, HEARTBEAT_DIR), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(run.run_dir, HEARTBEAT_DIR), exist_ok=True)
+        except OSError:   # a full disk: the run's own writes report it; the watchdog still watches
+            pass
         self._thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
         self._thread.start()
 
