@@ -112,8 +112,9 @@ class TrainConfig:
     # Resilience (meshtrain.train.watchdog)
     hang_timeout: Optional[float] = setting(None, "seconds without a completed step after which the watchdog "
                                             "dumps every thread's stack to <run>/hang-<process>.txt and exits 75 "
-                                            "(default: max(300, 10 × the median step time) after 5 steps; the "
-                                            "first step, which compiles, always gets at least 1800)")
+                                            "(default, in multi-process or supervised runs: max(300, 10 × the "
+                                            "median step time) after 5 steps; the first step, which compiles, "
+                                            "always gets at least 1800)")
     straggler_fraction: float = setting(0.2, "report a process whose host time per step exceeds the others' by "
                                         "more than this fraction of the step time (multi-process runs)")
 

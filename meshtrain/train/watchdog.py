@@ -1,6 +1,8 @@
 """The hang and straggler watchdog: a training hook with a background thread per process.
 
-**Hangs.** The thread checks the time since this process last completed a step (everything between
+**Hangs.** The watchdog is armed in multi-process runs, under ``meshtrain launch --max-restarts``
+and wherever ``--hang-timeout`` is given (a single process in a notebook or a debugger is not
+killed for pausing). The thread checks the time since this process last completed a step (everything between
 two steps counts: the step, evaluation, a checkpoint save). When it passes the bound it writes every
 thread's stack (``faulthandler``) to ``<run>/hang-<process>.txt``, headed by the frame the main
 thread is stuck in and the slow process(es), prints one ``error:`` line and exits with
@@ -15,7 +17,7 @@ gets ``STARTUP_S`` for the first step only.
 whose file went stale (stopped, frozen, dead) or whose step is behind the others is named; when
 every process is alive at the same step the hang is in all of them (a collective, a deadlock).
 
-**Stragglers.** Every ``STRAGGLER_EVERY`` steps the processes all-gather their mean host time per
+**Stragglers.** Every ``STRAGGLER_EVERY`` steps and at the last step the processes all-gather their mean host time per
 step (the time between finishing one step and starting the next: data, hooks, anything slow on the
 host); a process whose host time exceeds the others' median by more than ``--straggler-fraction``
 of the median step interval is reported (a ``stragglers`` record in ``metrics.jsonl``, a line on
@@ -161,12 +163,18 @@ class Watchdog(Hook):
 
         self.run, self.process, self.processes = run, jax.process_index(), jax.process_count()
         self._last = time.monotonic()
-        try:
-            os.makedirs(os.path.join(run.run_dir, HEARTBEAT_DIR), exist_ok=True)
-        except OSError:   # a full disk: the run's own writes report it; the watchdog still watches
-            pass
-        self._thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
-        self._thread.start()
+        if self.armed:
+            try:
+                os.makedirs(os.path.join(run.run_dir, HEARTBEAT_DIR), exist_ok=True)
+            except OSError:   # a full disk: the run's own writes report it; the watchdog still watches
+                pass
+            self._thread = threading.Thread(target=self._watch, name="meshtrain-watchdog", daemon=True)
+            self._thread.start()
+
+    @property
+    def armed(self) -> bool:
+        """Whether the thread runs: several processes, a supervisor, or an explicit --hang-timeout."""
+        return self.processes > 1 or os.environ.get(ENV_ATTEMPT) is not None or self.hang_timeout is not None
 
     def bound(self) -> float:
         if self.step is None:   # compiling the step (or restoring): never less than STARTUP_S
@@ -184,7 +192,7 @@ class Watchdog(Hook):
         elif os.environ.get(ENV_ATTEMPT) is not None and run.is_main:
             append_event(run.run_dir, {"event": "first_step", "attempt": self.attempt, "step": info.step,
                                        "resumed_from": run.start, "unix": time.time()})
-        if self.processes > 1 and info.step % STRAGGLER_EVERY == 0:
+        if self.processes > 1 and (info.step % STRAGGLER_EVERY == 0 or info.last):   # the same steps everywhere
             self._report_stragglers(run, info.step)
         self._inject(run, info.step)
 
