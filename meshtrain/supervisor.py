@@ -145,6 +145,17 @@ class Supervisor:
         self.attempt, self.run_dir, self.max_restarts, self.backoff, self.say = (attempt, run_dir, max_restarts,
                                                                                  backoff, say)
         self.layout = layout   # elastic: the processes and gradient accumulation of attempt k
+        self._event_error = False
+
+    def _event(self, record: dict) -> None:
+        """One line of events.jsonl; a disk that cannot take it is said once and the job goes on."""
+        try:
+            append_event(self.run_dir, record)
+        except OSError as exc:
+            if not self._event_error:
+                self.say(f"cannot write {os.path.join(self.run_dir, 'events.jsonl')}: {exc.strerror or exc}; "
+                         f"the restarts go on without it")
+            self._event_error = True
 
     def _hang_report(self, process: Optional[int], status: int) -> str:
         """The watchdog's first line (who is slow, where it is stuck), from ``hang-<process>.txt``."""
@@ -160,19 +171,19 @@ class Supervisor:
         k = 0
         while True:
             shape = dataclasses.asdict(self.layout(k)) if self.layout else {}
-            append_event(self.run_dir, {"event": "attempt", "attempt": k, **shape, "unix": time.time()})
+            self._event({"event": "attempt", "attempt": k, **shape, "unix": time.time()})
             status, process, signalled = self.attempt(k)
             now = time.time()
             if status == 0:
-                append_event(self.run_dir, {"event": "done", "attempt": k, "status": 0, "unix": now})
+                self._event({"event": "done", "attempt": k, "status": 0, "unix": now})
                 return 0
             cause = describe(process, status) + self._hang_report(process, status)
-            append_event(self.run_dir, {"event": "failed", "attempt": k, "status": status, "process": process,
+            self._event({"event": "failed", "attempt": k, "status": status, "process": process,
                                         "cause": cause, "unix": now})
             if signalled or status in NO_RESTART or k >= self.max_restarts:
                 why = ("the launcher was signalled" if signalled else f"status {status} is not retried"
                        if status in NO_RESTART else f"{self.max_restarts} restart(s) used")
-                append_event(self.run_dir, {"event": "gave_up", "attempt": k, "status": status, "cause": cause,
+                self._event({"event": "gave_up", "attempt": k, "status": status, "cause": cause,
                                             "reason": why, "unix": now})
                 if not signalled and status not in NO_RESTART:
                     self.say(f"giving up after {k + 1} attempt(s): {cause}; exit status {status}")
@@ -182,6 +193,11 @@ class Supervisor:
                       if self.layout and self.layout(k) != self.layout(k - 1) else "")
             self.say(f"{cause}; restart {k}/{self.max_restarts} from the last committed checkpoint{shrink}"
                      + (f" in {self.backoff:g} s" if self.backoff else ""))
-            append_event(self.run_dir, {"event": "restart", "attempt": k, "after_s": self.backoff, "cause": cause,
+            self._event({"event": "restart", "attempt": k, "after_s": self.backoff, "cause": cause,
                                         "unix": now})
-            time.sleep(self.backoff)
+            try:
+                time.sleep(self.backoff)
+            except KeyboardInterrupt:   # Ctrl-C between attempts: no process is running
+                self._event({"event": "gave_up", "attempt": k, "status": 130, "cause": cause,
+                             "reason": "Ctrl-C during the backoff", "unix": time.time()})
+                return 130

@@ -13,7 +13,7 @@ import pytest
 import processes
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError
-from meshtrain.supervisor import Layout, describe, elastic_layouts, with_option, with_resume
+from meshtrain.supervisor import Layout, Supervisor, describe, elastic_layouts, with_option, with_resume
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 STEPS, HANG_S = 6, 6
@@ -93,6 +93,26 @@ def test_restarts_resume_and_causes_are_named(cmd, want):
     assert describe(0, 134) == "coordinator (process 0) lost: killed by SIGABRT"
     assert describe(0, 75) == "process 0 found a hang (watchdog, exit 75)"
     assert describe(1, 1) == "process 1 exited with status 1"
+
+
+@pytest.mark.parametrize("outcomes, restarts, status, ends", [
+    ([(137, 1, False), (75, 0, False), (0, None, False)], 2, 0, "done"),     # two failures, then success
+    ([(137, 1, False), (137, 1, False)], 1, 137, "gave_up"),                   # K used up: the last status
+    ([(2, 0, False)], 3, 2, "gave_up"),                                        # bad input: no restart
+    ([(143, 0, True)], 3, 143, "gave_up"),                                     # the launcher was signalled
+])
+def test_supervisor_restarts_until_done_or_given_up(outcomes, restarts, status, ends, tmp_path):
+    said, calls = [], []
+
+    def attempt(k):
+        calls.append(k)
+        return outcomes[k]
+
+    assert Supervisor(attempt, str(tmp_path), restarts, 0.0, said.append).run() == status
+    events = records(tmp_path / "events.jsonl")
+    assert calls == list(range(len(outcomes))) and events[-1]["event"] == ends
+    assert [e["attempt"] for e in events if e["event"] == "attempt"] == calls
+    assert [e["status"] for e in events if e["event"] == "failed"] == [o[0] for o in outcomes if o[0]]
 
 
 @pytest.fixture(scope="module")
