@@ -192,6 +192,6 @@ def test_chaos_benchmark_reports_its_figures(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert re.search(r"kill of process \d at step \d+: RPO \d+ steps, RTO [0-9.]+ s", out.stdout), out.stdout
     assert re.search(r"mix kill: RPO [0-9.]+ steps, RTO [0-9.]+ s, goodput [0-9.]+%, slowdown [0-9.]+x, jitter "
-                     r"[0-9.]+, resilience 1.00, RS [0-9.]+, attempts 2, .*final state bit-identical", out.stdout)
+                     r"[0-9.]+, elastic overhead 1.00, resilience 1.00, RS [0-9.]+, attempts 2, .*final state bit-identical", out.stdout)
     assert re.search(r"mix kill,elastic: .*elastic overhead [0-9.]+, resilience 1.00, .*attempts 2", out.stdout)
     assert "load average" in out.stdout and "'w3': 0.2" in out.stdout
