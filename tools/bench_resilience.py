@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     ref_metrics = [r for r in records(os.path.join(ref_dir, "metrics.jsonl")) if "loss" in r and "step" in r]
     reference = {"wall_s": wall, "arrays": final_arrays(ref_dir, args.steps),
                  "median_step_s": statistics.median(r["step_time_s"] for r in ref_metrics[1:] or ref_metrics)}
-    print(f"uninterrupted: {wall:.1f} s, median step {reference['median_step_s'] * 1e3:.0f} ms", flush=True)
+    print(f"uninterrupted: {wall:.1f} s, median step {reference['median_step_s'] * 1e3:.0f} ms, goodput "
+          f"{sum(r['step_time_s'] for r in ref_metrics) / wall:.1%}", flush=True)
     rng = random.Random(args.seed)
     results = []
     for mix in args.mixes:
