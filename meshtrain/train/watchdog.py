@@ -2,15 +2,15 @@
 
 **Hangs.** The watchdog is armed in multi-process runs, under ``meshtrain launch --max-restarts``
 and wherever ``--hang-timeout`` is given (a single process in a notebook or a debugger is not
-killed for pausing). The thread checks the time since this process last completed a step (everything between
-two steps counts: the step, evaluation, a checkpoint save). When it passes the bound it writes every
-thread's stack (``faulthandler``) to ``<run>/hang-<process>.txt``, headed by the frame the main
-thread is stuck in and the slow process(es), prints one ``error:`` line and exits with
+killed for pausing). Its thread checks the time since this process last completed a step
+(everything between two steps counts: the step, evaluation, a checkpoint save). Past the bound it
+writes every thread's stack (``faulthandler``) to ``<run>/hang-<process>.txt``, headed by the frame
+the main thread is stuck in and the slow process(es), prints one ``error:`` line and exits with
 :data:`~meshtrain.errors.EXIT_HANG` (75) at once: a process blocked in a collective cannot leave
-through Python. The bound is ``--hang-timeout`` seconds, or by default
-``max(FLOOR_S, MULTIPLE × median step interval)`` once ``WARMUP_STEPS`` intervals are measured,
-and ``STARTUP_S`` before that (the first step includes the compilation). An explicit bound also
-gets ``STARTUP_S`` for the first step only.
+through Python. The bound is ``--hang-timeout`` seconds, or by default ``max(FLOOR_S, MULTIPLE ×
+the median of the last RECENT_STEPS step intervals)`` once ``WARMUP_STEPS`` intervals are measured
+and ``STARTUP_S`` before that. The first step (compilation, after a restore) always gets at least
+``STARTUP_S``.
 
 **Which process is slow.** Every process's thread rewrites ``<run>/watchdog/process-<i>.json``
 (its last completed step, and the time its thread last ran) every ``POLL_S`` seconds. A process
@@ -34,6 +34,7 @@ fault and the first step of every attempt are appended to ``<run>/events.jsonl``
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import faulthandler
@@ -46,7 +47,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import List, Optional
+from typing import Deque, List, Optional
 
 from meshtrain.errors import EXIT_HANG, ConfigError
 from meshtrain.train.hooks import Hook
@@ -65,6 +66,8 @@ FLOOR_S = 300.0
 MULTIPLE = 10.0
 #: Step intervals measured before the default bound leaves STARTUP_S (the first one is not counted).
 WARMUP_STEPS = 5
+#: The default bound follows the median of this many recent step intervals.
+RECENT_STEPS = 100
 #: How often the thread checks the bound and rewrites its heartbeat file.
 POLL_S = 1.0
 #: A heartbeat older than this many polls means that process is not running (stopped or dead).
@@ -146,7 +149,7 @@ class Watchdog(Hook):
         self.hang_timeout, self.straggler_fraction = hang_timeout, straggler_fraction
         self.attempt = attempt
         self.faults = [f for f in (faults or []) if f.attempt == attempt]
-        self.intervals: List[float] = []
+        self.intervals: Deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self.window: List[List[float]] = []   # [host s, step s] per step since the last gather
         self.step: Optional[int] = None
         self._last = time.monotonic()
@@ -179,7 +182,7 @@ class Watchdog(Hook):
     def bound(self) -> float:
         if self.step is None:   # compiling the step (or restoring): never less than STARTUP_S
             return max(self.hang_timeout or 0.0, STARTUP_S)
-        return hang_bound(self.intervals, self.hang_timeout)
+        return hang_bound(list(self.intervals), self.hang_timeout)
 
     def on_step(self, run: Run, info: StepInfo) -> None:
         now = time.monotonic()
@@ -190,8 +193,11 @@ class Watchdog(Hook):
             self.intervals.append(interval)
             self.window.append([max(interval - info.step_time_s, 0.0), info.step_time_s])
         elif os.environ.get(ENV_ATTEMPT) is not None and run.is_main:
-            append_event(run.run_dir, {"event": "first_step", "attempt": self.attempt, "step": info.step,
-                                       "resumed_from": run.start, "unix": time.time()})
+            try:   # the supervisor's log (RTO); a full disk is reported by the run's own writes
+                append_event(run.run_dir, {"event": "first_step", "attempt": self.attempt, "step": info.step,
+                                           "resumed_from": run.start, "unix": time.time()})
+            except OSError:
+                pass
         if self.processes > 1 and (info.step % STRAGGLER_EVERY == 0 or info.last):   # the same steps everywhere
             self._report_stragglers(run, info.step)
         self._inject(run, info.step)
@@ -214,7 +220,7 @@ class Watchdog(Hook):
         # every process reaches this step: one tiny host collective
         every = np.asarray(multihost_utils.process_allgather(mine.astype(np.float32))).reshape(-1, 2)
         host, step_s = every[:, 0], every[:, 1]
-        interval = float(statistics.median(self.intervals[-STRAGGLER_EVERY:])) if self.intervals else 0.0
+        interval = float(statistics.median(list(self.intervals)[-STRAGGLER_EVERY:])) if self.intervals else 0.0
         slow = [i for i in range(len(host))
                 if host[i] - float(np.median(np.delete(host, i))) > self.straggler_fraction * interval]
         if not slow:
