@@ -272,6 +272,9 @@ def run(args) -> int:
     run_dir = supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
     if args.port and args.max_restarts:
         _say(f"--port {args.port} is used for the first attempt; restarts take a free port (the old one may linger)")
+    if supervisor.option_value(cmd, "--ckpt-every") in (None, "0"):
+        _say("the command saves no checkpoints before its last step (no --ckpt-every N): a restart starts again "
+             "from step 0")
     layouts = supervisor.elastic_layouts(cmd, args.processes) if args.elastic else None
 
     def layout(k: int) -> supervisor.Layout:
