@@ -2,7 +2,7 @@
 
 Exit codes of the ``meshtrain`` command (README, "Errors and interruptions"): 0 done (or stopped by
 SIGTERM after saving), 2 bad input (:class:`MeshtrainError`), :data:`EXIT_DISK` a full disk or a
-file-size limit (:class:`DiskError`), 130 Ctrl-C.
+file-size limit (:class:`DiskError`), :data:`EXIT_HANG` the watchdog found a hang, 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ EXIT_BAD_INPUT = 2
 #: (``ulimit -f``). sysexits.h's EX_IOERR: distinct from bad input (2) and from a crash (1), so a
 #: scheduler can tell "free space and run again with --resume" from "fix the command".
 EXIT_DISK = 74
+#: The watchdog (:mod:`meshtrain.train.watchdog`) saw no step complete within its bound: a hung or
+#: stopped process. sysexits.h's EX_TEMPFAIL ("try again"): ``meshtrain launch --max-restarts``
+#: restarts the job from its last checkpoint; the stacks are in ``<run>/hang-<process>.txt``.
+EXIT_HANG = 75
 
 #: errno values that mean "the storage is full", not "this input is wrong".
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})

@@ -11,6 +11,9 @@ stdout) carry a ``[i]`` prefix. SIGTERM / SIGINT / SIGHUP sent to the launcher g
 (SIGTERM: all stop after the same step, save a checkpoint and exit 0). When one process fails, the
 others get SIGTERM and, after ``--grace`` seconds, SIGKILL; the launcher exits with the first
 failure's status (128 + signal for a process killed by a signal), else 0.
+With ``--max-restarts K`` the launcher also restarts the whole job (new coordinator, ``--resume
+latest``) when a process dies, hangs (the watchdog's exit 75) or the coordinator is lost, up to K
+times, and logs each attempt to ``<run>/events.jsonl`` (:mod:`meshtrain.supervisor`).
 For clusters use the templates in ``recipes/launch/`` (SLURM, GKE/JobSet) instead.
 """
 
@@ -27,10 +30,11 @@ import time
 import types
 from typing import List, Optional
 
-from meshtrain import distributed
+from meshtrain import distributed, supervisor
 from meshtrain.cli import COMMANDS
 from meshtrain.errors import ConfigError
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
+from meshtrain.train.watchdog import ENV_ATTEMPT
 
 #: Flags of the launched command that the launcher sets itself.
 _OWNED = ("--coordinator", "--num-processes", "--process-id", "--distributed")
@@ -59,6 +63,15 @@ def add_parser(sub):
                    help="seconds each process waits for the coordinator and its peers (default 60)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="after a failure, seconds the other processes get between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                   help="restart the whole job from its last checkpoint (--resume latest) when a process dies, "
+                        "hangs or loses the coordinator, up to K times; needs the command's --out (default: no "
+                        "restarts)")
+    p.add_argument("--restart-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds to wait before each restart (default 1)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --max-restarts: each restart runs on fewer processes (the largest count that divides "
+                        "--processes), the mesh re-resolved and --grad-accum scaled to keep the global batch")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the meshtrain command to run in every process, after --, e.g. -- train --steps 10")
     p.set_defaults(run=run, setup_devices=False)
@@ -158,6 +171,12 @@ class ProcessGroup:
         self.procs: List[subprocess.Popen] = []
         self._relays: List[_Relay] = []
         self._signals = 0
+        self.first: Optional[tuple] = None  # (process, returncode) of the first failure
+
+    @property
+    def signalled(self) -> bool:
+        """Whether the launcher itself received SIGTERM/SIGINT/SIGHUP (and forwarded it)."""
+        return self._signals > 0
 
     def start(self) -> None:
         out, err = sys.stdout.buffer, sys.stderr.buffer
@@ -204,6 +223,7 @@ class ProcessGroup:
                                  f"{self.grace:g} s)" if live else ""))
                     for j in live:
                         self._send(self.procs[j], signal.SIGTERM)
+                        self._send(self.procs[j], signal.SIGCONT)  # a stopped (hung) process gets it too
                     kill_at = time.monotonic() + self.grace
             if all(c is not None for c in codes):
                 break
@@ -214,6 +234,7 @@ class ProcessGroup:
                         p.kill()
                 kill_at = None
             time.sleep(0.05)
+        self.first = first
         return _status(first[1]) if first else 0
 
     def close(self) -> None:
@@ -243,9 +264,37 @@ class ProcessGroup:
 
 def run(args) -> int:
     cmd = _command(args)
-    n = args.processes
-    check_host_memory(n, host_memory_bytes())
-    port = args.port or distributed.free_port()
+    check_host_memory(args.processes, host_memory_bytes())
+    if args.elastic and args.max_restarts is None:
+        raise ConfigError("--elastic applies to restarts: add --max-restarts K")
+    if args.max_restarts is None:
+        return _attempt(args, cmd, args.port)[0]
+    run_dir = supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
+    if args.port and args.max_restarts:
+        _say(f"--port {args.port} is used for the first attempt; restarts take a free port (the old one may linger)")
+    if supervisor.option_value(cmd, "--ckpt-every") in (None, "0"):
+        _say("the command saves no checkpoints before its last step (no --ckpt-every N): a restart starts again "
+             "from step 0")
+    layouts = supervisor.elastic_layouts(cmd, args.processes) if args.elastic else None
+
+    def layout(k: int) -> supervisor.Layout:
+        return layouts[min(k, len(layouts) - 1)]
+
+    def attempt(k: int):
+        run_cmd, n = (supervisor.with_resume(cmd) if k else cmd), args.processes
+        if layouts and k:
+            n = layout(k).processes
+            run_cmd = supervisor.with_option(run_cmd, "--grad-accum", str(layout(k).grad_accum))
+        return _attempt(args, run_cmd, args.port if not k else 0, k, processes=n)
+
+    return supervisor.Supervisor(attempt, run_dir, args.max_restarts, args.restart_backoff, _say,
+                                 layout=layout if layouts else None).run()
+
+
+def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, processes: Optional[int] = None):
+    """Run ``cmd`` once in every process: (exit status, first failing process, launcher signalled)."""
+    n = processes or args.processes
+    port = port or distributed.free_port()
     env = dict(os.environ)
     for name in (distributed.ENV_BIND, "JAX_COORDINATOR_ADDRESS"):
         env.pop(name, None)
@@ -254,8 +303,11 @@ def run(args) -> int:
                 "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
     if args.devices_per_process is not None:
         env["JAX_NUM_CPU_DEVICES"] = str(args.devices_per_process)
+    if attempt is not None:
+        env[ENV_ATTEMPT] = str(attempt)
     _say(f"coordinator 127.0.0.1:{port}")
     argv = [sys.executable, "-m", "meshtrain", *cmd]
     group = ProcessGroup([argv] * n, [dict(env, **{distributed.ENV_PROCESS_ID: str(i)}) for i in range(n)],
                          grace=args.grace)
-    return group.run()
+    status = group.run()
+    return status, (group.first[0] if group.first else None), group.signalled

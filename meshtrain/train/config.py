@@ -118,6 +118,14 @@ class TrainConfig:
     rules: Optional[str] = setting(None, "YAML file of model rules: paths: {REGEX: [logical names]} for parameters "
                                    "without axes, logical: {NAME: mesh axis, list or null} (the Trainer also takes "
                                    "a dict: Trainer(rules=...))")
+    # Resilience (meshtrain.train.watchdog)
+    hang_timeout: Optional[float] = setting(None, "seconds without a completed step after which the watchdog "
+                                            "dumps every thread's stack to <run>/hang-<process>.txt and exits 75 "
+                                            "(default, in multi-process or supervised runs: max(300, 10 × the "
+                                            "median step time) after 5 steps; the first step, which compiles, "
+                                            "always gets at least 1800)")
+    straggler_fraction: float = setting(0.2, "report a process whose host time per step exceeds the others' by "
+                                        "more than this fraction of the step time (multi-process runs)")
 
     def __post_init__(self):
         for s in settings_of(TrainConfig):  # enums from their values; a wrong one names the allowed values
@@ -140,6 +148,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number >= 0")
+        check_watchdog_settings(self.hang_timeout, self.straggler_fraction)
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction {self.val_fraction}: must be between 0 and 1 (exclusive)")
         peak = self.peak_flops_per_device
@@ -159,6 +168,17 @@ class TrainConfig:
             return get_recipe(self.recipe).with_options(**dict(self.recipe_options))
         except RecipeError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def check_watchdog_settings(hang_timeout: Optional[float], straggler_fraction: float) -> None:
+    """``hang_timeout`` (seconds, or ``None``) and ``straggler_fraction`` as :mod:`meshtrain.train.watchdog`
+    needs them."""
+    if hang_timeout is not None and not (math.isfinite(hang_timeout) and hang_timeout > 0):
+        raise ConfigError(f"--hang-timeout {hang_timeout:g}: give a positive number of seconds, or omit it for "
+                          f"the default (max(300 s, 10 × the median step time))")
+    if not (math.isfinite(straggler_fraction) and straggler_fraction > 0):
+        raise ConfigError(f"--straggler-fraction {straggler_fraction:g}: give a positive fraction of the step "
+                          f"time, e.g. 0.2")
 
 
 def check_recipe_overrides(recipe: Recipe, *, attention: Optional[str] = None, schedule: Optional[str] = None,

@@ -43,6 +43,7 @@ from meshtrain.train.sources import initial_params
 from meshtrain.train.step import LossFn, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
                                    local_rows)
+from meshtrain.train.watchdog import Watchdog
 
 __all__ = ["Interrupted", "Trainer", "TrainingError", "TrainSummary"]
 
@@ -235,7 +236,8 @@ class Trainer:
                                   cfg.eval_batches, cfg.eval_every))
         checkpoint = CheckpointHook(ckpt, self._metadata(plan)) if ckpt is not None else None
         hooks += [checkpoint] if checkpoint is not None else []
-        return hooks + [*self.user_hooks, MetricsHook(), ProgressHook(), PreemptionHook(checkpoint)]
+        watchdog = Watchdog.from_env(cfg.hang_timeout, cfg.straggler_fraction)   # also injects test faults
+        return hooks + [*self.user_hooks, watchdog, MetricsHook(), ProgressHook(), PreemptionHook(checkpoint)]
 
     def _tokens_per_example(self, plan: ShardingPlan) -> Optional[int]:
         per = self.task.tokens_per_example
