@@ -78,3 +78,40 @@ def test_gpt2_matches_one_device_under_every_recipe(rules_file, tmp_path):
         got = train(tmp_path / recipe, recipe, rules_file)
         rel = float(np.max(np.abs(got - base) / np.abs(base)))
         assert rel <= 1e-5, (recipe, got, base)
+
+
+MODEL_FILE = '''
+import jax, jax.numpy as jnp, optax
+from transformers import FlaxGPT2LMHeadModel, GPT2Config
+from meshtrain.models import from_linen
+
+_hf = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4), _do_init=False)
+_ids = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+make = from_linen(_hf, _ids, _ids, _ids, rules="gpt2-rules.yaml", weights="init")
+
+
+def loss(model, batch):
+    logits = model(batch["inputs"], batch["mask"], batch["positions"], deterministic=True).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return ce.sum(), ce.size
+'''
+
+
+def test_meshtrain_plan_plans_gpt2_from_the_cli_on_8_and_64_devices(rules_file, tmp_path):
+    import shutil
+    import sys
+
+    import processes
+
+    shutil.copy(rules_file, tmp_path / "gpt2-rules.yaml")
+    (tmp_path / "gpt2_model.py").write_text(MODEL_FILE)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    batch = ",".join(f"{k}=64x128:int32" for k in ("inputs", "targets", "mask", "positions"))
+    for devices in (8, 64):
+        out = processes.run([sys.executable, "-m", "meshtrain", "plan", "--model", "gpt2_model.py:make", "--rules",
+                             "gpt2-rules.yaml", "--batch", batch, "--loss", "gpt2_model.py:loss", "--recipe", "fsdp_tp",
+                             "--devices", str(devices)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                            timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"({devices} devices," in out.stdout and "memory per device" in out.stdout, out.stdout[:2000]

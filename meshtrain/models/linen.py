@@ -92,7 +92,10 @@ def _unwrap(module: Any) -> Tuple[nn.Module, Any, Any]:
         return module, None, None
     inner = getattr(module, "module", None)
     if isinstance(inner, nn.Module):  # a HF FlaxPreTrainedModel (or anything else that holds its module)
-        params = getattr(module, "_params", None) if hasattr(module, "_params") else getattr(module, "params", None)
+        try:  # HF models made with _do_init=False hold no weights (their .params raises ValueError)
+            params = getattr(module, "_params", None) if hasattr(module, "_params") else module.params
+        except (AttributeError, ValueError):
+            params = None
         return inner, params, getattr(module, "config", None)
     hint = (" (an nnx.Module needs no adapter: pass `lambda rngs: MyModel(..., rngs=rngs)`)"
             if isinstance(module, nnx.Module) else "")
