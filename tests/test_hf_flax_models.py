@@ -1,6 +1,7 @@
-"""transformers' own Flax GPT-2, unedited, through the Trainer with the README's glue lines and rules
-file: every data/FSDP/ZeRO/TP recipe matches one device (relative loss difference <= 1e-5), and the
-big weights are really sharded. Skipped without `transformers` (a test-only dependency)."""
+"""transformers' own Flax GPT-2, BERT (masked LM, dropout on) and ViT (dropout on), unedited, through
+the Trainer with glue lines and a rules file each (GPT-2's are the README's): every data/FSDP/ZeRO/TP
+recipe matches one device (relative loss difference <= 1e-5), and the big weights are really sharded.
+Skipped without `transformers` (a test-only dependency)."""
 
 import json
 import os
@@ -54,10 +55,72 @@ def batches():
                "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (BATCH, T)).copy()}
 
 
-def train(out, recipe, rules, devices=None):
+LAYER_RULES = [  # BERT's and ViT's encoder layers (HF Flax names); query|key|value side by side on `tensor`
+    [".*/(query|key|value)/kernel", ["embed", "joined_kv"]],
+    [".*/(query|key|value)/bias", ["joined_kv"]],
+    [".*/attention/output/dense/kernel", ["joined_kv", "embed"]],
+    [".*/intermediate/dense/kernel", ["embed", "mlp"]],
+    [".*/intermediate/dense/bias", ["mlp"]],
+    [r".*layer/\d+/output/dense/kernel", ["mlp", "embed"]]]
+BERT_RULES = {"paths": [[".*word_embeddings/embedding", ["vocab", "embed"]],
+                        [".*(position|token_type)_embeddings/embedding", [None, "embed"]], *LAYER_RULES,
+                        [".*/transform/dense/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
+              "logical": {"joined_kv": "tensor"}}
+VIT_RULES = {"paths": [[".*/(cls_token|position_embeddings)", [None, None, "embed"]],
+                       [".*/patch_embeddings/projection/kernel", [None, None, None, "embed"]], *LAYER_RULES,
+                       ["(.*/)?classifier/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
+             "logical": {"joined_kv": "tensor"}}
+
+
+def bert(rules):
+    hf = transformers.FlaxBertForMaskedLM(transformers.BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=T))
+    ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return from_linen(hf, ids, ids, ids, ids, None, rules=rules)  # input_ids, mask, types, positions, head_mask
+
+
+def bert_loss(model, batch):  # masked LM on 15 % of the tokens, dropout on
+    logits = model(batch["inputs"], batch["mask"], batch["types"], batch["positions"], None,
+                   deterministic=False).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]) * batch["weights"]
+    return ce.sum(), batch["weights"].sum()
+
+
+def bert_batches():
+    rng = np.random.default_rng(0)
+    while True:
+        x = rng.integers(5, 256, (BATCH, T)).astype(np.int32)
+        w = (rng.random((BATCH, T)) < 0.15).astype(np.float32)
+        yield {"inputs": np.where(w > 0, 4, x).astype(np.int32), "targets": x, "weights": w,
+               "mask": np.ones((BATCH, T), np.int32), "types": np.zeros((BATCH, T), np.int32),
+               "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (BATCH, T)).copy()}
+
+
+def vit(rules):
+    hf = transformers.FlaxViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=10))
+    return from_linen(hf, jax.ShapeDtypeStruct((1, 8, 8, 1), jnp.float32), rules=rules)
+
+
+def vit_loss(model, batch):  # dropout on
+    logits = model(batch["images"], deterministic=False).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    return ce.sum(), ce.size
+
+
+def vit_batches():
+    rng = np.random.default_rng(0)
+    while True:
+        yield {"images": rng.standard_normal((BATCH, 8, 8, 1)).astype(np.float32),
+               "labels": rng.integers(0, 10, (BATCH,)).astype(np.int32)}
+
+
+def train(out, recipe, rules, devices=None, model=gpt2, loss_fn=loss, data=batches):
     cfg = TrainConfig(recipe=recipe, steps=STEPS, batch_size=BATCH, eval_every=0, progress="none", out=str(out),
-                      devices=devices, rules=rules, recipe_options={"compute_dtype": "float32"})
-    run_dir = Trainer(cfg, model=gpt2(rules), loss_fn=loss, data=batches()).run().run_dir
+                      devices=devices, recipe_options={"compute_dtype": "float32"})
+    run_dir = Trainer(cfg, model=model(rules), loss_fn=loss_fn, data=data(), rules=rules).run().run_dir
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return np.array([r["loss"] for r in map(json.loads, f) if "loss" in r])
 
@@ -71,13 +134,17 @@ def test_gpt2_big_weights_are_sharded_by_the_readme_rules(rules_file):
     assert "fsdp" in str(wte) and "tensor" in str(c_attn), (wte, c_attn)
 
 
-def test_gpt2_matches_one_device_under_every_recipe(rules_file, tmp_path):
-    base = train(tmp_path / "one", "dp", rules_file, devices=1)
+@pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
+def test_hf_model_matches_one_device_under_every_recipe(name, rules_file, tmp_path):
+    model, loss_fn, data, rules = {"gpt2": (gpt2, loss, batches, rules_file),
+                                   "bert": (bert, bert_loss, bert_batches, BERT_RULES),
+                                   "vit": (vit, vit_loss, vit_batches, VIT_RULES)}[name]
+    base = train(tmp_path / "one", "dp", rules, devices=1, model=model, loss_fn=loss_fn, data=data)
     assert len(base) == STEPS and np.all(np.isfinite(base))
     for recipe in RECIPES:
-        got = train(tmp_path / recipe, recipe, rules_file)
+        got = train(tmp_path / recipe, recipe, rules, model=model, loss_fn=loss_fn, data=data)
         rel = float(np.max(np.abs(got - base) / np.abs(base)))
-        assert rel <= 1e-5, (recipe, got, base)
+        assert rel <= 1e-5, (name, recipe, got, base)
 
 
 MODEL_FILE = '''
