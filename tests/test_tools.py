@@ -81,3 +81,15 @@ def test_import_plan_reads_exactly_each_devices_blocks():
     out = tool("bench_import.py", "--plan-only", "tiny", "--devices", "8", "--recipe", "fsdp_tp")
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert "equal: True" in out.stdout, out.stdout
+
+
+def test_compiler_check_lists_its_cases_and_needs_libtpu_only_to_compile():
+    listed = tool("check_compilers.py", "--list")
+    assert listed.returncode == 0 and "fsdp_cp ulysses splash: meshtrain plan --check tpu" in listed.stdout
+    ran = tool("check_compilers.py", "--only", "dp")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    import importlib.util
+    if importlib.util.find_spec("libtpu") is None:
+        assert "libtpu is not installed" in ran.stdout
+    else:
+        assert "MiB" in ran.stdout

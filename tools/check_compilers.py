@@ -1,0 +1,101 @@
+"""The planner against a real compiler: each case is `meshtrain plan --check tpu --json` (an XLA:TPU
+compile for a fake topology on this host, needs libtpu), and the table puts the planner's per-device
+memory and per-axis collective bytes next to what the compiled program holds.
+
+    python tools/check_compilers.py                         # the default cases, v5p:2x2x2, small
+    python tools/check_compilers.py --model small --seq-len 1024 --markdown
+    python tools/check_compilers.py --list                  # the cases, without compiling
+
+Each case runs in its own process, one after the other (libtpu allows one process per host). Memory
+error = estimate / compiled peak − 1; collectives: the planner's analytic bytes per mesh axis vs the
+bytes of the collectives in the compiled HLO on that axis (the conventions of
+``meshtrain.analysis.collectives``: a result's bytes per device). Without libtpu it says so and
+exits 0 (the planner needs nothing; only the check needs the compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+#: (label, extra `meshtrain plan` flags): recipes × attention kinds × pipeline schedules.
+CASES: List[Tuple[str, List[str]]] = [
+    ("dp", ["--recipe", "dp"]),
+    ("fsdp", ["--recipe", "fsdp"]),
+    ("fsdp flash (splash)", ["--recipe", "fsdp", "--local-attention", "flash"]),
+    ("tp", ["--recipe", "tp"]),
+    ("fsdp_tp", ["--recipe", "fsdp_tp"]),
+    ("fsdp_tp flash (splash)", ["--recipe", "fsdp_tp", "--local-attention", "flash"]),
+    ("fsdp_cp ring", ["--recipe", "fsdp_cp"]),
+    ("fsdp_cp ulysses splash", ["--recipe", "fsdp_cp", "--context-kind", "ulysses", "--flash-backend", "splash"]),
+    ("pp_fsdp gpipe", ["--recipe", "pp_fsdp", "--schedule", "gpipe"]),
+    ("pp_fsdp 1f1b", ["--recipe", "pp_fsdp", "--schedule", "1f1b"]),
+]
+
+
+def run_case(flags: List[str], args) -> Dict:
+    argv = [sys.executable, "-m", "meshtrain", "plan", "--model", args.model, "--check", "tpu", "--hardware",
+            args.hardware, "--devices", str(args.devices), "--batch-size", str(args.batch_size), "--seq-len",
+            str(args.seq_len), "--compute-dtype", "bfloat16", "--json", *flags]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["exit %d" % out.returncode])[-1][:160]}
+    return json.loads(out.stdout)
+
+
+def row(label: str, res: Dict) -> List[str]:
+    if "error" in res:
+        return [label, "—", "—", "—", res["error"]]
+    est, peak = res["estimated_memory"], res["measured_memory"]["peak"]
+    planned = res["collectives"]["per_axis"]
+    compiled = res["hlo_bytes_per_axis"]
+    axes = []
+    for axis in sorted(set(planned) | set(compiled)):
+        p, c = planned.get(axis, {}).get("total", 0.0), compiled.get(axis, {}).get("total", 0)
+        err = f"{p / c - 1:+.0%}" if c else ("0" if not p else "n/a")
+        axes.append(f"{axis} {p / 2 ** 20:.1f}/{c / 2 ** 20:.1f} MiB ({err})")
+    return [label, f"{est / 2 ** 20:,.0f} MiB", f"{peak / 2 ** 20:,.0f} MiB", f"{est / peak - 1:+.1%}",
+            "; ".join(axes) or "none"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--hardware", default="tpu-v5p")
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--only", default=None, help="run the cases whose label contains this text")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per case")
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = ap.parse_args()
+    cases = [(label, flags) for label, flags in CASES if args.only is None or args.only in label]
+    if args.list:
+        for label, flags in cases:
+            print(f"{label}: meshtrain plan --check tpu {' '.join(flags)}")
+        return 0
+    if importlib.util.find_spec("libtpu") is None:
+        print("libtpu is not installed: pip install 'meshtrain[tpu]' to compile for a TPU topology; nothing checked")
+        return 0
+    header = ["case", "planned memory", "XLA:TPU peak", "memory error", "collectives per axis: planned/compiled"]
+    rows = []
+    for label, flags in cases:
+        rows.append(row(label, run_case(flags, args)))
+        print("  ".join(rows[-1]), flush=True)
+    print(f"\n{args.model}, batch {args.batch_size} × {args.seq_len}, bf16 compute, {args.hardware} × {args.devices}")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
