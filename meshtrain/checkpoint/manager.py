@@ -272,6 +272,16 @@ class Checkpointer:
                                   f"{self.directory} (steps: {self.all_steps()}); pass another run or step")
         return step, read_params(self._manager, self.directory, step, plan)
 
+    @classmethod
+    def read_params(cls, directory, plan, step: Optional[int] = None):
+        """``(step, params)`` of checkpoint folder ``directory`` (another run's) on ``plan``, opened
+        and closed here: :meth:`restore_params` for a caller that only reads."""
+        ckpt = cls(directory, save_every=1)
+        try:
+            return ckpt.restore_params(plan, step)
+        finally:
+            ckpt.close()
+
     @property
     def pending_step(self) -> Optional[int]:
         """The step whose async save was started and not yet collected, or ``None``."""

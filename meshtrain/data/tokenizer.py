@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 from typing import Iterable, List, Optional, Sequence
 
 from meshtrain.errors import ConfigError
@@ -82,6 +83,21 @@ def tokenizer_path(path: str) -> Optional[str]:
         return path
     inside = os.path.join(path, TOKENIZER_FILE)
     return inside if os.path.isfile(inside) else None
+
+
+def copy_tokenizer_files(source_dir: Optional[str], target_dir: str) -> Optional[str]:
+    """Copy ``tokenizer.json`` (and ``tokenizer_config.json``) from folder ``source_dir`` to
+    ``target_dir`` when it has them; the copied ``tokenizer.json``'s path, or ``None``. ``OSError``
+    propagates (the caller names the file and when)."""
+    if source_dir is None or not os.path.isdir(source_dir):
+        return None
+    copied = None
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        source = os.path.join(source_dir, name)
+        if os.path.isfile(source):
+            shutil.copyfile(source, os.path.join(target_dir, name))
+            copied = copied or os.path.join(target_dir, name)
+    return copied
 
 
 def load_tokenizer(path: str) -> HFTokenizer:

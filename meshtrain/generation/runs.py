@@ -103,9 +103,5 @@ def restore_params(info: RunInfo, recipe: Recipe, devices=None):
     cfg = info.cfg
     axes = abstract_state(model_factory(cfg)).param_axes
     plan = params_plan(cfg, recipe, devices, default_optimizer(TrainConfig(), axes))
-    ckpt = Checkpointer(info.directory, save_every=1 << 30)
-    try:
-        _, params = ckpt.restore_params(plan, info.step)
-    finally:
-        ckpt.close()
+    _, params = Checkpointer.read_params(info.directory, plan, info.step)
     return params, plan

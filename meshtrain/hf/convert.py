@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
 
 from meshtrain.abstract import tree_paths
-from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from meshtrain.data.tokenizer import copy_tokenizer_files
 from meshtrain.errors import ConfigError
 from meshtrain.folders import new_folder
 from meshtrain.hf.config import CONFIG_FILE, decoder_config, hf_config, read_hf_config
@@ -58,7 +57,8 @@ def unread(folder: str, cfg: DecoderConfig):
 
 def source_dtype(folder: str) -> str:
     """The dtype the HF folder stores (``torch_dtype`` of its config, else its first tensor's)."""
-    declared = read_hf_config(folder).get("torch_dtype") or read_hf_config(folder).get("dtype")
+    config = read_hf_config(folder)
+    declared = config.get("torch_dtype") or config.get("dtype")
     return declared if declared in DTYPES else SafetensorsFolder(folder).dtype()
 
 
@@ -94,8 +94,5 @@ def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *,
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(partial, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=1)
-        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-            source = os.path.join(tokenizer_from, name) if tokenizer_from else None
-            if source and os.path.isfile(source):
-                shutil.copyfile(source, os.path.join(partial, name))
+        copy_tokenizer_files(tokenizer_from, partial)
     return {"files": len(shards), "tensors": len(weight_map), "bytes": total, "dtype": dtype}

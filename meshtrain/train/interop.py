@@ -82,11 +82,7 @@ def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional
     if not isinstance(cfg, DecoderConfig):
         raise ConfigError(f"{run!r} trained {type(cfg).__name__}; only decoders export to HuggingFace")
     plan = _plan(cfg, "fsdp", devices, TrainConfig())
-    ckpt = Checkpointer(os.path.join(run, "checkpoints"), save_every=1)
-    try:
-        step, params = ckpt.restore_params(plan, step)
-    finally:
-        ckpt.close()
+    step, params = Checkpointer.read_params(os.path.join(run, "checkpoints"), plan, step)
     host = {path: np.asarray(jax.device_get(x)) for path, x in zip(jax.tree.leaves(tree_paths(params)),
                                                                    jax.tree.leaves(params))}
     summary = hf.write_folder(cfg, host, out, dtype=dtype or header.get("source_dtype") or "float32",

@@ -17,13 +17,12 @@ import dataclasses
 import fcntl
 import json
 import os
-import shutil
 import socket
 import time
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from meshtrain.data.tokenizer import TOKENIZER_FILE, copy_tokenizer_files
 from meshtrain.errors import ConfigError, DiskError, disk_hint, is_disk_full
 
 LOCK_FILE = ".meshtrain-run.lock"
@@ -328,16 +327,7 @@ def copy_tokenizer(data: Optional[str], run_dir: str) -> Optional[str]:
     """Copy the tokenizer of a prepared token folder ``data`` (``meshtrain data prepare``) into the
     run folder, so that the run alone says how its ids read as text (``meshtrain generate``); the
     copy's path, or ``None`` when ``data`` has no tokenizer (byte-level text, the embedded corpus)."""
-    if data is None or not os.path.isdir(data):
-        return None
-    copied = None
-    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-        source = os.path.join(data, name)
-        if os.path.isfile(source):
-            target = os.path.join(run_dir, name)
-            try:
-                shutil.copyfile(source, target)
-            except OSError as exc:
-                raise file_error(target, exc, "before the first step") from None
-            copied = copied or target
-    return copied
+    try:
+        return copy_tokenizer_files(data, run_dir)
+    except OSError as exc:
+        raise file_error(os.path.join(run_dir, TOKENIZER_FILE), exc, "before the first step") from None

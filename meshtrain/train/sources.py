@@ -66,10 +66,6 @@ def initial_params(source: str, plan, model_cfg, notice=print):
         what = ("a run folder without checkpoints (train it with --ckpt-every N)" if run_header(source) is not None
                 else "neither a HuggingFace folder (config.json) nor a run folder with checkpoints/")
         raise ConfigError(f"--init-from {source!r} is {what}")
-    ckpt = Checkpointer(checkpoints, save_every=1)
-    try:
-        step, params = ckpt.restore_params(plan)
-    finally:
-        ckpt.close()
+    step, params = Checkpointer.read_params(checkpoints, plan)
     notice(f"weights from {source} step {step}; the optimizer starts fresh")
     return params
