@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from meshtrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_path
-
-Tokenizer = "ByteTokenizer | HFTokenizer"
+from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_path
 
 
 def tokenizer_for_data(data: Optional[str], vocab_size: int) -> Optional[ByteTokenizer]:

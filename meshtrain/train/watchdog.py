@@ -39,7 +39,6 @@ import dataclasses
 import enum
 import faulthandler
 import json
-import math
 import os
 import signal
 import statistics
