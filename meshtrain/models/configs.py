@@ -1,7 +1,7 @@
 """Named model configs.
 
-Decoders: ``tiny`` (tests), ``small`` (the laptop main job), and shape-only Llama 3 configs for
-planning at scale (their parameter counts match the published 8B / 70B / 405B).
+Decoders: ``tiny`` (tests), ``small`` (the laptop main job), and shape-only Llama 2 / 3 / 3.1
+configs for planning at scale (their parameter counts match the published 7B / 70B / 8B / 405B).
 
 Encoders: ``vit-tiny`` / ``vit-small`` (8x8 greyscale digits, 10 classes; see
 :mod:`meshtrain.data.images`), shape-only ``vit-b16`` (ViT-B/16, 224px, ImageNet-1k head);
@@ -35,8 +35,15 @@ CONFIGS: Dict[str, ModelConfig] = {c.name: c for c in [
                   max_seq_len=256),
     DecoderConfig("small", _BYTES, d_model=256, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=16, d_ff=768,
                   max_seq_len=4096),
+    # Llama 2 (MHA at 7B, GQA at 70B, 4k context, 32k vocabulary): MaxText's published MFU runs.
+    DecoderConfig("llama2-7b", 32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                  d_ff=11_008, max_seq_len=4096),
+    DecoderConfig("llama2-70b", 32_000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                  d_ff=28_672, max_seq_len=4096),
     DecoderConfig("llama3-8b", 128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                   d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0),
+    DecoderConfig("llama3.1-8b", 128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                  d_ff=14_336, max_seq_len=131_072, rope_theta=500_000.0, rope_scaling=(8.0, 1.0, 4.0, 8192)),
     DecoderConfig("llama3-70b", 128_256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                   d_ff=28_672, max_seq_len=8192, rope_theta=500_000.0),
     DecoderConfig("llama3-405b", 128_256, d_model=16_384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
