@@ -251,3 +251,29 @@ def test_bench_moe_summarizes_a_run(tmp_path):
     got = json.loads(out)
     assert got["steps"] == 10 and got["loss_last"] == 0.6
     assert got["load_max_first_fifth"] == pytest.approx(2.85) and got["load_max_last_fifth"] == pytest.approx(2.05)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_expert_order_permutations_match_a_sort(layout):
+    """expert_order's block arithmetic (no sort, no scatter: what XLA:TPU compiles quickly) gives the
+    permutation a stable sort by (local expert, source) would, padding rows last in buffer order."""
+    from meshtrain.parallel.moe import expert_order
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        ep, n_local, a = (int(v) for v in rng.integers(1, 5, size=3))
+        counts = np.stack([np.bincount(rng.integers(0, n_local, rng.integers(0, a + 1)), minlength=n_local)
+                           for _ in range(ep)])
+        if layout == "ragged":  # chunks back to back, then the unused rest of an ep·a buffer
+            starts, rows = np.concatenate([[0], np.cumsum(counts.sum(1))[:-1]]), ep * a
+        else:                   # a chunks of a rows each, each padded after its rows
+            starts, rows = np.arange(ep) * a, ep * a
+        key = np.full(rows, np.iinfo(np.int64).max)
+        for i in range(ep):
+            block_experts = np.repeat(np.arange(n_local), counts[i])
+            key[starts[i]:starts[i] + len(block_experts)] = block_experts * ep + i
+        want = np.argsort(key, kind="stable")
+        idx, inv, sizes = expert_order(jnp.asarray(counts), jnp.asarray(starts, jnp.int32), rows)
+        np.testing.assert_array_equal(np.asarray(idx), want)
+        np.testing.assert_array_equal(np.asarray(inv)[want], np.arange(rows))
+        np.testing.assert_array_equal(np.asarray(sizes), counts.sum(0))

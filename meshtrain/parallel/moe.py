@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Dict, Optional, Tuple
@@ -44,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.annotate import current_step_context
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.flash import match_varying, varying_axes
 
 #: Keys of the per-layer router statistics (all f32 scalars).
 STAT_KEYS = ("aux_loss", "z_loss", "load_max", "drop_frac")
@@ -169,13 +171,85 @@ def combine_rows(y_becd, expert_btk, slot_btk, kept_btk, weight_btk):
 
 
 # -- dropless mode: sort by expert, grouped matmul -------------------------------------------------
+#
+# Every reordering below is a permutation applied as a gather whose backward is the inverse gather
+# (:func:`permute_rows`), and every permutation but the first sort is computed from per-expert
+# counts (:func:`expert_order`). XLA:TPU compiles sorts, scatters and scatter-adds of the
+# ``ep × N·k`` receive buffer slowly: with them one small-moe layer's dropless step took 44 s of
+# compile CPU on v5p:2x2x2, and Mixtral's did not finish in 15 minutes; with gathers only, 7 s.
 
-def _sort_by_expert(x_nd, expert_nk):
-    """Assignments sorted by expert: rows ``(N·k, d)``, their experts, the permutation."""
-    k = expert_nk.shape[1]
-    flat_e = expert_nk.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    return x_nd[order // k], flat_e[order], order
+def permute_rows(x, idx, inv):
+    """``x[idx]`` for a permutation ``idx`` whose inverse is ``inv``: the backward is ``g[inv]``, a
+    gather, instead of the scatter-add XLA builds for the transpose of a general gather."""
+    return _permute(tuple(sorted(varying_axes(x))), x, idx, inv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _permute(x_varying, x, idx, inv):
+    return x[idx]
+
+
+def _permute_fwd(x_varying, x, idx, inv):
+    return x[idx], inv
+
+
+def _permute_bwd(x_varying, inv, g):
+    g_x = g[inv]
+    # Under shard_map: where x is the same on every device of an axis (typed invariant) but its
+    # uses differ, its cotangent is the sum over that axis, as JAX's own transposes do.
+    extra = tuple(sorted(varying_axes(g_x) - frozenset(x_varying)))
+    return (jax.lax.psum(g_x, extra) if extra else g_x), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _exclusive_cumsum(c, axis: int = 0):
+    return jnp.cumsum(c, axis=axis) - c
+
+
+def _sorted_rows(x_nd, flat_e, order, k: int, n_experts: int):
+    """Each token's ``k`` assignments (``flat_e``: their experts, token-major) sorted by expert along
+    ``order`` (a stable argsort): rows ``(N·k, d)``, their experts, ``order``, its inverse and the
+    per-expert counts ``(n_experts,)``."""
+    onehot = (flat_e[:, None] == jnp.arange(n_experts, dtype=flat_e.dtype)[None, :]).astype(jnp.int32)
+    counts = onehot.sum(0)
+    rank = (jnp.cumsum(onehot, 0) * onehot).sum(1) - 1       # rank among the same expert's assignments
+    inv = (_exclusive_cumsum(counts)[flat_e] + rank).astype(jnp.int32)
+    xs = permute_rows(jnp.repeat(x_nd, k, axis=0), order.astype(jnp.int32), inv)
+    return xs, flat_e[order], order.astype(jnp.int32), inv, counts
+
+
+def expert_order(counts_il, chunk_start_i, rows: int):
+    """Permutations between a receive buffer and the same rows grouped by local expert.
+
+    The buffer (``rows`` long) holds, for each source ``i``, a chunk at ``chunk_start_i[i]`` whose
+    first ``Σ_l counts_il[i, l]`` rows are sorted by local expert ``l``; the other rows are padding.
+    Returns ``(idx, inv, group_sizes_l)``: ``buffer[idx]`` lists expert 0's rows (from source 0, 1,
+    ...), then expert 1's, ..., then the padding rows in buffer order; ``inv`` is the inverse. Block
+    arithmetic on the ``(ep, n_local)`` counts: no sort, no scatter.
+    """
+    counts_il = counts_il.astype(jnp.int32)
+    chunk_start_i = chunk_start_i.astype(jnp.int32)
+    src = (chunk_start_i[:, None] + _exclusive_cumsum(counts_il, 1)).reshape(-1)   # block starts, buffer order
+    size = counts_il.reshape(-1)
+    group_l = counts_il.sum(0)
+    tgt = (_exclusive_cumsum(group_l)[None, :] + _exclusive_cumsum(counts_il, 0)).reshape(-1)  # target order
+    valid = group_l.sum()
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    in_src = (r >= src) & (r < src + size)                                         # (rows, blocks)
+    valid_before = jnp.clip(r - src, 0, size).sum(1)
+    inv = jnp.where(in_src.any(1), jnp.where(in_src, tgt + r - src, 0).sum(1), valid + r[:, 0] - valid_before)
+    in_tgt = (r >= tgt) & (r < tgt + size)
+    chunk_rows = counts_il.sum(1)
+    chunk_end = jnp.concatenate([chunk_start_i[1:], jnp.full((1,), rows, jnp.int32)])
+    pad_i = chunk_end - chunk_start_i - chunk_rows
+    pad_start = _exclusive_cumsum(pad_i)
+    j = r - valid                                                                  # the j-th padding row
+    in_pad = (j >= pad_start) & (j < pad_start + pad_i)
+    pad_pos = jnp.where(in_pad, chunk_start_i + chunk_rows + j - pad_start, 0).sum(1)
+    idx = jnp.where(in_tgt.any(1), jnp.where(in_tgt, src + r - tgt, 0).sum(1), pad_pos)
+    return idx.astype(jnp.int32), inv.astype(jnp.int32), group_l
 
 
 def _grouped_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd):
@@ -184,17 +258,19 @@ def _grouped_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd):
     return jax.lax.ragged_dot(h, w_down_efd, group_sizes_e)
 
 
-def _unsort_combine(y_md, order, weight_nk):
+def _unsort_combine(y_md, order, inv, weight_nk):
     n, k = weight_nk.shape
-    y_ad = jnp.zeros_like(y_md).at[order].set(y_md)
+    y_ad = permute_rows(y_md, inv, order)
     return jnp.einsum("nkd,nk->nd", y_ad.reshape(n, k, -1), weight_nk.astype(y_md.dtype))
 
 
 def dropless_local(x_nd, expert_nk, weight_nk, w_gate_edf, w_up_edf, w_down_efd):
     """Dropless experts on one device's tokens: sort, ``ragged_dot``, unsort, weighted sum."""
-    xs, es, order = _sort_by_expert(x_nd, expert_nk)
-    sizes = jnp.bincount(es, length=w_gate_edf.shape[0]).astype(jnp.int32)
-    return _unsort_combine(_grouped_swiglu(xs, sizes, w_gate_edf, w_up_edf, w_down_efd), order, weight_nk)
+    k = expert_nk.shape[1]
+    flat_e = expert_nk.reshape(-1)
+    xs, _, order, inv, sizes = _sorted_rows(x_nd, flat_e, jnp.argsort(flat_e, stable=True), k,
+                                            w_gate_edf.shape[0])
+    return _unsort_combine(_grouped_swiglu(xs, sizes, w_gate_edf, w_up_edf, w_down_efd), order, inv, weight_nk)
 
 
 # -- the entry point ---------------------------------------------------------------------------------
@@ -305,13 +381,6 @@ def _capacity_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity,
     return combine_rows(y_becd, e_btk, s_btk, k_btk, w_btk).astype(x_btd.dtype)
 
 
-def _local_expert_sort(x_md, local_e_m, n_local):
-    """Rows sorted by local expert (``n_local`` marks padding, sorted last); group sizes; permutation."""
-    order = jnp.argsort(local_e_m, stable=True)
-    sizes = jnp.bincount(local_e_m, length=n_local + 1)[:n_local].astype(jnp.int32)
-    return x_md[order], sizes, order
-
-
 def _dropless_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
     """Dropless with a padded exchange: each destination gets room for all ``N·k`` local assignments."""
     b, t, d = x_btd.shape
@@ -321,23 +390,33 @@ def _dropless_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity,
         return dropless_local(x_btd.reshape(n, d), e_nk, w_nk, wg, wu, wd).reshape(b, t, d)
     n_local = wg.shape[0]
     a = n * k
-    xs, es, order = _sort_by_expert(x_btd.reshape(n, d), e_nk)      # (a, d) sorted by global expert
+    xs, es, order, inv, counts = _sort_assignments(x_btd, e_nk, n_local * ep)  # (a, d) by global expert
     dest = es // n_local
-    per_dest = jnp.bincount(dest, length=ep)
+    per_dest = counts.reshape(ep, n_local).sum(1)
     start = jnp.cumsum(per_dest) - per_dest
     pos = jnp.arange(a) - start[dest]                                  # position within its destination
     send = jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs)
-    send_e = jnp.full((ep, a), n_local, jnp.int32).at[dest, pos].set(es % n_local)
     recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # (ep sources, a, d)
-    recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True)
-    rs, sizes, rorder = _local_expert_sort(recv.reshape(ep * a, d), recv_e.reshape(-1), n_local)
-    ys = _grouped_swiglu(rs, sizes, wg, wu, wd)
-    valid = (jnp.arange(ep * a) < jnp.sum(sizes))[:, None]
-    ys = jnp.where(valid, ys, 0)
-    y_recv = jnp.zeros_like(ys).at[rorder].set(ys).reshape(ep, a, d)
+    counts_il = _received_counts(counts, expert_axes, ep, n_local)
+    ridx, rinv, sizes = expert_order(counts_il, jnp.arange(ep, dtype=jnp.int32) * a, ep * a)
+    ys = _grouped_swiglu(permute_rows(recv.reshape(ep * a, d), ridx, rinv), sizes, wg, wu, wd)
+    ys = jnp.where((jnp.arange(ep * a) < jnp.sum(sizes))[:, None], ys, 0)
+    y_recv = permute_rows(ys, rinv, ridx).reshape(ep, a, d)
     back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True)  # (ep destinations, a, d)
     y_sorted = back[dest, pos]
-    return _unsort_combine(y_sorted, order, w_nk).reshape(b, t, d).astype(x_btd.dtype)
+    return _unsort_combine(y_sorted, order, inv, w_nk).reshape(b, t, d).astype(x_btd.dtype)
+
+
+def _sort_assignments(x_btd, e_nk, n_experts: int):
+    n, k = e_nk.shape
+    flat_e = e_nk.reshape(-1)
+    return _sorted_rows(x_btd.reshape(n, -1), flat_e, jnp.argsort(flat_e, stable=True), k, n_experts)
+
+
+def _received_counts(counts_e, expert_axes, ep: int, n_local: int):
+    """``(ep, n_local)``: how many rows each source sends this device for each of its local experts."""
+    every = jax.lax.all_gather(counts_e, expert_axes, tiled=False).reshape(ep, ep, n_local)
+    return every[:, jax.lax.axis_index(expert_axes), :]
 
 
 def _ragged_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
@@ -346,29 +425,26 @@ def _ragged_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, e
     n, k = b * t, e_btk.shape[-1]
     n_local = wg.shape[0]
     a = n * k
-    e_nk, w_nk = e_btk.reshape(n, k), w_btk.reshape(n, k)
-    xs, es, order = _sort_by_expert(x_btd.reshape(n, d), e_nk)
-    dest = es // n_local
-    send_sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
-    in_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    w_nk = w_btk.reshape(n, k)
+    xs, _, order, inv, counts = _sort_assignments(x_btd, e_btk.reshape(n, k), n_local * ep)
+    send_sizes = counts.reshape(ep, n_local).sum(1).astype(jnp.int32)
+    in_offsets = _exclusive_cumsum(send_sizes).astype(jnp.int32)
+    counts_il = _received_counts(counts, expert_axes, ep, n_local)
     # sizes[i, j]: rows device i sends device j (every device needs the whole matrix for offsets)
     sizes = jax.lax.all_gather(send_sizes, expert_axes, tiled=False).reshape(ep, ep)
     me = jax.lax.axis_index(expert_axes)
-    out_offsets = (jnp.cumsum(sizes, axis=0) - sizes)[me].astype(jnp.int32)  # where my rows land at each j
+    out_offsets = _exclusive_cumsum(sizes, 0)[me].astype(jnp.int32)  # where my rows land at each j
     recv_sizes = sizes[:, me].astype(jnp.int32)
-    recv_offsets = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
-    buf = jnp.zeros((ep * a, d), xs.dtype)
-    recv = jax.lax.ragged_all_to_all(xs, buf, in_offsets, send_sizes, out_offsets, recv_sizes,
-                                     axis_name=expert_axes)
-    ebuf = jnp.full((ep * a,), n_local, jnp.int32)
-    recv_e = jax.lax.ragged_all_to_all((es % n_local).astype(jnp.int32), ebuf, in_offsets, send_sizes, out_offsets,
-                                       recv_sizes, axis_name=expert_axes)
-    rs, gsizes, rorder = _local_expert_sort(recv, recv_e, n_local)
-    ys = _grouped_swiglu(rs, gsizes, wg, wu, wd)
+    recv_offsets = _exclusive_cumsum(recv_sizes).astype(jnp.int32)
+    # A ragged_all_to_all result takes its buffer's type: make it vary as the rows sent do.
+    recv = jax.lax.ragged_all_to_all(xs, match_varying(jnp.zeros((ep * a, d), xs.dtype), varying_axes(xs)), in_offsets,
+                                     send_sizes, out_offsets, recv_sizes, axis_name=expert_axes)
+    ridx, rinv, gsizes = expert_order(counts_il, recv_offsets, ep * a)
+    ys = _grouped_swiglu(permute_rows(recv, ridx, rinv), gsizes, wg, wu, wd)
     ys = jnp.where((jnp.arange(ep * a) < jnp.sum(gsizes))[:, None], ys, 0)
-    y_recv = jnp.zeros_like(ys).at[rorder].set(ys)
+    y_recv = permute_rows(ys, rinv, ridx)
     # Back: what I received from source i (at recv_offsets[i]) returns to i at its in_offsets[me].
-    back_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me].astype(jnp.int32)
-    y_sorted = jax.lax.ragged_all_to_all(y_recv, jnp.zeros((a, d), ys.dtype), recv_offsets, recv_sizes,
-                                         back_offsets, send_sizes, axis_name=expert_axes)
-    return _unsort_combine(y_sorted, order, w_nk).reshape(b, t, d).astype(x_btd.dtype)
+    back_offsets = _exclusive_cumsum(sizes, 1)[:, me].astype(jnp.int32)
+    y_sorted = jax.lax.ragged_all_to_all(y_recv, match_varying(jnp.zeros((a, d), ys.dtype), varying_axes(y_recv)), recv_offsets,
+                                         recv_sizes, back_offsets, send_sizes, axis_name=expert_axes)
+    return _unsort_combine(y_sorted, order, inv, w_nk).reshape(b, t, d).astype(x_btd.dtype)
