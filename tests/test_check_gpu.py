@@ -1,0 +1,97 @@
+"""``meshtrain plan --check gpu``: XLA:GPU compiles the train step for ``NxH100|NxH200|NxA100`` on a
+CPU-only host (the ``gpu-aot`` extra, ``jax-cuda12-pjrt``). Without the plugin the check says which
+extra to install; with it (skipped otherwise, as the libtpu tests are) the compiled step holds
+cuDNN's fused attention under ``--attention flash`` and the report puts XLA's memory and collectives
+next to the planner's."""
+
+import json
+import re
+
+import pytest
+
+import meshtrain as mt
+from meshtrain import gpu_aot
+from meshtrain.cli import main
+from meshtrain.hardware import PROFILES
+from meshtrain.models import get_config, model_factory
+from meshtrain.train.config import TrainConfig, default_optimizer
+
+needs_plugin = pytest.mark.skipif(not gpu_aot.available(),
+                                  reason="needs the XLA:GPU plugin (pip install 'meshtrain[gpu-aot]')")
+
+#: A batch without segment ids (cuDNN's fused attention takes no segment mask).
+UNPACKED = ",".join(f"{k}=8x256:int32@batch/seq" for k in ("inputs", "targets", "positions"))
+
+
+def run_plan(capsys, *args):
+    code = main(["plan", "--model", "tiny", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("hardware, capability, memory", [("h100", (9, 0), 80e9), ("h200", (9, 0), 141e9),
+                                                           ("a100", (8, 0), 80e9)])
+def test_target_config_is_generated_from_the_hardware_profile(hardware, capability, memory):
+    text = gpu_aot.target_config(hardware)
+    assert f"cuda_compute_capability {{ major: {capability[0]} minor: {capability[1]} }}" in text
+    assert f"device_memory_size: {int(memory)}" in text
+    assert f"memory_bandwidth: {int(PROFILES[hardware].hbm_bytes_per_s)}" in text
+    assert f'device_description_str: "{gpu_aot.ARCHS[hardware].description}"' in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--topology", "8xV100"], "--topology '8xV100' is not a GPU topology; with --check gpu give N GPUs of one kind: "
+                               "NxH100, NxH200, NxA100 (e.g. 8xH100)"),
+    (["--topology", "12xH100"], "--topology 12xH100: give 1 to 8 GPUs, or a multiple of 8"),
+    (["--topology", "8xH100", "--hardware", "a100"], "--hardware a100 disagrees with --topology 8xH100"),
+    (["--topology", "8xH100", "--devices", "4"], "--devices 4 disagrees with --topology 8xH100 (8 GPUs)"),
+    ([], "--check gpu needs --topology (NxH100, NxH200, NxA100, e.g. 8xH100) or a GPU --hardware"),
+])
+def test_bad_gpu_topologies_are_refused_in_one_line(capsys, flags, message):
+    code, out, err = run_plan(capsys, "--check", "gpu", *flags)
+    assert code == 2 and out == ""
+    assert err.startswith("error: " + message) and err.count("\n") == 1, err
+
+
+def test_without_the_plugin_the_check_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setattr(gpu_aot, "available", lambda: False)
+    code, out, err = run_plan(capsys, "--check", "gpu", "--topology", "8xH100")
+    assert code == 2 and out == ""
+    assert err == ("error: --check gpu needs the XLA:GPU compiler plugin: pip install 'meshtrain[gpu-aot]' (or pip "
+                   "install jax-cuda12-pjrt==<your jax version>); the analytic estimates need nothing\n")
+
+
+@needs_plugin
+@pytest.mark.parametrize("recipe, options", [("fsdp", {"local_attention": "flash"}),
+                                             ("fsdp_tp", {"local_attention": "flash"}),
+                                             ("fsdp_cp", {"flash_backend": "cudnn", "context_kind": "ulysses"})])
+def test_flash_compiles_for_8_h100s_with_cudnn_fused_attention(recipe, options):
+    cfg = get_config("tiny", max_seq_len=1024, d_model=256, n_heads=4, n_kv_heads=2, head_dim=128, d_ff=512)
+    abstract = mt.abstract_state(model_factory(cfg), default_optimizer(TrainConfig(), {}))
+    recipe = mt.get_recipe(recipe).with_options(compute_dtype="bfloat16", **options)
+    batch = mt.BatchSpec(8, 1024, keys=("inputs", "targets", "positions"))
+    plan, compiled = gpu_aot.compile_gpu_topology(abstract, recipe, batch, gpu_aot.parse_topology("8xH100"))
+    assert plan.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    # one forward and one backward cuDNN kernel per layer (tiny's 2 layers are unrolled)
+    assert gpu_aot.cudnn_attention_calls(compiled.as_text()) == {"forward": cfg.n_layers, "backward": cfg.n_layers}
+
+
+@needs_plugin
+def test_the_plan_reports_xla_gpu_memory_and_collectives(capsys):
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--batch", UNPACKED, "--check", "gpu",
+                              "--topology", "8xH100", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["check"] == "gpu" and res["topology"] == "8xH100" and res["hardware"]["name"] == "h100"
+    assert res["estimated_memory"] == res["memory"]["total"]
+    assert res["memory_error"] == pytest.approx(res["estimated_memory"] / res["measured_memory"]["peak"] - 1)
+    assert res["hlo_bytes_per_axis"]["fsdp"]["total"] > 0
+    assert res["collectives_planned_vs_compiled"]["fsdp"]["planned"] == res["collectives"]["per_axis"]["fsdp"]["total"]
+    assert res["cudnn_attention_calls"]["forward"] >= 1
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--batch", UNPACKED, "--check", "gpu",
+                              "--topology", "8xH100")
+    assert code == 0, err
+    assert "attention kernel for gpu: cudnn: cuDNN fused attention" in out
+    assert re.search(r"check \(gpu 8xH100, XLA:GPU for NVIDIA H100 80GB HBM3\): XLA peak .* vs estimate .* \([+-]", out)
+    assert re.search(r"collectives over fsdp: HLO .* vs planned .*", out)
+    assert re.search(r"cuDNN fused attention: [1-9]\d* forward, [1-9]\d* backward custom calls", out)
