@@ -95,3 +95,30 @@ def test_the_plan_reports_xla_gpu_memory_and_collectives(capsys):
     assert re.search(r"check \(gpu 8xH100, XLA:GPU for NVIDIA H100 80GB HBM3\): XLA peak .* vs estimate .* \([+-]", out)
     assert re.search(r"collectives over fsdp: HLO .* vs planned .*", out)
     assert re.search(r"cuDNN fused attention: [1-9]\d* forward, [1-9]\d* backward custom calls", out)
+
+
+def test_compiler_check_lists_its_gpu_cases_and_needs_the_plugin_only_to_compile():
+    import os
+    import sys
+
+    import processes
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "check_compilers.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+
+    def run(*args):
+        return processes.run([sys.executable, tool, "--gpu", *args], capture_output=True, text=True, env=env,
+                             timeout=600)
+
+    listed = run("--list")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert ("fsdp_cp ulysses flash (cudnn): meshtrain plan --check gpu --topology 8xH100 --recipe fsdp_cp "
+            "--context-kind ulysses --flash-backend cudnn") in listed.stdout
+    assert len(listed.stdout.strip().splitlines()) == 7
+    ran = run("--only", "fsdp flash", "--model", "tiny", "--batch-size", "8", "--seq-len", "256")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    if not gpu_aot.available():
+        assert "the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]'" in ran.stdout
+    else:  # one row: planned and XLA:GPU memory, the fsdp bytes, cuDNN's forward + backward calls (2 layers)
+        assert re.search(r"^fsdp flash \(cudnn\)  [\d,]+ MiB  [\d,]+ MiB  [+-][\d.]+%  fsdp .* MiB \([+-]\d+%\)  2 \+ 2$",
+                         ran.stdout, re.M), ran.stdout
