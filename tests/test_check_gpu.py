@@ -122,3 +122,34 @@ def test_compiler_check_lists_its_gpu_cases_and_needs_the_plugin_only_to_compile
     else:  # one row: planned and XLA:GPU memory, the fsdp bytes, cuDNN's forward + backward calls (2 layers)
         assert re.search(r"^fsdp flash \(cudnn\)  [\d,]+ MiB  [\d,]+ MiB  [+-][\d.]+%  fsdp .* MiB \([+-]\d+%\)  2 \+ 2$",
                          ran.stdout, re.M), ran.stdout
+
+
+@pytest.mark.parametrize("keys, unpacked", [(("inputs", "targets", "positions"), True),
+                                            (("inputs", "targets", "positions", "segment_ids"), False)])
+def test_ulysses_gives_its_local_kernel_segment_ids_only_when_the_batch_has_them(monkeypatch, keys, unpacked):
+    """cuDNN's fused attention takes no segment mask: under ulysses an unpacked batch must reach the
+    local kernel without one (before: an all-zero mask, so the blockwise XLA kernel ran on GPU)."""
+    from meshtrain.analysis.compiled import step_inputs
+    from meshtrain.parallel import context
+
+    seen = []
+    real = context.flash_attention
+    monkeypatch.setattr(context, "flash_attention",
+                        lambda q, k, v, seg, **kw: seen.append(seg is None) or real(q, k, v, seg, **kw))
+    abstract = mt.abstract_state(model_factory(get_config("tiny")), default_optimizer(TrainConfig(), {}))
+    plan = mt.make_plan(abstract, mt.get_recipe("fsdp_cp").with_options(context_kind="ulysses"),
+                        batch=mt.BatchSpec(8, 64, keys=keys))
+    mt.make_train_step(plan).lower(*step_inputs(plan))  # traced, not run
+    assert seen and all(s is unpacked for s in seen)
+
+
+@pytest.mark.parametrize("batch, line", [
+    (["--batch", UNPACKED], "attention kernel for gpu: cudnn: cuDNN fused attention via jax.nn.dot_product_attention; "
+                            "per device under shard_map over the batch and head split"),
+    ([], "attention kernel for gpu: xla: blockwise online softmax with recomputing backward (packed documents need a "
+         "segment mask cuDNN's path lacks here); partitioned by XLA"),
+])
+def test_the_plan_names_cudnn_for_a_batch_without_segment_ids(capsys, batch, line):
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--hardware", "h100", *batch)
+    assert code == 0, err
+    assert line in out
