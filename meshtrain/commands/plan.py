@@ -27,7 +27,9 @@ mesh of this machine's devices) or its traced one (more devices: an AbstractMesh
 loss (built-ins have one); without a loss a user model gets the plan and its state's memory only.
 
 More devices than this machine has are planned on an ``AbstractMesh`` (no devices simulated);
-``--check compile`` compiles locally (≤ 8 devices) and prints the estimates next to XLA's numbers.
+``--check compile`` compiles locally (≤ 8 devices) and prints the estimates next to XLA's numbers;
+``--check tpu`` compiles for a fake TPU topology (the ``tpu`` extra) and ``--check gpu --topology
+8xH100`` for compile-only NVIDIA GPUs (the ``gpu-aot`` extra, :mod:`meshtrain.gpu_aot`), on any host.
 """
 
 from __future__ import annotations
