@@ -14,7 +14,7 @@ Example::
     plan, compiled = compile_gpu_topology(abstract, recipe, batch, topo)
     cudnn_attention_calls(compiled.as_text())           # {"forward": 2, "backward": 2}
 
-Needs ``pip install 'meshtrain[gpu-aot]'`` (about 175 MB; :data:`EXTRA`); without it
+Needs ``pip install 'meshtrain[gpu-aot]'`` (a 175 MB wheel; :data:`EXTRA`); without it
 :func:`compile_gpu_topology` raises a ``ConfigError`` naming the extra. JAX must run on the CPU
 (``JAX_PLATFORMS=cpu``, which :func:`prefer_cpu_backend` sets before JAX starts): the plugin then
 registers its topology without looking for a driver.
