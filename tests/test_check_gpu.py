@@ -120,8 +120,8 @@ def test_compiler_check_lists_its_gpu_cases_and_needs_the_plugin_only_to_compile
     if not gpu_aot.available():
         assert "the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]'" in ran.stdout
     else:  # one row: planned and XLA:GPU memory, the fsdp bytes, cuDNN's forward + backward calls (2 layers)
-        assert re.search(r"^fsdp flash \(cudnn\)  [\d,]+ MiB  [\d,]+ MiB  [+-][\d.]+%  fsdp .* MiB \([+-]\d+%\)  2 \+ 2$",
-                         ran.stdout, re.M), ran.stdout
+        row = r"^fsdp flash \(cudnn\)  [\d,]+ MiB  [\d,]+ MiB  [+-][\d.]+%  fsdp .* MiB \([+-]\d+%\)  2 \+ 2$"
+        assert re.search(row, ran.stdout, re.M), ran.stdout
 
 
 @pytest.mark.parametrize("keys, unpacked", [(("inputs", "targets", "positions"), True),
