@@ -47,7 +47,8 @@ DEVICE_KINDS = (("NVIDIA H100", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100"
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="auto", help="a meshtrain config name, or auto (by device: 1B, 8B or tiny)")
+    p.add_argument("--model", default="auto",
+                   help="a meshtrain config name, llama3.2-1b, or auto (by device: 1B, 8B or tiny)")
     p.add_argument("--recipe", default="auto", help="auto: dp on one device, fsdp on several")
     p.add_argument("--batch-size", type=int, default=None, help="global sequences per step (auto by device)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (auto by device)")
@@ -62,6 +63,9 @@ def _parse(argv):
     p.add_argument("--max-ratio", type=float, default=None, help="exit 1 if meshtrain / hand-written is above this")
     p.add_argument("--xla-flags", choices=("auto", "none"), default="auto",
                    help="auto: meshtrain's XLA scheduling flags for the backend (as `meshtrain train`); none: off")
+    p.add_argument("--offload", default="none", choices=("none", "optimizer"),
+                   help="meshtrain's step with its optimizer state in host memory (the hand-written step keeps it "
+                        "on the device: the ratio is then offload's cost)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -104,7 +108,9 @@ def main(argv=None) -> int:
     devices = jax.devices()
     n, platform = len(devices), devices[0].platform
     # Sizes by device: what fits without remat on one 80 GB GPU, 8B with remat on a node, tiny on CPU.
-    if args.model != "auto":
+    if args.model == LLAMA_1B["name"]:
+        cfg = DecoderConfig(**LLAMA_1B)
+    elif args.model != "auto":
         cfg = get_config(args.model)
     elif platform == "cpu":
         cfg = get_config("tiny")
@@ -121,12 +127,15 @@ def main(argv=None) -> int:
     kinds = {k.value for k in AttentionKind}
     attention = args.attention if args.attention != "auto" else ("flash" if "flash" in kinds else "dense")
     recipe = mt.get_recipe(recipe_name).with_options(param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
-                                                     remat=remat, attention=attention)
+                                                     remat=remat, attention=attention, offload=args.offload)
     hw = get_hardware(args.hardware if args.hardware != "auto" else _hardware_name(devices[0]), num_devices=n)
 
     tx = optax.adamw(1e-4, weight_decay=0.1)
     abstract = mt.abstract_state(model_factory(cfg), tx)
     plan = mt.make_plan(abstract, recipe, batch=mt.BatchSpec(batch, seq))
+    # the hand-written step keeps its optimizer state on the device (with --offload: the baseline)
+    hand_plan = (plan if args.offload == "none" else
+                 mt.make_plan(abstract, recipe.with_options(offload="none"), batch=mt.BatchSpec(batch, seq)))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, size=(4, batch, seq + 1), dtype=np.int32)
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
@@ -146,14 +155,15 @@ def main(argv=None) -> int:
         return total / count
 
     def hand_step(params, opt_state, b):
-        with step_context(step_context_for(plan)):  # the model's own activation constraints and attention
+        with step_context(step_context_for(hand_plan)):  # the model's own activation constraints and attention
             loss, grads = jax.value_and_grad(hand_loss)(params, b)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-    hand = jax.jit(hand_step, in_shardings=(plan.param_shardings, plan.opt_shardings, plan.batch_shardings),
-                   out_shardings=(plan.param_shardings, plan.opt_shardings, None), donate_argnums=(0, 1))
-    init = mt.init_state(plan, seed=0)
+    hand = jax.jit(hand_step, in_shardings=(hand_plan.param_shardings, hand_plan.opt_shardings,
+                                            hand_plan.batch_shardings),
+                   out_shardings=(hand_plan.param_shardings, hand_plan.opt_shardings, None), donate_argnums=(0, 1))
+    init = mt.init_state(hand_plan, seed=0)
     params, opt_state = init.params, init.opt_state
     del init
 
@@ -190,7 +200,7 @@ def main(argv=None) -> int:
     result = {
         "device": f"{n} x {devices[0].device_kind} ({platform})", "hardware": hw.name,
         "peak_tflops_per_device": hw.peak_flops / 1e12, "model": cfg.name, "params": cfg.num_params(),
-        "recipe": recipe.name, "attention": attention, "remat": remat, "param_dtype": args.param_dtype,
+        "recipe": recipe.name, "attention": attention, "offload": args.offload, "remat": remat, "param_dtype": args.param_dtype,
         "compute_dtype": args.compute_dtype, "batch": batch, "seq_len": seq, "steps": args.steps,
         "model_flops_per_step": flops_per_step, "first_loss": {"meshtrain": first_mt, "hand-written": first_hand},
         "compile_s": {"meshtrain": compile_mt, "hand-written": compile_hand}, "results": rows,

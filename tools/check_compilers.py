@@ -5,6 +5,7 @@ memory and per-axis collective bytes next to what the compiled program holds.
     python tools/check_compilers.py                         # the default cases, v5p:2x2x2, small
     python tools/check_compilers.py --model small --seq-len 1024 --markdown
     python tools/check_compilers.py --list                  # the cases, without compiling
+    python tools/check_compilers.py --gpu --markdown        # the XLA:GPU cases, 8xH100 (gpu-aot extra)
 
 Each case runs in its own process, one after the other (libtpu allows one process per host). Memory
 error = estimate / compiled peak − 1; collectives: the planner's analytic bytes per mesh axis vs the
@@ -38,6 +39,20 @@ CASES: List[Tuple[str, List[str]]] = [
 ]
 
 
+#: XLA:GPU cases (``--gpu``): `meshtrain plan --check gpu` for ``--topology`` (default 8xH100, the
+#: ``gpu-aot`` extra). Their batch has no segment ids (:func:`unpacked_batch`), so ``--attention flash``
+#: gets cuDNN's fused attention, which takes no segment mask; fsdp_cp runs it inside ulysses.
+GPU_CASES: List[Tuple[str, List[str]]] = [
+    ("dp", ["--recipe", "dp"]),
+    ("fsdp", ["--recipe", "fsdp"]),
+    ("tp", ["--recipe", "tp"]),
+    ("fsdp_tp", ["--recipe", "fsdp_tp"]),
+    ("fsdp flash (cudnn)", ["--recipe", "fsdp", "--attention", "flash"]),
+    ("fsdp_tp flash (cudnn)", ["--recipe", "fsdp_tp", "--attention", "flash"]),
+    ("fsdp_cp ulysses flash (cudnn)", ["--recipe", "fsdp_cp", "--context-kind", "ulysses", "--flash-backend", "cudnn"]),
+]
+
+
 def run_case(flags: List[str], args) -> Dict:
     argv = [sys.executable, "-m", "meshtrain", "plan", "--model", args.model, "--check", "tpu", "--hardware",
             args.hardware, "--devices", str(args.devices), "--batch-size", str(args.batch_size), "--seq-len",
@@ -64,6 +79,59 @@ def row(label: str, res: Dict) -> List[str]:
             "; ".join(axes) or "none"]
 
 
+def unpacked_batch(batch_size: int, seq_len: int) -> str:
+    """``--batch`` for a decoder batch without segment ids (one document per row)."""
+    dims = f"{batch_size}x{seq_len}:int32@batch/seq"
+    return ",".join(f"{key}={dims}" for key in ("inputs", "targets", "positions"))
+
+
+def run_gpu_case(flags: List[str], args) -> Dict:
+    argv = [sys.executable, "-m", "meshtrain", "plan", "--model", args.model, "--check", "gpu", "--topology",
+            args.topology, "--batch", unpacked_batch(args.batch_size, args.seq_len), "--compute-dtype", "bfloat16",
+            "--json", *flags]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         timeout=args.timeout)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["exit %d" % out.returncode])[-1][:160]}
+    return json.loads(out.stdout)
+
+
+def gpu_row(label: str, res: Dict) -> List[str]:
+    """:func:`row` with the cuDNN fused-attention custom calls (forward + backward) of the compiled step."""
+    calls = res.get("cudnn_attention_calls")
+    return row(label, res) + [f"{calls['forward']} + {calls['backward']}" if calls else "—"]
+
+
+def gpu_main(args) -> int:
+    """``--gpu``: the :data:`GPU_CASES` compiled by XLA:GPU for ``args.topology``."""
+    cases = [(label, flags) for label, flags in GPU_CASES if args.only is None or args.only in label]
+    if args.list:
+        for label, flags in cases:
+            print(f"{label}: meshtrain plan --check gpu --topology {args.topology} {' '.join(flags)}")
+        return 0
+    try:
+        plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        plugin = False
+    if not plugin:
+        print("the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]' to compile for GPUs; "
+              "nothing checked")
+        return 0
+    header = ["case", "planned memory", "XLA:GPU peak", "memory error", "collectives per axis: planned/compiled",
+              "cuDNN attention calls"]
+    rows = []
+    for label, flags in cases:
+        rows.append(gpu_row(label, run_gpu_case(flags, args)))
+        print("  ".join(rows[-1]), flush=True)
+    print(f"\n{args.model}, batch {args.batch_size} × {args.seq_len} (no segment ids), bf16 compute, XLA:GPU "
+          f"{args.topology} (meshtrain's scheduling flags)")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
@@ -75,7 +143,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per case")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--gpu", action="store_true", help="the XLA:GPU cases instead (needs the gpu-aot extra)")
+    ap.add_argument("--topology", default="8xH100", help="with --gpu: NxH100, NxH200 or NxA100")
     args = ap.parse_args()
+    if args.gpu:
+        return gpu_main(args)
     cases = [(label, flags) for label, flags in CASES if args.only is None or args.only in label]
     if args.list:
         for label, flags in cases:

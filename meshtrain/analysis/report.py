@@ -131,6 +131,10 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
         platform = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}[a["backend"].value]
         return {"check": "lower", "platform": platform,
                 **lowering.lowered_summary(lowering.lower_abstract(plan, platform, loss_fn))}
+    if check == "gpu":  # XLA:GPU ahead of time (meshtrain.gpu_aot, the gpu-aot extra)
+        from meshtrain import gpu_aot
+
+        return gpu_aot.check(plan, args, a["memory"], per_axis_estimate(a["ops"]), loss_fn)
     topology = getattr(args, "topology", None) or lowering.default_topology(a["hw"].name, plan.num_devices)
     if topology is None:
         raise ConfigError(f"--check tpu needs a TPU --hardware and a common slice size (got {a['hw'].name}, "
@@ -262,8 +266,10 @@ def kernel_line(plan, hw) -> str:
                 f"flash blocks inside (its chunks' positions are permuted, which the fused kernels do not take)")
     if kind is AttentionKind.ULYSSES and requested is FlashBackend.AUTO:
         requested = FlashBackend.XLA  # the context kernels' local default (meshtrain.parallel.context)
-    try:  # packed documents (segment ids), as the built-in language-model data have
-        backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=True)
+    # packed documents (segment ids), as the built-in language-model data have, unless the batch has none
+    segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+    try:
+        backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=segmented)
     except ConfigError as exc:
         return f"attention kernel for {platform}: refused: {exc}"
     where = ("inside the ulysses all-to-all's shard_map" if kind is AttentionKind.ULYSSES else
@@ -322,6 +328,10 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
             est = ana.get(key, {}).get("total")
             lines.append(f"  HLO collectives over {key}: {fmt_bytes(kv['total'], SIG3)}"
                          + (f" vs analytic (cpu) {fmt_bytes(est, SIG3)}" if est is not None else ""))
+    elif chk.get("check") == "gpu":
+        from meshtrain import gpu_aot
+
+        lines += gpu_aot.check_lines(chk)
     elif chk.get("check") == "lower":
         lines += ["", f"check (lower for {chk['platform']} on an AbstractMesh): {chk['arguments']} arguments, "
                       f"{chk['sharded_arguments']} sharded"]

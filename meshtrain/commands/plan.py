@@ -27,7 +27,9 @@ mesh of this machine's devices) or its traced one (more devices: an AbstractMesh
 loss (built-ins have one); without a loss a user model gets the plan and its state's memory only.
 
 More devices than this machine has are planned on an ``AbstractMesh`` (no devices simulated);
-``--check compile`` compiles locally (≤ 8 devices) and prints the estimates next to XLA's numbers.
+``--check compile`` compiles locally (≤ 8 devices) and prints the estimates next to XLA's numbers;
+``--check tpu`` compiles for a fake TPU topology (the ``tpu`` extra) and ``--check gpu --topology
+8xH100`` for compile-only NVIDIA GPUs (the ``gpu-aot`` extra, :mod:`meshtrain.gpu_aot`), on any host.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from meshtrain.train.config import check_recipe_overrides
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
-CHECKS = ("none", "compile", "lower", "tpu")
+CHECKS = ("none", "compile", "lower", "tpu", "gpu")
 
 
 def add_parser(sub):
@@ -90,10 +92,12 @@ def add_parser(sub):
     p.add_argument("--top", type=int, default=8, help="with --recipe auto: how many ranked layouts to print")
     p.add_argument("--check", choices=CHECKS, default="none",
                    help="compile: compile here and compare with XLA (≤ 8 devices); lower: lower on an "
-                        "AbstractMesh for the target platform; tpu: compile for a fake TPU topology (needs libtpu)")
+                        "AbstractMesh for the target platform; tpu: compile for a fake TPU topology (needs libtpu); "
+                        "gpu: compile with XLA:GPU for --topology NxH100|NxH200|NxA100 (needs the gpu-aot extra)")
     p.add_argument("--topology", default=None,
                    help="with --check tpu: fake TPU topology, e.g. v5e:4x4 or v5p:2x2x2 (default: from "
-                        "--hardware and --devices)")
+                        "--hardware and --devices); with --check gpu: N GPUs of one kind, 8xH100, 8xH200 or 8xA100 "
+                        "(sets --hardware and --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--generate", action="store_true",
                    help="a built-in decoder: also the generation memory per device (weights as trained, bf16, int8; "
@@ -410,10 +414,36 @@ def _recipe_line(recipe) -> str:
     return f"recipe {recipe.name}: {' + '.join(str(s) for s in recipe.strategies)}{recipe.knobs_text()}"
 
 
+def _gpu_target(args) -> None:
+    """``--check gpu``: ``--topology NxCHIP`` (default: ``--hardware`` × ``--devices``) sets the chip the
+    estimates are for and the device count; the plugin must be installed (checked before any work)."""
+    from meshtrain import gpu_aot
+
+    hardware = None if args.hardware == "cpu" else args.hardware
+    if args.topology is None:
+        if hardware not in gpu_aot.ARCHS:
+            raise ConfigError(f"--check gpu needs --topology ({gpu_aot.topology_choices()}, e.g. 8xH100) or a GPU "
+                              f"--hardware ({', '.join(sorted(gpu_aot.ARCHS))})")
+        args.topology = f"{args.devices or gpu_aot.GPUS_PER_HOST}x{hardware.upper()}"
+    topology = gpu_aot.parse_topology(args.topology)
+    if hardware is not None and hardware != topology.hardware:
+        raise ConfigError(f"--hardware {args.hardware} disagrees with --topology {args.topology}; drop --hardware "
+                          f"(the topology sets it)")
+    if args.devices is not None and args.devices != topology.count:
+        raise ConfigError(f"--devices {args.devices} disagrees with --topology {args.topology} ({topology.count} "
+                          f"GPUs); drop --devices (the topology sets it)")
+    if not gpu_aot.available():
+        raise gpu_aot.missing_plugin_error()
+    args.hardware, args.devices = topology.hardware, topology.count
+    gpu_aot.prefer_cpu_backend()
+
+
 def run(args) -> int:
     from meshtrain.analysis import report  # lazy: analysis (~50 ms) off the CLI's path
 
     check_counts(args)
+    if args.check == "gpu":
+        _gpu_target(args)
     _setup(args)
     choice = resolve_model(args)
     if getattr(args, "list_params", False):

@@ -313,9 +313,10 @@ def _a2a_out(x, axes):
     return jax.lax.all_to_all(x, axes, 1, 2, tiled=True)  # head-sharded -> seq-sharded
 
 
-def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: int):
+def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: int, packed: bool = True):
     """The per-device function for ``layout.kind`` (run under ``shard_map``; ``devices``: the mesh's
-    size, for error messages)."""
+    size, for error messages; ``packed``: the batch has segment ids, else the ulysses local attention
+    gets none, so a fused kernel without a segment mask (cuDNN) can take it)."""
     kind = layout.kind
 
     def ring_index(t_loc):
@@ -340,7 +341,7 @@ def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: in
         q2, k2, v2 = _a2a_in(q, uly), _a2a_in(k, uly), _a2a_in(v, uly)
         seg2 = jax.lax.all_gather(seg, uly, axis=1, tiled=True)
         if kind is AttentionKind.ULYSSES:
-            o2 = flash_attention(q2, k2, v2, seg2, causal=causal, backend=_local_backend())
+            o2 = flash_attention(q2, k2, v2, seg2 if packed else None, causal=causal, backend=_local_backend())
         else:  # usp: ring over the remaining axes on the gathered ring chunk
             o2 = _ring(q2, k2, v2, ring_index(q2.shape[1]), seg2, seg2, layout.ring_axes, layout.ring, causal,
                        ring_block(q2))
@@ -382,7 +383,7 @@ def context_attention(q, k, v, segment_ids, causal: bool, layout: ContextLayout,
         raise ConfigError(f"attention {layout.kind.value!r}: query heads are sharded {q_spec[2]!r} but kv heads "
                           f"{kv_spec[2]!r}; make kv_heads divisible by the tensor axis so both shard alike")
     seg = segment_ids if segment_ids is not None else jnp.zeros((b, t), jnp.int32)
-    fn = _local_kernel(layout, causal, t, ctx.mesh.size)
+    fn = _local_kernel(layout, causal, t, ctx.mesh.size, packed=segment_ids is not None)
     # A Pallas kernel inside (splash under ulysses) carries no varying-axes types: check them only without one.
     check = _local_backend() is not FlashBackend.SPLASH
     return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,

@@ -1,0 +1,155 @@
+"""``meshtrain plan --check gpu``: XLA:GPU compiles the train step for ``NxH100|NxH200|NxA100`` on a
+CPU-only host (the ``gpu-aot`` extra, ``jax-cuda12-pjrt``). Without the plugin the check says which
+extra to install; with it (skipped otherwise, as the libtpu tests are) the compiled step holds
+cuDNN's fused attention under ``--attention flash`` and the report puts XLA's memory and collectives
+next to the planner's."""
+
+import json
+import re
+
+import pytest
+
+import meshtrain as mt
+from meshtrain import gpu_aot
+from meshtrain.cli import main
+from meshtrain.hardware import PROFILES
+from meshtrain.models import get_config, model_factory
+from meshtrain.train.config import TrainConfig, default_optimizer
+
+needs_plugin = pytest.mark.skipif(not gpu_aot.available(),
+                                  reason="needs the XLA:GPU plugin (pip install 'meshtrain[gpu-aot]')")
+
+#: A batch without segment ids (cuDNN's fused attention takes no segment mask).
+UNPACKED = ",".join(f"{k}=8x256:int32@batch/seq" for k in ("inputs", "targets", "positions"))
+
+
+def run_plan(capsys, *args):
+    code = main(["plan", "--model", "tiny", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("hardware, capability, memory", [("h100", (9, 0), 80e9), ("h200", (9, 0), 141e9),
+                                                           ("a100", (8, 0), 80e9)])
+def test_target_config_is_generated_from_the_hardware_profile(hardware, capability, memory):
+    text = gpu_aot.target_config(hardware)
+    assert f"cuda_compute_capability {{ major: {capability[0]} minor: {capability[1]} }}" in text
+    assert f"device_memory_size: {int(memory)}" in text
+    assert f"memory_bandwidth: {int(PROFILES[hardware].hbm_bytes_per_s)}" in text
+    assert f'device_description_str: "{gpu_aot.ARCHS[hardware].description}"' in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--topology", "8xV100"], "--topology '8xV100' is not a GPU topology; with --check gpu give N GPUs of one kind: "
+                               "NxH100, NxH200, NxA100 (e.g. 8xH100)"),
+    (["--topology", "12xH100"], "--topology 12xH100: give 1 to 8 GPUs, or a multiple of 8"),
+    (["--topology", "8xH100", "--hardware", "a100"], "--hardware a100 disagrees with --topology 8xH100"),
+    (["--topology", "8xH100", "--devices", "4"], "--devices 4 disagrees with --topology 8xH100 (8 GPUs)"),
+    ([], "--check gpu needs --topology (NxH100, NxH200, NxA100, e.g. 8xH100) or a GPU --hardware"),
+])
+def test_bad_gpu_topologies_are_refused_in_one_line(capsys, flags, message):
+    code, out, err = run_plan(capsys, "--check", "gpu", *flags)
+    assert code == 2 and out == ""
+    assert err.startswith("error: " + message) and err.count("\n") == 1, err
+
+
+def test_without_the_plugin_the_check_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setattr(gpu_aot, "available", lambda: False)
+    code, out, err = run_plan(capsys, "--check", "gpu", "--topology", "8xH100")
+    assert code == 2 and out == ""
+    assert err == ("error: --check gpu needs the XLA:GPU compiler plugin: pip install 'meshtrain[gpu-aot]' (or pip "
+                   "install jax-cuda12-pjrt==<your jax version>); the analytic estimates need nothing\n")
+
+
+@needs_plugin
+@pytest.mark.parametrize("recipe, options", [("fsdp", {"local_attention": "flash"}),
+                                             ("fsdp_tp", {"local_attention": "flash"}),
+                                             ("fsdp_cp", {"flash_backend": "cudnn", "context_kind": "ulysses"})])
+def test_flash_compiles_for_8_h100s_with_cudnn_fused_attention(recipe, options):
+    cfg = get_config("tiny", max_seq_len=1024, d_model=256, n_heads=4, n_kv_heads=2, head_dim=128, d_ff=512)
+    abstract = mt.abstract_state(model_factory(cfg), default_optimizer(TrainConfig(), {}))
+    recipe = mt.get_recipe(recipe).with_options(compute_dtype="bfloat16", **options)
+    batch = mt.BatchSpec(8, 1024, keys=("inputs", "targets", "positions"))
+    plan, compiled = gpu_aot.compile_gpu_topology(abstract, recipe, batch, gpu_aot.parse_topology("8xH100"))
+    assert plan.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    # one forward and one backward cuDNN kernel per layer (tiny's 2 layers are unrolled)
+    assert gpu_aot.cudnn_attention_calls(compiled.as_text()) == {"forward": cfg.n_layers, "backward": cfg.n_layers}
+
+
+@needs_plugin
+def test_the_plan_reports_xla_gpu_memory_and_collectives(capsys):
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--batch", UNPACKED, "--check", "gpu",
+                              "--topology", "8xH100", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["check"] == "gpu" and res["topology"] == "8xH100" and res["hardware"]["name"] == "h100"
+    assert res["estimated_memory"] == res["memory"]["total"]
+    assert res["memory_error"] == pytest.approx(res["estimated_memory"] / res["measured_memory"]["peak"] - 1)
+    assert res["hlo_bytes_per_axis"]["fsdp"]["total"] > 0
+    assert res["collectives_planned_vs_compiled"]["fsdp"]["planned"] == res["collectives"]["per_axis"]["fsdp"]["total"]
+    assert res["cudnn_attention_calls"]["forward"] >= 1
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--batch", UNPACKED, "--check", "gpu",
+                              "--topology", "8xH100")
+    assert code == 0, err
+    assert "attention kernel for gpu: cudnn: cuDNN fused attention" in out
+    assert re.search(r"check \(gpu 8xH100, XLA:GPU for NVIDIA H100 80GB HBM3\): XLA peak .* vs estimate .* \([+-]", out)
+    assert re.search(r"collectives over fsdp: HLO .* vs planned .*", out)
+    assert re.search(r"cuDNN fused attention: [1-9]\d* forward, [1-9]\d* backward custom calls", out)
+
+
+def test_compiler_check_lists_its_gpu_cases_and_needs_the_plugin_only_to_compile():
+    import os
+    import sys
+
+    import processes
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "check_compilers.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+
+    def run(*args):
+        return processes.run([sys.executable, tool, "--gpu", *args], capture_output=True, text=True, env=env,
+                             timeout=600)
+
+    listed = run("--list")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert ("fsdp_cp ulysses flash (cudnn): meshtrain plan --check gpu --topology 8xH100 --recipe fsdp_cp "
+            "--context-kind ulysses --flash-backend cudnn") in listed.stdout
+    assert len(listed.stdout.strip().splitlines()) == 7
+    ran = run("--only", "fsdp flash", "--model", "tiny", "--batch-size", "8", "--seq-len", "256")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    if not gpu_aot.available():
+        assert "the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]'" in ran.stdout
+    else:  # one row: planned and XLA:GPU memory, the fsdp bytes, cuDNN's forward + backward calls (2 layers)
+        row = r"^fsdp flash \(cudnn\)  [\d,]+ MiB  [\d,]+ MiB  [+-][\d.]+%  fsdp .* MiB \([+-]\d+%\)  2 \+ 2$"
+        assert re.search(row, ran.stdout, re.M), ran.stdout
+
+
+@pytest.mark.parametrize("keys, unpacked", [(("inputs", "targets", "positions"), True),
+                                            (("inputs", "targets", "positions", "segment_ids"), False)])
+def test_ulysses_gives_its_local_kernel_segment_ids_only_when_the_batch_has_them(monkeypatch, keys, unpacked):
+    """cuDNN's fused attention takes no segment mask: under ulysses an unpacked batch must reach the
+    local kernel without one (before: an all-zero mask, so the blockwise XLA kernel ran on GPU)."""
+    from meshtrain.analysis.compiled import step_inputs
+    from meshtrain.parallel import context
+
+    seen = []
+    real = context.flash_attention
+    monkeypatch.setattr(context, "flash_attention",
+                        lambda q, k, v, seg, **kw: seen.append(seg is None) or real(q, k, v, seg, **kw))
+    abstract = mt.abstract_state(model_factory(get_config("tiny")), default_optimizer(TrainConfig(), {}))
+    plan = mt.make_plan(abstract, mt.get_recipe("fsdp_cp").with_options(context_kind="ulysses"),
+                        batch=mt.BatchSpec(8, 64, keys=keys))
+    mt.make_train_step(plan).lower(*step_inputs(plan))  # traced, not run
+    assert seen and all(s is unpacked for s in seen)
+
+
+@pytest.mark.parametrize("batch, line", [
+    (["--batch", UNPACKED], "attention kernel for gpu: cudnn: cuDNN fused attention via jax.nn.dot_product_attention; "
+                            "per device under shard_map over the batch and head split"),
+    ([], "attention kernel for gpu: xla: blockwise online softmax with recomputing backward (packed documents need a "
+         "segment mask cuDNN's path lacks here); partitioned by XLA"),
+])
+def test_the_plan_names_cudnn_for_a_batch_without_segment_ids(capsys, batch, line):
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--hardware", "h100", *batch)
+    assert code == 0, err
+    assert line in out

@@ -1,0 +1,64 @@
+"""``tools/device_check.sh``: the accelerator check refuses on a CPU-only host, its ``--dry-run`` runs
+the same pipeline on CPU with tiny shapes (bench_mfu variants, planner predictions, the table), and
+the table goes under one heading in BENCHMARKS.md, newest first."""
+
+import importlib.util
+import os
+import re
+import sys
+
+import processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tools", "device_check.sh")
+
+
+def _tool_module():
+    spec = importlib.util.spec_from_file_location("device_check", os.path.join(ROOT, "tools", "device_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(*args, timeout):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHON"] = sys.executable
+    return processes.run(["bash", SCRIPT, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_it_refuses_a_cpu_only_host_without_dry_run():
+    out = run_script(timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: tools/device_check.sh needs a GPU or TPU, and JAX sees only CPUs on this host; run it on an "
+        "accelerator machine, or pass --dry-run to run the same pipeline on CPU with tiny shapes")
+    assert out.stdout == ""
+
+
+def test_tables_go_under_one_heading_newest_first(tmp_path):
+    dc = _tool_module()
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\n## Other\n\ntext\n")
+    dc.write(str(path), "### first\n\n| a |\n")
+    dc.write(str(path), "### second\n\n| b |\n")
+    text = path.read_text()
+    assert text.count(dc.HEADING) == 1 and text.startswith("# Benchmarks\n\n## Other\n\ntext\n\n" + dc.HEADING)
+    assert text.index("### second") < text.index("### first")
+
+
+def test_the_dry_run_runs_the_pipeline_and_adds_a_dated_table(tmp_path):
+    dc = _tool_module()
+    out_md = tmp_path / "BENCHMARKS.md"
+    # a budget for one or two variants: the rest are listed as skipped, as on a slow accelerator host
+    out = run_script("--dry-run", "--budget-s", "150", "--out", str(out_md), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    text = out_md.read_text()
+    assert text.startswith(dc.HEADING)
+    assert re.search(r"^### \d{4}-\d\d-\d\d \d\d:\d\d UTC: 8 x cpu \(cpu\) — dry run", text, re.M), text
+    for v in dc.VARIANTS:  # every variant has its row, measured or skipped
+        assert f"| {v.section} | {v.label} |" in text, text
+    base = re.search(r"^\| recipe \| fsdp flash \| ([0-9.,]+) \| ([0-9.,]+) \| ([0-9.]+) \| ([0-9.]+)% \| "
+                     r"([0-9.]+)% \| 1\.000 \| ([0-9.,]+) \| ([0-9.]+) \|$", text, re.M)
+    assert base, text  # the baseline: both steps timed, MFU, and the planner's prediction next to it
+    assert text[len(dc.HEADING):].strip() in out.stdout  # what it wrote is what it printed
