@@ -26,7 +26,8 @@ process alike (they meet in the step's collectives), so it shows as a slower ste
 
 **Fault injection (tests and ``tools/bench_resilience.py`` only).** ``MESHTRAIN_FAULT`` holds
 ``;``-separated faults ``KIND@step=N,process=P[,attempt=A][,seconds=S]``: ``kill`` (SIGKILL itself
-after step N), ``stop`` (SIGSTOP itself: a hang), ``slow`` (sleep S seconds, default 0.5, after
+after step N), ``lose`` (delete its in-memory peer copies, then SIGKILL itself: a lost host,
+:mod:`meshtrain.checkpoint.peers`), ``stop`` (SIGSTOP itself: a hang), ``slow`` (sleep S seconds, default 0.5, after
 every step from N: a straggler). Fault ``k`` fires in attempt ``k`` of ``meshtrain launch
 --max-restarts`` (``MESHTRAIN_ATTEMPT``, 0 for the first) unless ``attempt`` says otherwise. Each
 fault and the first step of every attempt are appended to ``<run>/events.jsonl``.
@@ -40,14 +41,17 @@ import enum
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Deque, List, Optional
 
+from meshtrain.checkpoint import peers
 from meshtrain.errors import EXIT_HANG, ConfigError
 from meshtrain.train.hooks import Hook
 from meshtrain.train.config import check_watchdog_settings as check_settings
@@ -89,6 +93,7 @@ def hang_bound(intervals: List[float], hang_timeout: Optional[float]) -> float:
 # -- fault injection (tests and benchmarks) ---------------------------------------------------------
 class FaultKind(str, enum.Enum):
     KILL = "kill"
+    LOSE = "lose"
     STOP = "stop"
     SLOW = "slow"
 
@@ -234,7 +239,10 @@ class Watchdog(Hook):
                 append_event(run.run_dir, {"event": "fault", "kind": fault.kind.value, "step": step,
                                            "process": self.process, "attempt": self.attempt, "unix": time.time()})
                 sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL if fault.kind is FaultKind.KILL else signal.SIGSTOP)
+                if fault.kind is FaultKind.LOSE:   # the host's memory goes with it
+                    shutil.rmtree(peers.process_folder(Path(run.run_dir) / "checkpoints", self.process),
+                                  ignore_errors=True)
+                os.kill(os.getpid(), signal.SIGSTOP if fault.kind is FaultKind.STOP else signal.SIGKILL)
 
     # -- the thread -------------------------------------------------------------------------------
     def _watch(self) -> None:
