@@ -2,6 +2,7 @@
 checkpoint, the run ends like an uninterrupted one (bit for bit), every attempt is in events.jsonl and
 no process outlives the launcher. Faults are injected deterministically (``MESHTRAIN_FAULT``)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 import processes
 from meshtrain.cli import main
+from meshtrain.commands import launch_fit
 from meshtrain.errors import ConfigError
 from meshtrain.supervisor import Layout, Supervisor, describe, elastic_layouts, with_option, with_resume
 
@@ -196,3 +198,34 @@ def test_chaos_benchmark_reports_its_figures(tmp_path):
                      r"[0-9.]+, elastic overhead 1.00, resilience 1.00, RS [0-9.]+, attempts 2, .*final state bit-identical", out.stdout)
     assert re.search(r"mix kill,elastic: .*elastic overhead [0-9.]+, resilience 1.00, .*attempts 2", out.stdout)
     assert "load average" in out.stdout and "'w3': 0.2" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_fits():
+    """The pre-flight estimate of the tiny fsdp job on 2 × 2 and 1 × 2 devices (planned in a child process)."""
+    layouts = [Layout(2, 1), Layout(1, 2)]
+    fits = launch_fit.check_layouts(TRAIN + ["--out", "x"], layouts, 2, 2 ** 40)
+    assert [(f.processes, f.devices) for f in fits] == [(2, 4), (1, 2)] and fits[0].needs < fits[1].needs
+    return layouts, fits
+
+
+@pytest.mark.parametrize("host, want", [
+    ("plenty", None),                                              # fits: the exit 2 had another cause
+    ("between", "the smallest device count that fits is 4 (2 process(es) × 2 devices)"),
+    ("none", "no layout of this job fits"),
+])
+def test_an_elastic_shrink_that_does_not_fit_names_the_smallest_device_count(host, want, tiny_fits, tmp_path):
+    layouts, fits = tiny_fits
+    per_device = {"plenty": 2 ** 40, "between": int(fits[0].needs / 0.9) + 1, "none": fits[0].needs // 2}[host]
+    fits = [dataclasses.replace(f, limit=per_device) for f in fits]
+    told = launch_fit.explain(fits, layouts[1], 2)
+    if want is None:
+        assert told is None and launch_fit.explain(fits, layouts[0], 2) is None
+        return
+    assert told.startswith("--elastic: the run does not fit on 2 devices (1 process(es) × 2, --grad-accum 2): the "
+                           "plan needs ~") and want in told, told
+    said = []
+    sup = Supervisor(lambda k: [(137, 1, False), (2, 0, False)][k], str(tmp_path), 3, 0.0, said.append,
+                     layout=lambda k: layouts[min(k, 1)], explain=lambda k, status: told if k else None)
+    assert sup.run() == 2 and said[-1] == f"error: {told}"
+    assert records(tmp_path / "events.jsonl")[-1]["reason"] == f"status 2 is not retried: {told}"

@@ -190,6 +190,7 @@ class PeerStore:
         self.process, self.processes = jax.process_index(), jax.process_count()
         self.folder = process_folder(self.checkpoint_dir, self.process, root)
         self._latest: Optional[Tuple[Optional[int], int]] = None   # (step, token), until the next save
+        self._warned: set = set()   # copies already reported as unusable
         self._token = self._own_token() if self.process == 0 else 0
 
     def _own_token(self) -> int:
@@ -252,7 +253,9 @@ class PeerStore:
                    f"holds process {h.get('process')} of {h.get('processes')}, not {owner} of {self.processes}"
                    if (h.get("process"), h.get("processes")) != (owner, self.processes) else "")
         if why:
-            warn(f"peer copy {path} is not used: {why}")
+            if (path, why) not in self._warned:
+                self._warned.add((path, why))
+                warn(f"peer copy {path} is not used: {why}")
             return None
         return copy
 
@@ -269,7 +272,7 @@ class PeerStore:
         every = np.asarray(multihost_utils.process_allgather(report)).reshape(self.processes, 2, KEEP) \
             if self.processes > 1 else report[None]
         n = self.processes
-        candidates = sorted({int(s) for s in every[:, 0].ravel() if s >= 0}, reverse=True)
+        candidates = sorted({int(s) for s in every.ravel() if s >= 0}, reverse=True)
         step = next((s for s in candidates
                      if all(s in every[i, 0] or s in every[(i + 1) % n, 1] for i in range(n))), None)
         self._latest = (step, token)
