@@ -3,7 +3,8 @@
 Runs the job once uninterrupted (the reference), then once per fault mix with faults injected at
 random steps through ``MESHTRAIN_FAULT`` (:mod:`meshtrain.train.watchdog`): ``kill`` (SIGKILL of
 one process), ``lose`` (SIGKILL of one process after deleting its in-memory peer copies: a lost
-host, whose shards come back from its peer), ``stop`` (SIGSTOP of one process: a hang the watchdog must find), ``slow`` (process 1
+host, whose shards come back from its peer), ``full`` (one process's next checkpoint save fails
+with ENOSPC, as on a full disk: it exits 74), ``stop`` (SIGSTOP of one process: a hang the watchdog must find), ``slow`` (process 1
 sleeps ``--slow-seconds`` after every step from its step on: a straggler); ``elastic`` in a mix runs
 it with ``--elastic`` (each restart on fewer processes, gradient accumulation keeping the global
 batch); ``peers`` in a mix runs it with ``--peer-every`` (in-memory peer checkpoints,
@@ -116,7 +117,7 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
 
 
 def fault_spec(kinds: List[str], steps: int, rng: random.Random, slow_seconds: float) -> str:
-    """``kill``/``lose``/``stop`` faults at increasing random steps, one per attempt; ``slow`` faults on process 1
+    """``kill``/``lose``/``full``/``stop`` faults at increasing random steps, one per attempt; ``slow`` faults on process 1
     in the last attempt, from a later step."""
     crashes = [k for k in kinds if k != "slow"]
     at = sorted(rng.sample(range(2, steps - 1), len(kinds)))
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--hang-timeout", type=float, default=10.0)
     p.add_argument("--slow-seconds", type=float, default=0.5)
     p.add_argument("--mixes", nargs="+", default=["kill,kill", "stop,kill", "kill,stop,slow", "kill,elastic"],
-                   help="fault mixes, each a comma-separated list of kill, lose, stop, slow (and elastic: run with "
+                   help="fault mixes, each a comma-separated list of kill, lose, full, stop, slow (and elastic: run with "
                         "--elastic; peers: with --peer-every)")
     p.add_argument("--seed", type=int, default=0, help="seeds the fault steps and processes")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take")

@@ -192,6 +192,7 @@ class PeerStore:
         self._latest: Optional[Tuple[Optional[int], int]] = None   # (step, token), until the next save
         self._warned: set = set()   # copies already reported as unusable
         self._token = self._own_token() if self.process == 0 else 0
+        self._shared = False   # whether the other processes have the token yet
 
     def _own_token(self) -> int:
         """Process 0: this run folder's token, made on first use."""
@@ -206,9 +207,11 @@ class PeerStore:
             return token
 
     def _token_everywhere(self) -> int:
-        if self.processes == 1:
-            return self._token
-        return int(multihost_utils.broadcast_one_to_all(np.int32(self._token)))
+        """Process 0's token, on every process (one broadcast, the first time)."""
+        if self.processes > 1 and not self._shared:
+            self._token = int(multihost_utils.broadcast_one_to_all(np.int32(self._token)))
+        self._shared = True
+        return self._token
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -304,11 +307,17 @@ class PeerStore:
         return Restored(step, state, dict(own.header.get("data_state") or {}), own.header.get("metadata") or {})
 
     def discard(self) -> None:
-        """Remove this process's copies (the disk holds a step at least as new)."""
+        """Remove this process's copies (the disk holds a step at least as new); process 0 also those
+        of process numbers this run no longer has (left by an elastic shrink); the last one out removes
+        the run's folder."""
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self.process == 0 and self.folder.parent.is_dir():
+            for other in self.folder.parent.glob("process-*"):
+                if not other.name[len("process-"):].isdigit() or int(other.name[len("process-"):]) >= self.processes:
+                    shutil.rmtree(other, ignore_errors=True)
         try:
-            self.folder.parent.rmdir()   # the run's folder, once every process's copies are gone
-        except OSError:
+            self.folder.parent.rmdir()
+        except OSError:   # another process's copies are still there (it removes them itself)
             pass
 
 
