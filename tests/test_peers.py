@@ -86,6 +86,18 @@ def test_peer_copies_restore_bit_exact_or_fall_back(harm, step, saved, tmp_path)
     assert fresh.steps() == [6, 9]   # the newest KEEP steps stay
 
 
+def test_a_copy_that_cannot_be_written_is_said_and_training_goes_on(saved, tmp_path):
+    """A full or unusable RAM folder (here: a file where the process's folder goes) warns; nothing is kept."""
+    plan, state = saved
+    (tmp_path / "checkpoints").mkdir()
+    store = peers.PeerStore(tmp_path / "checkpoints", 3, root=tmp_path / "shm")
+    store.folder.parent.mkdir(parents=True)
+    store.folder.write_text("in the way")
+    with pytest.warns(Warning, match="cannot keep the in-memory peer copies of step 3 in .*; a restart uses older"):
+        store.save(3, state, data_state={}, metadata={})
+    assert store.latest() is None
+
+
 class _nothing:
     def __enter__(self):
         return self

@@ -194,6 +194,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bench-resilience-")
+    os.makedirs(work, exist_ok=True)
     load = os.getloadavg()[0]
     print(f"{args.model}, {args.processes} processes x {args.devices_per_process} CPU devices, {args.steps} steps, "
           f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout {args.hang_timeout:g}; load average {load:.2f} on "

@@ -35,6 +35,7 @@ processes holds no full replica, hence this module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -174,6 +175,7 @@ def exchange(buffer: np.ndarray, shift: int) -> np.ndarray:
     return np.asarray(out.addressable_shards[0].data)[0]
 
 
+@functools.lru_cache(maxsize=8)   # one compiled permute per mesh, direction and buffer width
 def _permute(mesh: Mesh, perm):
     spec = PartitionSpec("peers")
     return jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "peers", perm), mesh=mesh, in_specs=spec,
@@ -222,15 +224,21 @@ class PeerStore:
         own = encode(state, step=step, process=self.process, processes=self.processes, token=token,
                      data_state=data_state, metadata=metadata)
         held = exchange(own, +1)
+        held = held[:_length(held)]   # without the exchange's padding
         self._latest = None
-        tmp = self.folder / f"{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        own.tofile(tmp / "own.bin")
-        held.tofile(tmp / "held.bin")
-        final = self.folder / str(step)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        tmp, final = self.folder / f"{step}.tmp", self.folder / str(step)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            own.tofile(tmp / "own.bin")
+            held.tofile(tmp / "held.bin")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except OSError as exc:   # a full /dev/shm must not stop training: the older copies and the disk remain
+            shutil.rmtree(tmp, ignore_errors=True)
+            warn(f"cannot keep the in-memory peer copies of step {step} in {self.folder}: {exc.strerror or exc}; "
+                 f"a restart uses older copies or the disk checkpoint")
+            return
         for old in self.steps()[:-KEEP]:
             shutil.rmtree(self.folder / str(old), ignore_errors=True)
 
@@ -319,6 +327,14 @@ class PeerStore:
             self.folder.parent.rmdir()
         except OSError:   # another process's copies are still there (it removes them itself)
             pass
+
+
+def _length(buffer: np.ndarray) -> int:
+    """Bytes of the copy at the start of ``buffer`` (what follows is padding); all of it if unreadable."""
+    if buffer.size < _PREFIX.size:
+        return buffer.size
+    header_bytes, data_bytes = _PREFIX.unpack(buffer[:_PREFIX.size].tobytes())
+    return min(buffer.size, _PREFIX.size + header_bytes + data_bytes)
 
 
 def _raw(path: Path) -> np.ndarray:
