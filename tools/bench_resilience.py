@@ -116,18 +116,19 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
     return time.perf_counter() - t0
 
 
-def fault_spec(kinds: List[str], steps: int, rng: random.Random, slow_seconds: float) -> str:
-    """``kill``/``lose``/``full``/``stop`` faults at increasing random steps, one per attempt; ``slow`` faults on process 1
-    in the last attempt, from a later step."""
+def fault_spec(kinds: List[str], steps: int, rng: random.Random, slow_seconds: float, ckpt_every: int) -> str:
+    """``kill``/``lose``/``full``/``stop`` faults at increasing random steps, one per attempt (a ``full``
+    disk moved to the next disk save, where it strikes); ``slow`` faults on process 1 in the last
+    attempt, from a later step."""
     crashes = [k for k in kinds if k != "slow"]
     at = sorted(rng.sample(range(2, steps - 1), len(kinds)))
-    spec, attempt = [], 0
-    for kind, step in zip([*crashes, *[k for k in kinds if k == "slow"]], at):
-        if kind == "slow":
-            spec.append(f"slow@step={step},process=1,attempt={len(crashes)},seconds={slow_seconds}")
-        else:
-            spec.append(f"{kind}@step={step},process={rng.randrange(2)},attempt={attempt}")
-            attempt += 1
+    saves = list(range(ckpt_every, steps, ckpt_every)) or [steps]
+    planned = sorted((min((s for s in saves if s >= step), default=saves[-1]) if kind == "full" else step, kind)
+                     for kind, step in zip(crashes, at))
+    spec = [f"{kind}@step={step},process={rng.randrange(2)},attempt={attempt}"
+            for attempt, (step, kind) in enumerate(planned)]
+    spec += [f"slow@step={step},process=1,attempt={len(crashes)},seconds={slow_seconds}"
+             for step in at[len(crashes):]]
     return ";".join(spec)
 
 
@@ -135,7 +136,7 @@ def measure(args, kinds: List[str], reference: dict, rng: random.Random, work: s
     out = os.path.join(work, "-".join(kinds))
     elastic, peers = "elastic" in kinds, "peers" in kinds
     kinds = [k for k in kinds if k not in ("elastic", "peers")]
-    spec = fault_spec(kinds, args.steps, rng, args.slow_seconds)
+    spec = fault_spec(kinds, args.steps, rng, args.slow_seconds, args.ckpt_every)
     wall = launch(args, out, spec, max_restarts=len(kinds), elastic=elastic, peers=peers)
     events = records(os.path.join(out, "events.jsonl"))
     metrics = [r for r in records(os.path.join(out, "metrics.jsonl")) if "loss" in r and "step" in r]
