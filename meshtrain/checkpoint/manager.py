@@ -127,12 +127,14 @@ class Checkpointer:
                                   metadata={"recipe": plan.recipe.to_dict(), "seed": 0, "model": "tiny"})
         """
         self._ensure_open()
-        result = self._saver.maybe_save(step, state, data_state=data_state, metadata=metadata, force=force)
+        peer_s = 0.0
         if self._peers is not None and self._peers.due(step):
-            t0 = time.perf_counter()   # also on disk steps: that save is asynchronous and may not commit
+            # first, and on disk steps too: the disk save is asynchronous and may fail (a full disk)
+            t0 = time.perf_counter()
             self._peers.save(step, state, data_state=data_state, metadata=metadata)
-            result = dataclasses.replace(result, blocking_s=result.blocking_s + time.perf_counter() - t0)
-        return result
+            peer_s = time.perf_counter() - t0
+        result = self._saver.maybe_save(step, state, data_state=data_state, metadata=metadata, force=force)
+        return dataclasses.replace(result, blocking_s=result.blocking_s + peer_s) if peer_s else result
 
     def peer_step(self) -> Optional[int]:
         """The newest step that the in-memory peer copies can restore on every process, or ``None``

@@ -208,6 +208,7 @@ class Watchdog(Hook):
 
     def close(self, run: Run) -> None:
         self._stop.set()
+        saving.DISK_FULL_FAULT = None   # an injected fault does not outlive its run (a notebook's next one)
         if self._thread is not None:
             self._thread.join(timeout=2 * POLL_S)
 
