@@ -181,6 +181,27 @@ def test_elastic_restart_finishes_on_one_process_with_the_same_global_batch(unin
     assert "on 1 process(es) with --grad-accum 2" in done.stderr
 
 
+def test_a_shrunk_run_grows_back_when_relaunched_on_more_processes(uninterrupted, tmp_path):
+    """Elastic growth: a 2-process run shrinks to 1 process (--elastic), loses that one too and stops; relaunched
+    on 2 processes with --resume it continues on more processes than its last segment had: 3 meshes in the run
+    header, the same global batch, the loss curve within f32 rounding of the uninterrupted one."""
+    out = tmp_path / "run"
+    shrink = launch(out, "--max-restarts", "1", "--restart-backoff", "0", "--elastic",
+                    fault="kill@step=2,process=1,attempt=0;kill@step=4,process=0,attempt=1")
+    assert shrink.returncode == 137, shrink.stderr[-3000:]
+    grow = processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
+                          "2", "--grace", "2", "--", *TRAIN, "--out", str(out), "--resume"], env=env(), timeout=420,
+                         cwd=ROOT)
+    assert grow.returncode == 0, grow.stderr[-3000:]
+    starts = [r for r in records(out / "metrics.jsonl") if r.get("event") == "start"]
+    assert [(r["mesh"], r["recipe_settings"]["grad_accum"]) for r in starts] == \
+        [({"fsdp": 4}, 1), ({"fsdp": 2}, 2), ({"fsdp": 4}, 1)]
+    assert [r["run_settings"]["batch_size"] for r in starts] == [8, 8, 8]
+    got, want = losses(out), losses(uninterrupted)
+    assert got.keys() == want.keys()
+    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
+
+
 def test_restarts_stop_after_k_failures_with_the_last_error(tmp_path):
     """Every attempt is killed (the fault fires in each): after --max-restarts 1 the launcher gives up."""
     out = tmp_path / "run"
