@@ -369,4 +369,5 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
                 f"keep_every={self.keep_every}, async_save={self.async_save}, compression={self.compression.value}"
-                f"{', background_start=True' if self.background_start else ''})")
+                f"{', background_start=True' if self.background_start else ''}"
+                f"{f', peer_every={self._peers.every}' if self._peers is not None else ''})")
