@@ -270,8 +270,9 @@ class Checkpointer:
                 restored = self._peers.restore(plan, peer)
                 if restored is not None:
                     return restored
-                warn(f"the in-memory peer copies of step {peer} do not fit this run's plan (another mesh, "
-                     f"process count or dtype); restoring from {self.directory} instead")
+                warn(f"the in-memory peer copies of step {peer} cannot be restored on every process (another "
+                     f"mesh or dtype than this run's plan, or a copy lost since); restoring from {self.directory} "
+                     f"instead")
         if step is None:
             step = self._latest_disk_step()
             if step is None:

@@ -18,7 +18,7 @@ data. A copy is used only when its checksum, header and token match; ``<step>`` 
 atomic rename, so a process killed while writing leaves no partial step. The newest
 :data:`KEEP` steps are kept, so host memory holds ``2 × KEEP`` × this process's shard bytes.
 
-**Restore.** The processes agree (two small all-gathers) on the newest step that every process can
+**Restore.** The processes agree (a broadcast and an all-gather of a few integers) on the newest step that every process can
 rebuild, from its own copy or from the copy its successor holds (the lost host's shards), and take it
 when it is newer than the newest valid disk step; a process whose own copy is lost or damaged gets it
 back from its successor (a collective permute the other way). Peers cannot serve another process
