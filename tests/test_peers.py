@@ -126,11 +126,12 @@ def launch(out, fault=None, restarts=0):
     env.update(JAX_PLATFORMS="cpu", MESHTRAIN_PEER_DIR=str(out) + "-shm")
     if fault:
         env["MESHTRAIN_FAULT"] = fault
-    return processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process", "2",
-                          "--grace", "2", "--restart-backoff", "0", *(["--max-restarts", str(restarts)] if restarts else []),
-                          "--", "train", "--model", "tiny", "--recipe", "fsdp", "--steps", str(STEPS), "--batch-size", "8",
-                          "--seq-len", "32", "--eval-every", "0", "--progress", "none", "--data", DATA, "--ckpt-every",
-                          str(CKPT_EVERY), "--peer-every", str(PEER_EVERY), "--out", str(out)],
+    restart = ["--max-restarts", str(restarts)] if restarts else []
+    return processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
+                          "2", "--grace", "2", "--restart-backoff", "0", *restart, "--", "train", "--model", "tiny",
+                          "--recipe", "fsdp", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32",
+                          "--eval-every", "0", "--progress", "none", "--data", DATA, "--ckpt-every", str(CKPT_EVERY),
+                          "--peer-every", str(PEER_EVERY), "--out", str(out)],
                          env=env, timeout=900, cwd=ROOT)
 
 
@@ -145,7 +146,8 @@ def test_five_sigkills_of_one_of_two_processes_lose_at_most_the_peer_interval(tm
     rng = np.random.default_rng(23)
     at = sorted(rng.choice(np.arange(2, STEPS - 1), size=5, replace=False).tolist())
     kinds = ["lose", "kill", "lose", "kill", "lose"]
-    fault = ";".join(f"{k}@step={s},process={int(rng.integers(2))},attempt={i}" for i, (k, s) in enumerate(zip(kinds, at)))
+    fault = ";".join(f"{k}@step={s},process={int(rng.integers(2))},attempt={i}"
+                     for i, (k, s) in enumerate(zip(kinds, at)))
     out = tmp_path / "run"
     done = launch(out, fault, restarts=5)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -165,7 +167,8 @@ def test_five_sigkills_of_one_of_two_processes_lose_at_most_the_peer_interval(tm
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_resilience", os.path.join(ROOT, "tools", "bench_resilience.py"))
+    spec = importlib.util.spec_from_file_location("bench_resilience",
+                                                  os.path.join(ROOT, "tools", "bench_resilience.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -4,11 +4,12 @@ Runs the job once uninterrupted (the reference), then once per fault mix with fa
 random steps through ``MESHTRAIN_FAULT`` (:mod:`meshtrain.train.watchdog`): ``kill`` (SIGKILL of
 one process), ``lose`` (SIGKILL of one process after deleting its in-memory peer copies: a lost
 host, whose shards come back from its peer), ``full`` (one process's next checkpoint save fails
-with ENOSPC, as on a full disk: it exits 74), ``stop`` (SIGSTOP of one process: a hang the watchdog must find), ``slow`` (process 1
-sleeps ``--slow-seconds`` after every step from its step on: a straggler); ``elastic`` in a mix runs
-it with ``--elastic`` (each restart on fewer processes, gradient accumulation keeping the global
-batch); ``peers`` in a mix runs it with ``--peer-every`` (in-memory peer checkpoints,
-:mod:`meshtrain.checkpoint.peers`: RPO at most that interval instead of the disk one). Reports per fault:
+with ENOSPC, as on a full disk: it exits 74), ``stop`` (SIGSTOP of one process: a hang the watchdog
+must find), ``slow`` (process 1 sleeps ``--slow-seconds`` after every step from its step on: a
+straggler); ``elastic`` in a mix runs it with ``--elastic`` (each restart on fewer processes,
+gradient accumulation keeping the global batch); ``peers`` in a mix runs it with ``--peer-every``
+(in-memory peer checkpoints, :mod:`meshtrain.checkpoint.peers`: RPO at most that interval instead
+of the disk one). Reports per fault:
 
 * RPO: steps lost (the fault's step minus the step the restart resumed from);
 * RTO: seconds from the fault to the next completed step (stop, detection, restart, restore, compile);
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--hang-timeout", type=float, default=10.0)
     p.add_argument("--slow-seconds", type=float, default=0.5)
     p.add_argument("--mixes", nargs="+", default=["kill,kill", "stop,kill", "kill,stop,slow", "kill,elastic"],
-                   help="fault mixes, each a comma-separated list of kill, lose, full, stop, slow (and elastic: run with "
-                        "--elastic; peers: with --peer-every)")
+                   help="fault mixes, each a comma-separated list of kill, lose, full, stop, slow (and "
+                        "elastic: run with --elastic; peers: with --peer-every)")
     p.add_argument("--seed", type=int, default=0, help="seeds the fault steps and processes")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take")
     p.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
@@ -198,8 +199,8 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     load = os.getloadavg()[0]
     print(f"{args.model}, {args.processes} processes x {args.devices_per_process} CPU devices, {args.steps} steps, "
-          f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout {args.hang_timeout:g}; load average {load:.2f} on "
-          f"{os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
+          f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout "
+          f"{args.hang_timeout:g}; load average {load:.2f} on {os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
     ref_dir = os.path.join(work, "reference")
     wall = launch(args, ref_dir)
     ref_metrics = [r for r in records(os.path.join(ref_dir, "metrics.jsonl")) if "loss" in r and "step" in r]

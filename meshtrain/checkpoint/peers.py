@@ -18,14 +18,14 @@ data. A copy is used only when its checksum, header and token match; ``<step>`` 
 atomic rename, so a process killed while writing leaves no partial step. The newest
 :data:`KEEP` steps are kept, so host memory holds ``2 × KEEP`` × this process's shard bytes.
 
-**Restore.** The processes agree (a broadcast and an all-gather of a few integers) on the newest step that every process can
-rebuild, from its own copy or from the copy its successor holds (the lost host's shards), and take it
-when it is newer than the newest valid disk step; a process whose own copy is lost or damaged gets it
-back from its successor (a collective permute the other way). Peers cannot serve another process
-count, mesh or dtype (elastic shrinking, a changed recipe): then, as when no step is complete, the
-disk checkpoint is restored. The token (``checkpoints/peers.json``, made by process 0 when the
-folder has none) ties the copies to this run folder: a deleted and recreated run at the same path
-never restores another run's copies.
+**Restore.** The processes agree (a broadcast and an all-gather of a few integers) on the newest
+step that every process can rebuild, from its own copy or from the copy its successor holds (the
+lost host's shards), and take it when it is newer than the newest valid disk step; a process whose
+own copy is lost or damaged gets it back from its successor (a collective permute the other way).
+Peers cannot serve another process count, mesh or dtype (elastic shrinking, a changed recipe): then,
+as when no step is complete, the disk checkpoint is restored. The token (``checkpoints/peers.json``,
+made by process 0 when the folder has none) ties the copies to this run folder: a deleted and
+recreated run at the same path never restores another run's copies.
 
 Orbax 0.12's ``experimental.emergency`` managers need a replica axis (a slice holding a full copy
 of the state, restored by broadcast) or an external replicator service; an FSDP run over two
