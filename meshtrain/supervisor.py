@@ -141,10 +141,12 @@ class Supervisor:
 
     def __init__(self, attempt: Callable[[int], Tuple[int, Optional[int], bool]], run_dir: str,
                  max_restarts: int, backoff: float, say: Callable[[str], None],
-                 layout: Optional[Callable[[int], Layout]] = None):
+                 layout: Optional[Callable[[int], Layout]] = None,
+                 explain: Optional[Callable[[int, int], Optional[str]]] = None):
         self.attempt, self.run_dir, self.max_restarts, self.backoff, self.say = (attempt, run_dir, max_restarts,
                                                                                  backoff, say)
         self.layout = layout   # elastic: the processes and gradient accumulation of attempt k
+        self.explain = explain   # (attempt, status) -> why a status that is not retried came, or None
         self._event_error = False
 
     def _event(self, record: dict) -> None:
@@ -183,6 +185,10 @@ class Supervisor:
             if signalled or status in NO_RESTART or k >= self.max_restarts:
                 why = ("the launcher was signalled" if signalled else f"status {status} is not retried"
                        if status in NO_RESTART else f"{self.max_restarts} restart(s) used")
+                told = self.explain(k, status) if self.explain and status in NO_RESTART and not signalled else None
+                if told:
+                    self.say(f"error: {told}")
+                    why += f": {told}"
                 self._event({"event": "gave_up", "attempt": k, "status": status, "cause": cause,
                                             "reason": why, "unix": now})
                 if not signalled and status not in NO_RESTART:

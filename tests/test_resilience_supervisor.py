@@ -2,6 +2,7 @@
 checkpoint, the run ends like an uninterrupted one (bit for bit), every attempt is in events.jsonl and
 no process outlives the launcher. Faults are injected deterministically (``MESHTRAIN_FAULT``)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 import processes
 from meshtrain.cli import main
+from meshtrain.commands import launch_fit
 from meshtrain.errors import ConfigError
 from meshtrain.supervisor import Layout, Supervisor, describe, elastic_layouts, with_option, with_resume
 
@@ -124,9 +126,10 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fault, process", [("kill", 1), ("stop", 1), ("kill", 0)])
+@pytest.mark.parametrize("fault, process", [("kill", 1), ("stop", 1), ("kill", 0), ("full", 1)])
 def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(fault, process, uninterrupted, tmp_path):
-    """SIGKILL of process 1, SIGSTOP of process 1 (a hang), SIGKILL of process 0 (the coordinator)."""
+    """SIGKILL of process 1, SIGSTOP of process 1 (a hang), SIGKILL of process 0 (the coordinator), a full
+    disk on process 1 (its save of step 3 fails with ENOSPC: exit 74; process 0 waits in the save)."""
     out = tmp_path / "run"
     done = launch(out, "--max-restarts", "2", "--restart-backoff", "0", fault=f"{fault}@step=3,process={process}")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -137,6 +140,11 @@ def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(faul
     if fault == "kill":
         cause = "process 1 killed by SIGKILL" if process else "coordinator (process 0) lost: killed by SIGKILL"
         assert (failed["process"], failed["status"], failed["cause"]) == (process, 137, cause)
+    elif fault == "full":   # process 1 exits 74, unless process 0, held in Orbax's save barrier, finds the hang first
+        assert (failed["process"], failed["status"]) in ((1, 74), (0, 75)), failed
+        assert failed["status"] == 74 or "slow: process 1" in failed["cause"], failed
+        assert "[1] error: [process 1] saving step 3 to" in done.stderr and "failed: the disk is full" in done.stderr
+        assert (events[2]["kind"], events[2]["step"], events[2]["process"]) == ("full", 3, 1)
     else:   # process 0 waits in the step's collective; its watchdog names process 1 and the frame
         assert (failed["process"], failed["status"]) == (0, 75), failed
         head = (out / "hang-0.txt").read_text()
@@ -173,6 +181,27 @@ def test_elastic_restart_finishes_on_one_process_with_the_same_global_batch(unin
     assert "on 1 process(es) with --grad-accum 2" in done.stderr
 
 
+def test_a_shrunk_run_grows_back_when_relaunched_on_more_processes(uninterrupted, tmp_path):
+    """Elastic growth: a 2-process run shrinks to 1 process (--elastic), loses that one too and stops; relaunched
+    on 2 processes with --resume it continues on more processes than its last segment had: 3 meshes in the run
+    header, the same global batch, the loss curve within f32 rounding of the uninterrupted one."""
+    out = tmp_path / "run"
+    shrink = launch(out, "--max-restarts", "1", "--restart-backoff", "0", "--elastic",
+                    fault="kill@step=2,process=1,attempt=0;kill@step=4,process=0,attempt=1")
+    assert shrink.returncode == 137, shrink.stderr[-3000:]
+    grow = processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
+                          "2", "--grace", "2", "--", *TRAIN, "--out", str(out), "--resume"], env=env(), timeout=420,
+                         cwd=ROOT)
+    assert grow.returncode == 0, grow.stderr[-3000:]
+    starts = [r for r in records(out / "metrics.jsonl") if r.get("event") == "start"]
+    assert [(r["mesh"], r["recipe_settings"]["grad_accum"]) for r in starts] == \
+        [({"fsdp": 4}, 1), ({"fsdp": 2}, 2), ({"fsdp": 4}, 1)]
+    assert [r["run_settings"]["batch_size"] for r in starts] == [8, 8, 8]
+    got, want = losses(out), losses(uninterrupted)
+    assert got.keys() == want.keys()
+    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
+
+
 def test_restarts_stop_after_k_failures_with_the_last_error(tmp_path):
     """Every attempt is killed (the fault fires in each): after --max-restarts 1 the launcher gives up."""
     out = tmp_path / "run"
@@ -196,3 +225,34 @@ def test_chaos_benchmark_reports_its_figures(tmp_path):
                      r"[0-9.]+, elastic overhead 1.00, resilience 1.00, RS [0-9.]+, attempts 2, .*final state bit-identical", out.stdout)
     assert re.search(r"mix kill,elastic: .*elastic overhead [0-9.]+, resilience 1.00, .*attempts 2", out.stdout)
     assert "load average" in out.stdout and "'w3': 0.2" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_fits():
+    """The pre-flight estimate of the tiny fsdp job on 2 × 2 and 1 × 2 devices (planned in a child process)."""
+    layouts = [Layout(2, 1), Layout(1, 2)]
+    fits = launch_fit.check_layouts(TRAIN + ["--out", "x"], layouts, 2, 2 ** 40)
+    assert [(f.processes, f.devices) for f in fits] == [(2, 4), (1, 2)] and fits[0].needs < fits[1].needs
+    return layouts, fits
+
+
+@pytest.mark.parametrize("host, want", [
+    ("plenty", None),                                              # fits: the exit 2 had another cause
+    ("between", "the smallest device count that fits is 4 (2 process(es) × 2 devices)"),
+    ("none", "no layout of this job fits"),
+])
+def test_an_elastic_shrink_that_does_not_fit_names_the_smallest_device_count(host, want, tiny_fits, tmp_path):
+    layouts, fits = tiny_fits
+    per_device = {"plenty": 2 ** 40, "between": int(fits[0].needs / 0.9) + 1, "none": fits[0].needs // 2}[host]
+    fits = [dataclasses.replace(f, limit=per_device) for f in fits]
+    told = launch_fit.explain(fits, layouts[1], 2)
+    if want is None:
+        assert told is None and launch_fit.explain(fits, layouts[0], 2) is None
+        return
+    assert told.startswith("--elastic: the run does not fit on 2 devices (1 process(es) × 2, --grad-accum 2): the "
+                           "plan needs ~") and want in told, told
+    said = []
+    sup = Supervisor(lambda k: [(137, 1, False), (2, 0, False)][k], str(tmp_path), 3, 0.0, said.append,
+                     layout=lambda k: layouts[min(k, 1)], explain=lambda k, status: told if k else None)
+    assert sup.run() == 2 and said[-1] == f"error: {told}"
+    assert records(tmp_path / "events.jsonl")[-1]["reason"] == f"status 2 is not retried: {told}"

@@ -2,10 +2,14 @@
 
 Runs the job once uninterrupted (the reference), then once per fault mix with faults injected at
 random steps through ``MESHTRAIN_FAULT`` (:mod:`meshtrain.train.watchdog`): ``kill`` (SIGKILL of
-one process), ``stop`` (SIGSTOP of one process: a hang the watchdog must find), ``slow`` (process 1
-sleeps ``--slow-seconds`` after every step from its step on: a straggler); ``elastic`` in a mix runs
-it with ``--elastic`` (each restart on fewer processes, gradient accumulation keeping the global
-batch). Reports per fault:
+one process), ``lose`` (SIGKILL of one process after deleting its in-memory peer copies: a lost
+host, whose shards come back from its peer), ``full`` (one process's next checkpoint save fails
+with ENOSPC, as on a full disk: it exits 74), ``stop`` (SIGSTOP of one process: a hang the watchdog
+must find), ``slow`` (process 1 sleeps ``--slow-seconds`` after every step from its step on: a
+straggler); ``elastic`` in a mix runs it with ``--elastic`` (each restart on fewer processes,
+gradient accumulation keeping the global batch); ``peers`` in a mix runs it with ``--peer-every``
+(in-memory peer checkpoints, :mod:`meshtrain.checkpoint.peers`: RPO at most that interval instead
+of the disk one). Reports per fault:
 
 * RPO: steps lost (the fault's step minus the step the restart resumed from);
 * RTO: seconds from the fault to the next completed step (stop, detection, restart, restore, compile);
@@ -27,6 +31,8 @@ finite; a perfect run scores 1 minus what its RPO and RTO cost). Weights: 0.2 ea
 Example (the BENCHMARKS.md table)::
 
     python tools/bench_resilience.py --model tiny --steps 24 --mixes kill,kill stop,kill kill,stop,slow kill,elastic
+    python tools/bench_resilience.py --model tiny --steps 24 --ckpt-every 8 --peer-every 2 \
+        --mixes kill,kill kill,kill,peers lose,kill,peers stop,lose,peers
 """
 
 from __future__ import annotations
@@ -89,7 +95,8 @@ def records(path: str) -> List[dict]:
     return out
 
 
-def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: bool = False) -> float:
+def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: bool = False,
+           peers: bool = False) -> float:
     """One launch (wall seconds); its output goes to ``out``.log."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
@@ -101,7 +108,7 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
            "train", "--model", args.model, "--recipe", "fsdp", "--steps", str(args.steps), "--batch-size",
            str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-every", "0", "--progress", "lines",
            "--ckpt-every", str(args.ckpt_every), "--keep-last", "2", "--hang-timeout", str(args.hang_timeout),
-           "--out", out]
+           *(["--peer-every", str(args.peer_every)] if peers else []), "--out", out]
     t0 = time.perf_counter()
     with open(out + ".log", "w") as log:
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
@@ -110,27 +117,28 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
     return time.perf_counter() - t0
 
 
-def fault_spec(kinds: List[str], steps: int, rng: random.Random, slow_seconds: float) -> str:
-    """``kill``/``stop`` faults at increasing random steps, one per attempt; ``slow`` faults on process 1
-    in the last attempt, from a later step."""
+def fault_spec(kinds: List[str], steps: int, rng: random.Random, slow_seconds: float, ckpt_every: int) -> str:
+    """``kill``/``lose``/``full``/``stop`` faults at increasing random steps, one per attempt (a ``full``
+    disk moved to the next disk save, where it strikes); ``slow`` faults on process 1 in the last
+    attempt, from a later step."""
     crashes = [k for k in kinds if k != "slow"]
     at = sorted(rng.sample(range(2, steps - 1), len(kinds)))
-    spec, attempt = [], 0
-    for kind, step in zip([*crashes, *[k for k in kinds if k == "slow"]], at):
-        if kind == "slow":
-            spec.append(f"slow@step={step},process=1,attempt={len(crashes)},seconds={slow_seconds}")
-        else:
-            spec.append(f"{kind}@step={step},process={rng.randrange(2)},attempt={attempt}")
-            attempt += 1
+    saves = list(range(ckpt_every, steps, ckpt_every)) or [steps]
+    planned = sorted((min((s for s in saves if s >= step), default=saves[-1]) if kind == "full" else step, kind)
+                     for kind, step in zip(crashes, at))
+    spec = [f"{kind}@step={step},process={rng.randrange(2)},attempt={attempt}"
+            for attempt, (step, kind) in enumerate(planned)]
+    spec += [f"slow@step={step},process=1,attempt={len(crashes)},seconds={slow_seconds}"
+             for step in at[len(crashes):]]
     return ";".join(spec)
 
 
 def measure(args, kinds: List[str], reference: dict, rng: random.Random, work: str) -> dict:
     out = os.path.join(work, "-".join(kinds))
-    elastic = "elastic" in kinds
-    kinds = [k for k in kinds if k != "elastic"]
-    spec = fault_spec(kinds, args.steps, rng, args.slow_seconds)
-    wall = launch(args, out, spec, max_restarts=len(kinds), elastic=elastic)
+    elastic, peers = "elastic" in kinds, "peers" in kinds
+    kinds = [k for k in kinds if k not in ("elastic", "peers")]
+    spec = fault_spec(kinds, args.steps, rng, args.slow_seconds, args.ckpt_every)
+    wall = launch(args, out, spec, max_restarts=len(kinds), elastic=elastic, peers=peers)
     events = records(os.path.join(out, "events.jsonl"))
     metrics = [r for r in records(os.path.join(out, "metrics.jsonl")) if "loss" in r and "step" in r]
     faults = []
@@ -159,7 +167,7 @@ def measure(args, kinds: List[str], reference: dict, rng: random.Random, work: s
     rs = (w["w1"] / (1 + rpo) + w["w2"] / (1 + rto) + w["w3"] / overhead + w["w4"] * jitter
           + w["w5"] * resilience)
     stragglers = [r for r in records(os.path.join(out, "metrics.jsonl")) if r.get("event") == "stragglers"]
-    return {"mix": ",".join(kinds + ["elastic"] * elastic), "spec": spec, "overhead": overhead,
+    return {"mix": ",".join(kinds + ["elastic"] * elastic + ["peers"] * peers), "spec": spec, "overhead": overhead,
             "max_rel_diff": max_relative_difference(final, reference["arrays"]), "faults": faults, "rpo_steps": rpo, "rto_s": rto,
             "goodput": sum(r["step_time_s"] for r in metrics) / wall, "slowdown": wall / reference["wall_s"],
             "jitter": jitter, "resilience": resilience, "identical": identical, "rs": rs,
@@ -176,20 +184,23 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--ckpt-every", type=int, default=2)
+    p.add_argument("--peer-every", type=int, default=2, help="in-memory peer checkpoint interval of mixes with peers")
     p.add_argument("--hang-timeout", type=float, default=10.0)
     p.add_argument("--slow-seconds", type=float, default=0.5)
     p.add_argument("--mixes", nargs="+", default=["kill,kill", "stop,kill", "kill,stop,slow", "kill,elastic"],
-                   help="fault mixes, each a comma-separated list of kill, stop, slow (and elastic: run with --elastic)")
+                   help="fault mixes, each a comma-separated list of kill, lose, full, stop, slow (and "
+                        "elastic: run with --elastic; peers: with --peer-every)")
     p.add_argument("--seed", type=int, default=0, help="seeds the fault steps and processes")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take")
     p.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bench-resilience-")
+    os.makedirs(work, exist_ok=True)
     load = os.getloadavg()[0]
     print(f"{args.model}, {args.processes} processes x {args.devices_per_process} CPU devices, {args.steps} steps, "
-          f"checkpoint every {args.ckpt_every}, --hang-timeout {args.hang_timeout:g}; load average {load:.2f} on "
-          f"{os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
+          f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout "
+          f"{args.hang_timeout:g}; load average {load:.2f} on {os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
     ref_dir = os.path.join(work, "reference")
     wall = launch(args, ref_dir)
     ref_metrics = [r for r in records(os.path.join(ref_dir, "metrics.jsonl")) if "loss" in r and "step" in r]

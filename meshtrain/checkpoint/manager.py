@@ -21,6 +21,7 @@ and a newer valid step exists; a damaged step whose number is saved again is ren
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ import jax
 
 from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock, warn
+from meshtrain.checkpoint.peers import PeerStore
 from meshtrain.checkpoint.restoring import read_params, read_step
 from meshtrain.checkpoint.retention import RetentionPolicy
 from meshtrain.checkpoint.saving import Saver, fmt_bytes  # noqa: F401 - fmt_bytes: `meshtrain ckpt` reads it here
@@ -60,6 +62,10 @@ class Checkpointer:
         :class:`~meshtrain.train.Trainer` turns it on. Ignored on GPU/TPU, where Orbax's
         device-to-host copy must finish before the next donating step, and with several processes
         (Orbax's save synchronizes them; not tested from a worker thread).
+      peer_every: also keep in-memory peer copies every N steps (:mod:`meshtrain.checkpoint.peers`;
+        0: off): :meth:`latest_valid_step` and :meth:`restore` then take the newest step that every
+        process can rebuild from them when it is newer than the newest valid disk step. Every process
+        must make the same calls (they hold collectives).
 
     Next: :meth:`require_resumable` (or :meth:`inventory`) and :meth:`restore` on start,
     :meth:`maybe_save` each step, :meth:`close` at the end.
@@ -67,7 +73,7 @@ class Checkpointer:
 
     def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
                  async_save: bool = True, compression: Compression = Compression.NONE,
-                 background_start: bool = False):
+                 background_start: bool = False, peer_every: int = 0):
         if not isinstance(save_every, int) or save_every < 1:
             raise CheckpointError(f"save_every={save_every!r}: give an integer >= 1")
         self._retention = RetentionPolicy(keep_last, keep_every)
@@ -104,6 +110,7 @@ class Checkpointer:
                 integrity.remove_tree(p)
             self._janitor = Janitor()
         self._manager = self._saver.manager   # Orbax's CheckpointManager, shared by saves and restores
+        self._peers = PeerStore(self.directory, peer_every) if peer_every else None
 
     # -- saving -------------------------------------------------------------------------------------
 
@@ -120,7 +127,19 @@ class Checkpointer:
                                   metadata={"recipe": plan.recipe.to_dict(), "seed": 0, "model": "tiny"})
         """
         self._ensure_open()
-        return self._saver.maybe_save(step, state, data_state=data_state, metadata=metadata, force=force)
+        peer_s = 0.0
+        if self._peers is not None and self._peers.due(step):
+            # first, and on disk steps too: the disk save is asynchronous and may fail (a full disk)
+            t0 = time.perf_counter()
+            self._peers.save(step, state, data_state=data_state, metadata=metadata)
+            peer_s = time.perf_counter() - t0
+        result = self._saver.maybe_save(step, state, data_state=data_state, metadata=metadata, force=force)
+        return dataclasses.replace(result, blocking_s=result.blocking_s + peer_s) if peer_s else result
+
+    def peer_step(self) -> Optional[int]:
+        """The newest step that the in-memory peer copies can restore on every process, or ``None``
+        (no copies, or ``peer_every`` off). Every process must call it (a collective)."""
+        return self._peers.latest() if self._peers is not None else None
 
     def _apply_retention(self) -> None:
         """Keep the newest ``keep_last`` good steps and every multiple of ``keep_every``; delete the
@@ -217,7 +236,12 @@ class Checkpointer:
         """The newest step that passes the full checksum check; each newer step that fails is skipped
         with a :class:`CheckpointWarning` naming the reason (once per step and reason for this
         Checkpointer: ``restore()`` after ``latest_valid_step()`` does not repeat it). ``None`` when
-        there is none."""
+        there is none. With ``peer_every``, a newer :meth:`peer_step` wins."""
+        disk = self._latest_disk_step()
+        peer = self.peer_step()
+        return peer if peer is not None and (disk is None or peer > disk) else disk
+
+    def _latest_disk_step(self) -> Optional[int]:
         for step in reversed(self.all_steps()):
             check = self.check(step)
             if check.status.usable:
@@ -240,8 +264,17 @@ class Checkpointer:
         """
         self._ensure_open()
         self.wait()
+        if step is None and self._peers is not None:
+            peer, disk = self.peer_step(), self._latest_disk_step()
+            if peer is not None and (disk is None or peer > disk):
+                restored = self._peers.restore(plan, peer)
+                if restored is not None:
+                    return restored
+                warn(f"the in-memory peer copies of step {peer} cannot be restored on every process (another "
+                     f"mesh or dtype than this run's plan, or a copy lost since); restoring from {self.directory} "
+                     f"instead")
         if step is None:
-            step = self.latest_valid_step()
+            step = self._latest_disk_step()
             if step is None:
                 found = ", ".join(f"{s}: {self.check(s).status.value}" for s in self.all_steps()) or "no step folders"
                 raise CheckpointError(f"no valid checkpoint to restore in {self.directory} ({found}); start "
@@ -307,6 +340,7 @@ class Checkpointer:
             return
         try:
             self._saver.wait_inflight()
+            self._discard_peers()
         finally:
             self._closed = True
             self._saver.close_worker()
@@ -315,6 +349,13 @@ class Checkpointer:
             if self._lock is not None:
                 self._lock.release()
             self._saver.close()
+
+    def _discard_peers(self) -> None:
+        """Free the peer copies once this Checkpointer committed a newer (or the same) step to disk:
+        they can add nothing (after a failure they are kept for the restart)."""
+        saved = self._saver.session_steps
+        if self._peers is not None and saved and max(saved) >= max(self._peers.steps(), default=-1):
+            self._peers.discard()
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -329,4 +370,5 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, save_every={self.save_every}, keep_last={self.keep_last}, "
                 f"keep_every={self.keep_every}, async_save={self.async_save}, compression={self.compression.value}"
-                f"{', background_start=True' if self.background_start else ''})")
+                f"{', background_start=True' if self.background_start else ''}"
+                f"{f', peer_every={self._peers.every}' if self._peers is not None else ''})")

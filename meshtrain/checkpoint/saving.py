@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import errno
 import logging
 import shutil
 import sys
@@ -63,6 +64,29 @@ def tuned(tuning: SaveTuning) -> Iterator[None]:
         yield
     finally:
         _TUNING.reset(token)
+
+
+@dataclasses.dataclass
+class DiskFullFault:
+    """Fault injection (``MESHTRAIN_FAULT=full@step=N,process=P``, set by the watchdog): the first save
+    at or after ``step`` fails with ENOSPC where Orbax would start writing, as a full disk fails it;
+    ``on_fire`` logs the fault (``events.jsonl``)."""
+
+    step: int
+    on_fire: Callable[[int], None]
+
+
+#: The armed fault of this process (tests and ``tools/bench_resilience.py`` only), else None.
+DISK_FULL_FAULT: Optional[DiskFullFault] = None
+
+
+def _injected_disk_full(step: int) -> None:
+    global DISK_FULL_FAULT
+    fault = DISK_FULL_FAULT
+    if fault is not None and step >= fault.step:
+        DISK_FULL_FAULT = None   # once: the restart's saves go through
+        fault.on_fire(step)
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by MESHTRAIN_FAULT at step {step})")
 
 
 def free_bytes(path: Path) -> int:
@@ -266,6 +290,7 @@ class Saver:
             # or the next (donating) train step silently keeps a second copy of the state. A
             # synchronous save releases them before it returns: no copy (saves time and one state
             # of host memory on CPU; tests/test_checkpoint_speed.py checks the donation).
+            _injected_disk_full(step)
             if self.async_save or self.tuning.copy_before_sync_save:
                 state = detach_from_donation(state)
             args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(state)))

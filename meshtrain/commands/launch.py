@@ -31,6 +31,7 @@ import types
 from typing import List, Optional
 
 from meshtrain import distributed, supervisor
+from meshtrain.commands import launch_fit
 from meshtrain.cli import COMMANDS
 from meshtrain.errors import ConfigError
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
@@ -287,8 +288,20 @@ def run(args) -> int:
             run_cmd = supervisor.with_option(run_cmd, "--grad-accum", str(layout(k).grad_accum))
         return _attempt(args, run_cmd, args.port if not k else 0, k, processes=n)
 
+    def explain(k: int, status: int) -> Optional[str]:
+        """Why a shrunk attempt exited 2, when it is the memory check: the smallest device count that fits."""
+        host = host_memory_bytes()
+        if not layouts or not k or layout(k) == layout(0) or status != 2 or host is None:
+            return None
+        per = args.devices_per_process or int(os.environ.get("JAX_NUM_CPU_DEVICES") or 8)
+        try:
+            fits = launch_fit.check_layouts(cmd, layouts, per, host)
+        except (OSError, subprocess.SubprocessError, ValueError, TypeError):
+            return None
+        return launch_fit.explain(fits, layout(k), per)
+
     return supervisor.Supervisor(attempt, run_dir, args.max_restarts, args.restart_backoff, _say,
-                                 layout=layout if layouts else None).run()
+                                 layout=layout if layouts else None, explain=explain).run()
 
 
 def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, processes: Optional[int] = None):

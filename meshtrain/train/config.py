@@ -102,6 +102,9 @@ class TrainConfig:
     # Output
     out: Optional[str] = setting(None, "run folder (default: runs/<model>-<recipe>-<time>)")
     ckpt_every: int = setting(0, "save a checkpoint every N steps; 0: off", minimum=0)
+    peer_every: int = setting(0, "every N steps also keep each process's shards, and a copy of a peer's, in host "
+                              "memory (/dev/shm): a restart after a process failed resumes from there when "
+                              "every shard is intact, else from disk; 0: off", minimum=0)
     keep_last: int = setting(3, "keep the newest N checkpoints", minimum=0)
     keep_every: Optional[int] = setting(None, "also keep every K-th step", minimum=1)
     resume: Resume = setting(Resume.NO, "latest (or --resume alone): continue from the newest valid checkpoint "

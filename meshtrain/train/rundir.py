@@ -260,7 +260,7 @@ def resume_step(run_dir: str, resume_latest: bool, ckpt, notice: Callable[[str],
             raise ConfigError(f"run folder {run_dir!r} already holds a run ({contents.describe()}); "
                               f"pass --resume to continue it or choose another --out")
         return None
-    if not contents.checkpoint_steps:
+    if not contents.checkpoint_steps and ckpt.peer_step() is None:   # peers: in-memory copies only
         if contents.committed_steps:
             raise ConfigError(
                 f"cannot resume {run_dir!r}: its metrics.jsonl records committed checkpoints (steps "

@@ -271,11 +271,11 @@ class Trainer:
         return good[-1] if good else None
 
     def _checkpointer(self) -> Optional[Checkpointer]:
-        cfg = self.cfg
-        if not cfg.ckpt_every and cfg.resume is Resume.NO:
+        if not ((cfg := self.cfg).ckpt_every or cfg.peer_every) and cfg.resume is Resume.NO:
             return None
         return Checkpointer(os.path.join(self.run_dir, "checkpoints"), save_every=cfg.ckpt_every or cfg.steps,
-                            keep_last=cfg.keep_last, keep_every=cfg.keep_every, background_start=True)
+                            keep_last=cfg.keep_last, keep_every=cfg.keep_every, background_start=True,
+                            peer_every=cfg.peer_every)
 
     def _metadata(self, plan: ShardingPlan) -> Dict[str, Any]:
         return {"recipe": plan.recipe.to_dict(), "mesh": plan.mesh_sizes, "model": self.cfg.model,

@@ -26,7 +26,9 @@ process alike (they meet in the step's collectives), so it shows as a slower ste
 
 **Fault injection (tests and ``tools/bench_resilience.py`` only).** ``MESHTRAIN_FAULT`` holds
 ``;``-separated faults ``KIND@step=N,process=P[,attempt=A][,seconds=S]``: ``kill`` (SIGKILL itself
-after step N), ``stop`` (SIGSTOP itself: a hang), ``slow`` (sleep S seconds, default 0.5, after
+after step N), ``lose`` (delete its in-memory peer copies, then SIGKILL itself: a lost host,
+:mod:`meshtrain.checkpoint.peers`), ``full`` (its first checkpoint save at or after step N fails
+with ENOSPC: a full disk, exit 74), ``stop`` (SIGSTOP itself: a hang), ``slow`` (sleep S seconds, default 0.5, after
 every step from N: a straggler). Fault ``k`` fires in attempt ``k`` of ``meshtrain launch
 --max-restarts`` (``MESHTRAIN_ATTEMPT``, 0 for the first) unless ``attempt`` says otherwise. Each
 fault and the first step of every attempt are appended to ``<run>/events.jsonl``.
@@ -40,14 +42,17 @@ import enum
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Deque, List, Optional
 
+from meshtrain.checkpoint import peers, saving
 from meshtrain.errors import EXIT_HANG, ConfigError
 from meshtrain.train.hooks import Hook
 from meshtrain.train.config import check_watchdog_settings as check_settings
@@ -89,6 +94,8 @@ def hang_bound(intervals: List[float], hang_timeout: Optional[float]) -> float:
 # -- fault injection (tests and benchmarks) ---------------------------------------------------------
 class FaultKind(str, enum.Enum):
     KILL = "kill"
+    LOSE = "lose"
+    FULL = "full"
     STOP = "stop"
     SLOW = "slow"
 
@@ -157,6 +164,9 @@ class Watchdog(Hook):
 
         self.run, self.process, self.processes = run, jax.process_index(), jax.process_count()
         self._last = time.monotonic()
+        for fault in self.faults:
+            if fault.kind is FaultKind.FULL and fault.process == self.process:
+                saving.DISK_FULL_FAULT = saving.DiskFullFault(fault.step, self._fault_event(run, fault))
         if self.armed:
             try:
                 os.makedirs(os.path.join(run.run_dir, HEARTBEAT_DIR), exist_ok=True)
@@ -198,6 +208,7 @@ class Watchdog(Hook):
 
     def close(self, run: Run) -> None:
         self._stop.set()
+        saving.DISK_FULL_FAULT = None   # an injected fault does not outlive its run (a notebook's next one)
         if self._thread is not None:
             self._thread.join(timeout=2 * POLL_S)
 
@@ -230,11 +241,20 @@ class Watchdog(Hook):
                 continue
             if fault.kind is FaultKind.SLOW and step >= fault.step:
                 time.sleep(fault.seconds)
-            elif fault.kind is not FaultKind.SLOW and step == fault.step:
+            elif fault.kind not in (FaultKind.SLOW, FaultKind.FULL) and step == fault.step:
                 append_event(run.run_dir, {"event": "fault", "kind": fault.kind.value, "step": step,
                                            "process": self.process, "attempt": self.attempt, "unix": time.time()})
                 sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL if fault.kind is FaultKind.KILL else signal.SIGSTOP)
+                if fault.kind is FaultKind.LOSE:   # the host's memory goes with it
+                    shutil.rmtree(peers.process_folder(Path(run.run_dir) / "checkpoints", self.process),
+                                  ignore_errors=True)
+                os.kill(os.getpid(), signal.SIGSTOP if fault.kind is FaultKind.STOP else signal.SIGKILL)
+
+    def _fault_event(self, run: Run, fault: Fault):
+        def fire(step: int) -> None:
+            append_event(run.run_dir, {"event": "fault", "kind": fault.kind.value, "step": step,
+                                       "process": self.process, "attempt": self.attempt, "unix": time.time()})
+        return fire
 
     # -- the thread -------------------------------------------------------------------------------
     def _watch(self) -> None:
