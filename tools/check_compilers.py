@@ -74,6 +74,8 @@ def row(label: str, res: Dict, before: Dict = None) -> List[str]:
     axes = []
     for axis in sorted(set(planned) | set(compiled)):
         p, c = planned.get(axis, {}).get("total", 0.0), compiled.get(axis, {}).get("total", 0)
+        if max(p, c) < 0.1 * 2 ** 20:
+            continue  # e.g. a few scalars reduced over `fsdp+tensor`
         err = f"{p / c - 1:+.0%}" if c else ("0" if not p else "n/a")
         axes.append(f"{axis} {p / 2 ** 20:.1f}/{c / 2 ** 20:.1f} MiB ({err})")
     return [label, f"{peak / 2 ** 20:,.0f} MiB", *old, f"{est / 2 ** 20:,.0f} MiB", f"{est / peak - 1:+.1%}",

@@ -91,9 +91,10 @@ class SavedTensor:
 
     def elements(self, sizes: Mapping[str, int]) -> int:
         n = self.const * math.prod(sizes[v] ** e for v, e in self.exponents)
-        m = self.minor_const * math.prod(sizes[v] ** e for v, e in self.minor)
-        if self.lanes > 1 and m > 1 and not self.is_weight:  # a trailing 1 (keepdims) is laid out away
-            n = n // m * (-(-m // self.lanes) * self.lanes)
+        if self.lanes > 1 and not self.is_weight:
+            m = self.minor_const * math.prod(sizes[v] ** e for v, e in self.minor)
+            if m > 1:  # a trailing 1 (keepdims) is laid out away
+                n = n // m * (-(-m // self.lanes) * self.lanes)
         return n
 
     def divisor(self, split: ActivationSplit) -> int:
