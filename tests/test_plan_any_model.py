@@ -205,8 +205,8 @@ def _lm1b_decoder():
             q, k, v = (nn.DenseGeneral((s["heads"], s["head_dim"]), use_bias=False,
                                        kernel_init=lp(init, ("embed", "joined_kv")))(h) for _ in range(3))
             mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-            x = x + nn.DenseGeneral(s["dim"], axis=(-2, -1), use_bias=False, kernel_init=lp(init, ("joined_kv", "embed")))(
-                nn.dot_product_attention(q, k, v, mask=mask))
+            out = nn.DenseGeneral(s["dim"], axis=(-2, -1), use_bias=False, kernel_init=lp(init, ("joined_kv", "embed")))
+            x = x + out(nn.dot_product_attention(q, k, v, mask=mask))
             h = nn.LayerNorm(scale_init=lp(nn.initializers.ones, ("embed",)),
                              bias_init=lp(nn.initializers.zeros, ("embed",)))(x)
             h = nn.relu(nn.Dense(s["hidden"], use_bias=False, kernel_init=lp(init, ("embed", "mlp")))(h))
