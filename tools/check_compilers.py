@@ -6,11 +6,15 @@ memory and per-axis collective bytes next to what the compiled program holds.
     python tools/check_compilers.py --model small --seq-len 1024 --markdown
     python tools/check_compilers.py --list                  # the cases, without compiling
     python tools/check_compilers.py --gpu --markdown        # the XLA:GPU cases, 8xH100 (gpu-aot extra)
+    python tools/check_compilers.py --save after.json --before before.json --markdown   # with before columns
 
 Each case runs in its own process, one after the other (libtpu allows one process per host). Memory
 error = estimate / compiled peak − 1; collectives: the planner's analytic bytes per mesh axis vs the
-bytes of the collectives in the compiled HLO on that axis (the conventions of
-``meshtrain.analysis.collectives``: a result's bytes per device). Without libtpu it says so and
+bytes of the collectives in the compiled HLO on that axis (one convention on both sides, that of
+``meshtrain.analysis.collectives``: a collective's result bytes per device per execution; an all-reduce
+counts the reduced tensor once, not its ring's 2·(n−1)/n wire bytes). ``--save`` writes each case's
+figures to a JSON file; ``--before`` reads such a file and puts its planned memory and error beside the
+new ones (the planner before a change vs after, against the same compiles). Without libtpu it says so and
 exits 0 (the planner needs nothing; only the check needs the compiler).
 """
 
@@ -64,18 +68,32 @@ def run_case(flags: List[str], args) -> Dict:
     return json.loads(out.stdout)
 
 
-def row(label: str, res: Dict) -> List[str]:
+def figures(res: Dict) -> Dict:
+    """What a case's table row and ``--save`` keep: memory planned and compiled, collectives per axis."""
     if "error" in res:
-        return [label, "—", "—", "—", res["error"]]
+        return res
+    return {"estimated_memory": res["estimated_memory"], "measured_memory": res["measured_memory"],
+            "planned": {a: {"total": v.get("total", 0.0)} for a, v in res["collectives"]["per_axis"].items()},
+            "compiled": {a: {"total": v.get("total", 0)} for a, v in res["hlo_bytes_per_axis"].items()}}
+
+
+def row(label: str, res: Dict, before: Dict = None) -> List[str]:
+    if "error" in res:
+        return [label] + ["—"] * (5 if before is not None else 3) + [res["error"]]
     est, peak = res["estimated_memory"], res["measured_memory"]["peak"]
-    planned = res["collectives"]["per_axis"]
-    compiled = res["hlo_bytes_per_axis"]
+    old = []
+    if before is not None:
+        b = before.get("estimated_memory")
+        old = [f"{b / 2 ** 20:,.0f} MiB", f"{b / peak - 1:+.1%}"] if b else ["—", "—"]
+    planned, compiled = res["planned"], res["compiled"]
     axes = []
     for axis in sorted(set(planned) | set(compiled)):
         p, c = planned.get(axis, {}).get("total", 0.0), compiled.get(axis, {}).get("total", 0)
+        if max(p, c) < 0.1 * 2 ** 20:
+            continue  # e.g. a few scalars reduced over `fsdp+tensor`
         err = f"{p / c - 1:+.0%}" if c else ("0" if not p else "n/a")
         axes.append(f"{axis} {p / 2 ** 20:.1f}/{c / 2 ** 20:.1f} MiB ({err})")
-    return [label, f"{est / 2 ** 20:,.0f} MiB", f"{peak / 2 ** 20:,.0f} MiB", f"{est / peak - 1:+.1%}",
+    return [label, f"{peak / 2 ** 20:,.0f} MiB", *old, f"{est / 2 ** 20:,.0f} MiB", f"{est / peak - 1:+.1%}",
             "; ".join(axes) or "none"]
 
 
@@ -99,7 +117,7 @@ def run_gpu_case(flags: List[str], args) -> Dict:
 def gpu_row(label: str, res: Dict) -> List[str]:
     """:func:`row` with the cuDNN fused-attention custom calls (forward + backward) of the compiled step."""
     calls = res.get("cudnn_attention_calls")
-    return row(label, res) + [f"{calls['forward']} + {calls['backward']}" if calls else "—"]
+    return row(label, figures(res)) + [f"{calls['forward']} + {calls['backward']}" if calls else "—"]
 
 
 def gpu_main(args) -> int:
@@ -117,7 +135,7 @@ def gpu_main(args) -> int:
         print("the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]' to compile for GPUs; "
               "nothing checked")
         return 0
-    header = ["case", "planned memory", "XLA:GPU peak", "memory error", "collectives per axis: planned/compiled",
+    header = ["case", "XLA:GPU peak", "planned memory", "memory error", "collectives per axis: planned/compiled",
               "cuDNN attention calls"]
     rows = []
     for label, flags in cases:
@@ -145,6 +163,9 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     ap.add_argument("--gpu", action="store_true", help="the XLA:GPU cases instead (needs the gpu-aot extra)")
     ap.add_argument("--topology", default="8xH100", help="with --gpu: NxH100, NxH200 or NxA100")
+    ap.add_argument("--save", default=None, help="write each case's figures to this JSON file")
+    ap.add_argument("--before", default=None, help="a --save file of an earlier run: its planned memory and "
+                                                   "error as 'before' columns")
     args = ap.parse_args()
     if args.gpu:
         return gpu_main(args)
@@ -156,11 +177,20 @@ def main() -> int:
     if importlib.util.find_spec("libtpu") is None:
         print("libtpu is not installed: pip install 'meshtrain[tpu]' to compile for a TPU topology; nothing checked")
         return 0
-    header = ["case", "planned memory", "XLA:TPU peak", "memory error", "collectives per axis: planned/compiled"]
-    rows = []
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)
+    header = ["case", "XLA:TPU peak", *(["planned before", "error before"] if before is not None else []),
+              "planned memory", "memory error", "collectives per axis: planned/compiled"]
+    rows, saved = [], {}
     for label, flags in cases:
-        rows.append(row(label, run_case(flags, args)))
+        saved[label] = figures(run_case(flags, args))
+        rows.append(row(label, saved[label], before.get(label, {}) if before is not None else None))
         print("  ".join(rows[-1]), flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(saved, f, indent=1)
     print(f"\n{args.model}, batch {args.batch_size} × {args.seq_len}, bf16 compute, {args.hardware} × {args.devices}")
     if args.markdown:
         print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

@@ -78,13 +78,24 @@ class SavedTensor:
     dtype: str
     count: int
     cast: bool = False  # a parameter's shape in another dtype: a compute-dtype copy of a weight
+    #: the last (minor) dimension: its exponents and constant, for layouts that tile it (see ``lanes``)
+    minor: Tuple[Tuple[str, int], ...] = ()
+    minor_const: int = 1
+    #: XLA:TPU stores the minor dimension of an activation in tiles of 128 lanes (a ``(…, T, 16)`` tensor takes
+    #: the room of ``(…, T, 128)``); 1: no padding (XLA:CPU/GPU)
+    lanes: int = 1
 
     @property
     def is_weight(self) -> bool:
         return "B" not in dict(self.exponents)
 
     def elements(self, sizes: Mapping[str, int]) -> int:
-        return self.const * math.prod(sizes[v] ** e for v, e in self.exponents)
+        n = self.const * math.prod(sizes[v] ** e for v, e in self.exponents)
+        if self.lanes > 1 and not self.is_weight:
+            m = self.minor_const * math.prod(sizes[v] ** e for v, e in self.minor)
+            if m > 1:  # a trailing 1 (keepdims) is laid out away
+                n = n // m * (-(-m // self.lanes) * self.lanes)
+        return n
 
     def divisor(self, split: ActivationSplit) -> int:
         ex = dict(self.exponents)
@@ -211,6 +222,19 @@ class ActivationModel:
 
         return self._memo(("layer", tuple(sizes.values()), split, cfg.n_layers), compute)
 
+    def largest_layer_tensor_elements(self, cfg, batch_size: int, seq_len: int,
+                                      split: ActivationSplit = ActivationSplit()) -> int:
+        """Elements of one layer's largest saved tensor on one device for one micro-batch (the stacked
+        ``L``-dimension tensors, divided by ``L``): the size of the largest cotangent its backward makes."""
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+
+        def compute():
+            return int(max((t.elements(sizes) / _divisor(flags, split) / cfg.n_layers
+                            for t, _, is_weight, stacked, _, _, flags in self._rows if not is_weight and stacked),
+                           default=0))
+
+        return self._memo(("largest", tuple(sizes.values()), split, cfg.n_layers), compute)
+
     def tensor_bytes_per_device(self, cfg, batch_size: int, seq_len: int, split: ActivationSplit = ActivationSplit(),
                                 *, dims: Tuple[str, ...] = ("B", "T", "V"), dtype: str = "float32",
                                 stacked: "bool | None" = None, per_layer: bool = False) -> int:
@@ -268,13 +292,17 @@ def _probe_state(tie_embeddings: bool):
 
 @functools.lru_cache(maxsize=None)
 def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "float32",
-                      tie_embeddings: bool = False, attention: "AttentionKind | str" = AttentionKind.DENSE
-                      ) -> ActivationModel:
+                      tie_embeddings: bool = False, attention: "AttentionKind | str" = AttentionKind.DENSE,
+                      lanes: int = 1) -> ActivationModel:
     """Trace the probe decoder's loss VJP abstractly and turn its residuals into formulas.
 
     ``attention``: ``dense`` saves the ``T × T`` probabilities; every other kind is traced as
     ``flash`` (the context-parallel kinds save the same q, k, v, output and log-sum-exp per device,
-    divided by the context split)."""
+    divided by the context split). ``lanes``: pad every activation's minor dimension to a multiple of it
+    (128: XLA:TPU's tiled layouts; measured on v5p, e.g. ``f32[2,1024,16,8]`` takes 16 MiB, not 1)."""
+    if lanes != 1:
+        base = saved_activations(remat, compute_dtype, tie_embeddings, attention)
+        return dataclasses.replace(base, tensors=tuple(dataclasses.replace(t, lanes=lanes) for t in base.tensors))
     from flax import nnx
 
 
@@ -312,7 +340,9 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
             const *= c
             for v, k in e:
                 exps[v] = exps.get(v, 0) + k
-        key = (tuple(sorted(exps.items())), const, str(x.dtype), cast)
+        minor, minor_const = _factor(int(x.shape[-1])) if x.shape else ((), 1)
+        key = (tuple(sorted(exps.items())), const, str(x.dtype), cast, minor, minor_const)
         groups[key] = groups.get(key, 0) + 1
-    tensors = tuple(SavedTensor(e, c, dt, n, cast) for (e, c, dt, cast), n in sorted(groups.items(), key=str))
+    tensors = tuple(SavedTensor(e, c, dt, n, cast, mi, mc)
+                    for (e, c, dt, cast, mi, mc), n in sorted(groups.items(), key=str))
     return ActivationModel(remat, str(dtype), tensors)

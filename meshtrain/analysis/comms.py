@@ -33,6 +33,12 @@ layer passes one device makes (not ``L·m``), a stage's layer weights are gather
 gradients reduced every tick with work, and :func:`_pipeline_transfers` adds the stage hand-offs
 (collective-permutes of one micro-batch's activations and cotangents) and broadcasts over ``stage``.
 
+Convention (both sides, :func:`meshtrain.analysis.collectives.hlo_collectives` too): a collective's bytes are
+its result's bytes on one device per execution; an all-reduce counts the reduced tensor once (not the
+``2·(n−1)/n`` a ring moves on the wire: :func:`~meshtrain.analysis.collectives.wire_bytes` converts for time).
+XLA:TPU and XLA:GPU all-reduce the gradient of a replicated (data-parallel) parameter in the compute dtype:
+counted in ``c`` bytes there.
+
 Backends: XLA:GPU/TPU emit the above. XLA:CPU (measured, jax 0.10) has no reduce-scatter (it
 all-reduces the full tensor and slices) and does not reassociate all-reduces: the backward
 all-reduces q, k, v and gate, up input-gradient partials separately (5 per layer instead of 2).
@@ -181,7 +187,11 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
                 put("all-reduce", x.rz, g_shard / x.size_z, reduce_runs, x.what[4])
             put("all-gather", z, elems * p / x.size_s / per, per, x.what[6], Overlap.EXPOSED, Phase.UPDATE)
         elif x.has_r:
-            put("all-reduce", r, g_shard, reduce_runs, x.what[4])
+            # XLA:TPU and XLA:GPU all-reduce a replicated parameter's gradient in the compute dtype and
+            # upcast after (measured: the dp step's all-reduce result is the bf16 gradient on v5p and on
+            # 8xH100, tools/check_compilers.py); XLA:CPU reduces in the parameter's dtype.
+            g_reduce = g_shard * c / p if backend in (Backend.TPU, Backend.GPU) and not x.has_f and c < p else g_shard
+            put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 
     if cfg is not None:
         _tensor_parallel(plan, cfg, lay, backend, c, add)

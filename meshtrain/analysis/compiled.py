@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.analysis.collectives import Collective, hlo_collectives
-from meshtrain.analysis.layout import cached
+from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.annotate import step_context, step_context_for
 from meshtrain.errors import ConfigError
 from meshtrain.losses import next_token_loss, unpack_loss
@@ -198,7 +198,8 @@ def _local_batch(plan, rows: int):
 
 
 def _residuals(plan, loss_fn, rows: int):
-    """Shapes of the residuals of ``loss_fn``'s VJP for a ``rows``-row batch, traced on a 1-device mesh."""
+    """The jaxpr whose outputs are the residuals of ``loss_fn``'s VJP for a ``rows``-row batch, traced on a
+    1-device mesh (``jaxpr.outvars``: one per residual reference, a residual kept twice appears twice)."""
     from flax import nnx
 
 
@@ -215,10 +216,84 @@ def _residuals(plan, loss_fn, rows: int):
             with step_context(ctx):
                 model = nnx.merge(graphdef, cast_floats(params, dtype), model_state)
                 return unpack_loss(loss_fn(model, batch), loss_fn)[0]
-        return jax.tree.leaves(jax.vjp(loss, params)[1])
+        out, vjp = jax.vjp(loss, params)
+        return jax.tree.leaves(vjp), vjp(jnp.ones_like(out))  # the backward too: who reads each residual
 
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.eval_shape(residuals, abstract.params, abstract.model_state, _local_batch(plan, rows))
+        return jax.make_jaxpr(residuals)(abstract.params, abstract.model_state, _local_batch(plan, rows)).jaxpr
+
+
+#: Primitives XLA fuses into their consumers (elementwise, broadcasts, reshapes, converts, index ramps): a
+#: residual made by these from values the step keeps anyway is recomputed where the backward reads it, not stored.
+_FUSIBLE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div", "eq",
+    "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt",
+    "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "sqrt",
+    "square", "squeeze", "sub", "tanh", "transpose", "xor"})
+_CALLS = ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call")
+
+
+def _fusible(eqn) -> bool:
+    """Whether XLA fuses ``eqn`` into its consumers: a fusible primitive, or a call whose body has only those."""
+    name = eqn.primitive.name
+    if name in _FUSIBLE:
+        return True
+    if name in _CALLS:
+        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        return inner is not None and all(_fusible(e) for e in inner.eqns)
+    return False
+
+
+#: Consumers that take a fused producer as their input (a reduction's input fusion)
+_FUSING_CONSUMERS = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
+
+
+def _read_only_by_fusions(jaxpr, var, start: int) -> bool:
+    """Whether every reader of ``var`` from eqn ``start`` on (the backward) can fuse its producer: elementwise ops
+    and reductions, looking into calls; a matmul, convolution or collective needs it in a buffer."""
+    for e in jaxpr.eqns[start:]:
+        for pos, x in enumerate(e.invars):
+            if x is not var:
+                continue
+            name = e.primitive.name
+            if name in _CALLS:
+                inner = e.params.get("jaxpr") or e.params.get("call_jaxpr") or e.params.get("fun_jaxpr")
+                inner = getattr(inner, "jaxpr", inner)
+                if inner is None or pos >= len(inner.invars) or not _read_only_by_fusions(inner, inner.invars[pos], 0):
+                    return False
+            elif name not in _FUSING_CONSUMERS:
+                return False
+    return True
+
+
+def _stored_residuals(jaxpr, activations) -> list:
+    """The residual variables (of ``activations``, output positions) XLA stores: each once, not the step's own
+    inputs, and not those made by fusible ops from inputs, constants and the stored ones where the backward
+    reads them only in fusions (XLA recomputes them there: e.g. a masked score matrix and its softmax from the
+    scores, a causal mask from an iota); one a matmul reads stays in a buffer."""
+    from jax.extend.core import Literal
+
+    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    backward = 1 + max((producer.get(jaxpr.outvars[i], (-1,))[0] for i in activations), default=-1)
+    live = set(jaxpr.invars) | set(jaxpr.constvars)
+    stored: set = set()
+
+    def derivable(v, depth: int) -> bool:
+        if isinstance(v, Literal) or v in live or v in stored:
+            return True
+        found = producer.get(v)
+        return (found is not None and depth > 0 and _fusible(found[1])
+                and all(derivable(x, depth - 1) for x in found[1].invars))
+
+    unique = {id(v): v for v in (jaxpr.outvars[i] for i in activations) if not isinstance(v, Literal)}
+    for v in sorted(unique.values(), key=lambda v: producer.get(v, (-1,))[0]):
+        found = producer.get(v)
+        if v in live or (found is not None and _fusible(found[1]) and all(derivable(x, 8) for x in found[1].invars)
+                         and _read_only_by_fusions(jaxpr, v, backward)):
+            continue
+        stored.add(v)
+    return sorted(stored, key=lambda v: producer.get(v, (-1,))[0])
 
 
 def local_rows(plan) -> int:
@@ -230,19 +305,76 @@ def saved_activation_bytes(plan, loss_fn) -> int:
     """Bytes the backward keeps on one device for one micro-batch (``loss_fn``'s VJP residuals).
 
     The loss is traced abstractly (no devices) with the recipe's remat policy and compute dtype on
-    ``B / (data-parallel size × micro-batches)`` rows. It is traced twice, on ``b`` and ``b + 1``
+    ``B / (data-parallel size × micro-batches)`` rows. Each residual is counted once, and not where XLA
+    recomputes it inside the backward's fusions (made by elementwise ops from the step's inputs, constants or
+    the stored residuals: :func:`_stored_residuals`). It is traced twice, on ``b`` and ``b + 1``
     rows: residuals whose shape changes with the rows are activations (counted); the others are
     weights and constants (not counted here: parameters are counted as parameters and gathered or
-    cast weights as temporaries). Tensor / context parallelism is not applied (each device is
-    assumed to keep whole activations of its rows): an upper bound when ``tensor`` or ``context`` > 1.
-    """
+    cast weights as temporaries). Tensor parallelism: a residual with a dimension the plan
+    splits over the tensor axes in some parameter (:func:`tensor_split_sizes`) is divided by the tensor size;
+    context parallelism is not applied (an upper bound when ``context`` > 1)."""
     loss_fn = _need_loss(loss_fn, "the activation estimate")
     b = local_rows(plan)
     one, two = _residuals(plan, loss_fn, b), _residuals(plan, loss_fn, b + 1)
-    if len(one) == len(two):
-        return sum(_nbytes(x) for x, y in zip(one, two) if tuple(x.shape) != tuple(y.shape))
-    params = {tuple(x.shape) for x in jax.tree.leaves(plan.abstract.params)}  # fallback: not a weight's shape
-    return sum(_nbytes(x) for x in one if tuple(x.shape) not in params)
+    t, split, width = tensor_split_sizes(plan)
+    outs, more = one.outvars, two.outvars
+    if len(outs) == len(more):  # activations: the residuals whose shape follows the rows
+        rows_of = {id(x): y.aval.shape for x, y in zip(outs, more)}
+        picked = [i for i, (x, y) in enumerate(zip(outs, more)) if tuple(x.aval.shape) != tuple(y.aval.shape)]
+    else:  # fallback: not a weight's shape
+        params = {tuple(x.shape) for x in jax.tree.leaves(plan.abstract.params)}
+        rows_of = {}
+        picked = [i for i, x in enumerate(outs) if tuple(x.aval.shape) not in params]
+    stored = _stored_residuals(one, picked)
+    split = split | _head_counts(stored, rows_of, t, width)
+    return int(sum(_nbytes(v.aval) / _tensor_divisor(v.aval.shape, rows_of.get(id(v), ()), t, split)
+                   for v in stored))
+
+
+def _head_counts(stored, rows_of, t: int, width) -> frozenset:
+    """Head counts the activations show: ``a`` of an activation's last two dimensions ``(a, h)`` (not the rows)
+    whose product is the model width, as a ``(b, T, D)`` projection reshaped to ``(b, T, heads, head_dim)``
+    (HF's q/k/v kernels are ``(D, D)`` with their output split over the tensor axes: the heads are no
+    parameter dimension, yet the scores ``(b, heads, T, T)`` are split by them)."""
+    if t <= 1 or not width:
+        return frozenset()
+    heads = set()
+    for v in stored:
+        shape, more = tuple(v.aval.shape), rows_of.get(id(v), ())
+        dims = [d for i, d in enumerate(shape) if i >= len(more) or more[i] == d]  # not the rows
+        if len(dims) >= 2 and dims[-2] > 1 and dims[-1] > 1 and dims[-2] * dims[-1] == width and dims[-2] % t == 0:
+            heads.add(dims[-2])
+    return frozenset(heads)
+
+
+def tensor_split_sizes(plan) -> Tuple[int, frozenset, Optional[int]]:
+    """``(t, sizes, width)``: the tensor-parallel size and the dimension sizes the plan splits over the tensor
+    axes in some parameter (heads, MLP width, a sharded vocabulary), less the model width (the most common
+    dimension of the parameters: the residual stream stays whole), and that width. An
+    activation with a dimension of one of ``sizes`` is split ``t`` ways, as the step's sharding propagation
+    splits it (e.g. attention scores by their heads)."""
+    return cached(plan, "tensor_split_sizes", _tensor_split_sizes, layout_only=True)
+
+
+def _tensor_split_sizes(plan) -> Tuple[int, frozenset, Optional[int]]:
+    lay = layout_of(plan)
+    axes, t = set(lay.tensor_axes), lay.tensor
+    if t <= 1:
+        return 1, frozenset(), None
+    sharded, dims = set(), {}
+    for leaf in plan.group("params"):
+        for size, entry in zip(leaf.shape, tuple(leaf.spec) + (None,) * len(leaf.shape)):
+            dims[size] = dims.get(size, 0) + 1
+            if _axes_in((entry,)) & axes and size % t == 0:
+                sharded.add(size)
+    width = max(dims, key=dims.get) if dims else None
+    return t, frozenset(sharded - {width}), width
+
+
+def _tensor_divisor(shape, shape_more_rows, t: int, split: frozenset) -> int:
+    """``t`` when a dimension of an activation other than its rows has a tensor-split size, else 1."""
+    return t if any(d in split for i, d in enumerate(shape)
+                    if i >= len(shape_more_rows) or shape_more_rows[i] == d) else 1
 
 
 def _axes_in(spec) -> set:

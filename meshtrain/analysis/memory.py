@@ -65,7 +65,15 @@ than the parameters'): XLA:TPU fuses f32 upcasts into their consumers, so
 * the saved residual stream of the layers is counted twice (the backward loop reads a copy of the
   forward loop's stack: ≈ ``b·T·d·c`` per layer more than the traced residuals, measured at 4 and 32 layers);
 * temporaries are ``max(one layer's working set, f32 logits gradient)``: the head's backward (and its
-  optimizer update) finishes before the layers' backward starts.
+  optimizer update) finishes before the layers' backward starts;
+* the ``T²`` loop constants (the dense mask) are fused into their consumers, never stored;
+* with ``remat=none`` a layer's working set is its largest cotangent (its largest saved tensor in the compute
+  dtype: everything else is saved already), and with the layers unrolled one layer's backward runs at a time
+  (one working set, not ``scan_unroll`` of them);
+* around the splash kernel (local ``flash`` on a TPU, or ``ulysses`` asking for splash) every activation's
+  minor dimension takes whole 128-lane tiles: a ``(b, T, heads, 16)`` tensor takes the room of
+  ``(b, T, heads, 128)`` (dense and blockwise-XLA attention lay a long dimension minor: no padding).
+  Measured against libtpu at ``small`` (head_dim 16) 16 × 1024: BENCHMARKS.md, "Compiler check".
 
 The CPU formulas apply otherwise (``backend`` ``"cpu"`` or ``"gpu"``, or an ``AbstractMesh`` with no backend
 given).
@@ -97,12 +105,16 @@ Any other model (no analytic formulas: a ``ViTConfig``, ``BertConfig`` or a user
   optimizer state and batch (plan), XLA's temporaries (gradients, saved activations, gathered
   weights, working set together) and the rest (model state, step counter, metrics); the total is
   XLA's peak exactly;
-* on an ``AbstractMesh`` (more devices than exist), from the traced program: parameters, optimizer
-  state, batch and model state (plan), gradients ``P`` (as above), activations = the loss VJP's
-  residuals at one device's micro-batch (:func:`~meshtrain.analysis.compiled.saved_activation_bytes`),
-  temporaries = the weights the step multiplies with where they are not the stored parameters
+* on an ``AbstractMesh`` (more devices than exist), from the traced program; each formula starts with how
+  its figure was obtained: *exact (plan)*: parameters, optimizer state, batch and model state, gradients ``P``
+  (as above); *measured (traced program)*: activations = the loss VJP's residuals at one device's
+  micro-batch, each once, less those XLA recomputes inside the backward's fusions
+  (:func:`~meshtrain.analysis.compiled.saved_activation_bytes`); *extrapolated to the mesh*: those
+  residuals divided by the tensor size where they have a dimension the plan splits over the tensor axes,
+  and temporaries = the weights the step multiplies with where they are not the stored parameters
   (gathered over FSDP axes or cast to the compute dtype: ``Σ E·c ÷ non-batch shards``). XLA's own
-  working buffers are not in it.
+  working buffers are not in it. Against a real compile on 16 CPU devices: BENCHMARKS.md, "AbstractMesh
+  estimate against a compile" (``tools/bench_plan_any_model.py``).
 """
 
 from __future__ import annotations
@@ -118,6 +130,7 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, Pro
 from meshtrain.analysis.memory_terms import (BATCH_FORMULA, GRAD_FORMULA, OPTIMIZER_FORMULA, PARAMS_FORMULA,
                                              Component, MemoryTerm, analytic_terms, gradient_bytes)
 from meshtrain.analysis.memory_terms import attention_working_set, backend_name  # noqa: F401 (re-export)
+from meshtrain.analysis.layout import layout_of
 
 
 class Fit(str, enum.Enum):
@@ -230,17 +243,27 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
         grads = gradient_bytes(plan) + (4 * elems if micro > 1 else 0)
         _, extra = working_weight_bytes(plan)
         r = plan.recipe
-        rows = state + (
-            (Component.GRADIENTS, grads, GRAD_FORMULA
+        t = layout_of(plan).tensor
+        rows = tuple((c, b, f"{EXACT}: {f}") for c, b, f in state) + (
+            (Component.GRADIENTS, grads, f"{EXACT}: " + GRAD_FORMULA
              + (" + f32 accumulator 4 B × elements per device (micro-batches)" if micro > 1 else "")),
             (Component.ACTIVATIONS, cost.activations or 0,
-             f"loss VJP residuals traced on b={local_rows(plan)} rows per device per micro-batch, remat="
-             f"{r.remat.value}, {r.compute_dtype}; not divided by tensor/context parallelism"),
-            (Component.TEMPORARIES, extra, "weights as multiplied where not the stored parameters: gathered over "
-                                           "FSDP axes or cast to the compute dtype (Σ E·c ÷ non-batch shards); "
-                                           "XLA working buffers not included"),
-            (Component.OTHER, per.get("model_state", 0), "model state (plan)"))
+             f"{MEASURED}: loss VJP residuals of one device's b={local_rows(plan)} rows per micro-batch, remat="
+             f"{r.remat.value}, {r.compute_dtype}, each once, less those XLA recomputes in the backward's fusions; "
+             f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes"
+             + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
+            (Component.TEMPORARIES, extra, f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: "
+                                           "gathered over FSDP axes or cast to the compute dtype (Σ E·c ÷ non-batch "
+                                           "shards); XLA working buffers not included"),
+            (Component.OTHER, per.get("model_state", 0), f"{EXACT}: model state (plan)"))
     return _of_rows(rows, cost.source)
+
+
+#: How each figure of an estimate from the traced program (an ``AbstractMesh``) was obtained, as its formula says:
+#: from the plan's shardings, traced on one device's rows, or carried over from those to the mesh's sizes.
+EXACT = "exact (plan)"
+MEASURED = "measured (traced program)"
+EXTRAPOLATED = "extrapolated to the mesh"
 
 
 def _of_rows(rows, source: str) -> MemoryEstimate:

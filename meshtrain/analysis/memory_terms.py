@@ -29,6 +29,7 @@ from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
 from meshtrain.plan import gradient_shardings
 from meshtrain.recipes import AttentionKind, Remat, resolve_layer_loop
+from meshtrain.strategies import Context, FlashBackend
 
 
 class Component(str, enum.Enum):
@@ -149,9 +150,18 @@ class StepShape:
         return attention_working_set(self.plan, self.cfg, self.b_loc)
 
     @property
+    def tpu_unrolled(self) -> bool:
+        """XLA:TPU with the layers unrolled (``scan_unroll ≥ L``): one layer's backward at a time."""
+        return self.tpu and self.unroll >= self.L
+
+    @property
     def accumulates(self) -> bool:
         """An f32 gradient accumulator over micro-batches (not pipelines: their schedule accumulates)."""
         return self.pipe is None and self.lay.micro_batches > 1
+
+
+#: XLA:TPU tiles an array's minor dimension in 128 lanes (:func:`saved_activations`' ``lanes``)
+TPU_LANES = 128
 
 
 def step_shape(plan, cfg, backend=None) -> StepShape:
@@ -169,16 +179,31 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     c = np.dtype(lay.compute_dtype).itemsize
     tpu = pipe is None and backend_name(plan, backend) == "tpu" and c < np.dtype(lay.param_dtype).itemsize
     # the layer loop the step runs (scan_layers resolves `auto` with the same function)
+    # XLA:TPU pads the minor dimension to 128 lanes; measured around the splash kernel, whose (b, T, heads,
+    # head_dim) operands keep head_dim minor, while dense and blockwise-XLA attention's layouts put a long one minor
+    lanes = TPU_LANES if tpu and runs_splash(plan) else 1
     loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
     return StepShape(
         plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
         moe.activation_config(cfg) if moe is not None else cfg,  # MoE: the dense-equivalent MLP width
         moe.weight_config(cfg) if moe is not None else cfg,  # MoE: every expert's weights are cast
         weight_fraction,
-        saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention),
-        saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention),
+        saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
+        saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
         loop, unroll, pipe is None and not tpu and unroll >= cfg.n_layers)  # straight: unrolled (or unroll ≥ L)
+
+
+def runs_splash(plan) -> bool:
+    """Whether the step's attention runs the Pallas splash kernel on a TPU (:func:`meshtrain.parallel.attention.
+    attention`): local ``flash`` with ``flash_backend`` auto or splash, or ``ulysses`` (whole sequences per device)
+    with splash asked for; ring and all_gather run blockwise XLA on their offset blocks."""
+    context = plan.recipe.dimension(Context)
+    backend = context.flash_backend if context is not None else FlashBackend.AUTO
+    kind = plan.recipe.attention
+    if kind is AttentionKind.FLASH:
+        return backend in (FlashBackend.AUTO, FlashBackend.SPLASH)
+    return kind is AttentionKind.ULYSSES and backend is FlashBackend.SPLASH
 
 
 def _total(terms: Tuple[MemoryTerm, ...]) -> float:
@@ -251,7 +276,9 @@ def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
         return ()
     A, B, T, split = Component.ACTIVATIONS, s.B, s.T, s.split
     btd = dict(dims=("B", "T", "d"))
-    return (MemoryTerm(A, "residual stream copy (XLA:TPU)",
+    return (MemoryTerm(A, "less loop constants (XLA:TPU)", -s.model.loop_constant_bytes_per_device(s.acfg, B, T, split),
+                       "the T² loop constants (the dense mask, fused into each consumer)"),
+            MemoryTerm(A, "residual stream copy (XLA:TPU)",
                        s.model.tensor_bytes_per_device(s.acfg, B, T, split, dtype=s.lay.compute_dtype, stacked=True,
                                                        **btd), "the layers' saved (b, T, d) stack once more"),
             MemoryTerm(A, "less f32 upcasts (XLA:TPU)", -(s.model.tensor_bytes_per_device(s.acfg, B, T, split)
@@ -264,10 +291,15 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     """The backward's working set: one layer's (``scan_unroll`` layers'; unrolled: every layer's weights as
     multiplied), the f32 logits gradient, blockwise attention's score blocks and a pipeline's extras."""
     M, B, T, split, L = Component.TEMPORARIES, s.B, s.T, s.split, s.L
-    k = s.unroll if s.pipe is None and not s.straight else 1
+    k = s.unroll if s.pipe is None and not s.straight and not s.tpu_unrolled else 1
     times = f"{k} × " if k > 1 else ""
     if s.straight:
         layer = (MemoryTerm(M, "layers' weights as multiplied", s.layer_weights, "L·W_layer·c"),)
+    elif s.tpu and s.remat is Remat.NONE and s.moe is None:  # nothing to recompute: the backward's own cotangents
+        layer = (MemoryTerm(M, "one layer's largest cotangent (XLA:TPU)",
+                            k * s.c * s.model.largest_layer_tensor_elements(s.acfg, B, T, split),
+                            f"{times}the layer's largest saved tensor in the compute dtype (remat=none keeps the "
+                            f"rest saved)"),)
     else:
         layer = (MemoryTerm(M, "one layer's working set", k * s.none.layer_bytes_per_device(s.acfg, B, T, split),
                             f"{times}one layer with remat=none"),)

@@ -1,0 +1,227 @@
+"""The planner's estimate for more devices than exist (an ``AbstractMesh``: the traced program) against a real
+compile of the same step on as many simulated CPU devices, for models nobody on this project wrote.
+
+    python tools/bench_plan_any_model.py                       # every model × dp, fsdp, tp, fsdp_tp, 16 devices
+    python tools/bench_plan_any_model.py --models lm1b,vit --recipes fsdp_tp --markdown
+
+Models: ``vit`` (meshtrain's NNX ViT), ``lm1b`` (a Linen decoder in flax's lm1b style: ``DenseGeneral`` with
+short logical names ``embed``/``joined_kv``/``kv``, bridged with ``from_linen``), and, when ``transformers`` is
+installed, HuggingFace's Flax ``gpt2``, ``bert`` (masked LM) and ``hf-vit``, unedited, with the rules files of
+tests/test_hf_flax_models.py. Memory error = traced estimate / compiled peak − 1 (bytes per device, f32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+
+DEVICES = int(os.environ.get("MESHTRAIN_BENCH_DEVICES", "16"))
+jax.config.update("jax_num_cpu_devices", DEVICES)
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
+
+import meshtrain as mt  # noqa: E402
+from meshtrain.analysis import estimate_memory, program_cost  # noqa: E402
+from meshtrain.models import ViTConfig, from_linen, model_factory, vit_loss  # noqa: E402
+
+RECIPES = ("dp", "fsdp", "tp", "fsdp_tp")
+BATCH, T, VOCAB, DIM, HEADS, HEAD_DIM, HIDDEN, LAYERS = 32, 128, 2064, 256, 16, 16, 1024, 2
+lp = nn.with_logical_partitioning
+MiB = 2 ** 20
+
+
+# -- the models (factory, loss, batch example, rules) ----------------------------------------------------------
+
+def _layer_norm():
+    return nn.LayerNorm(scale_init=lp(nn.initializers.ones, ("embed",)),
+                        bias_init=lp(nn.initializers.zeros, ("embed",)))
+
+
+class Lm1bBlock(nn.Module):
+    """One decoder block as flax's lm1b example names its weights (``DenseGeneral`` kernels of rank 3 with two
+    logical names; ``joined_kv`` and ``kv`` unknown to meshtrain, mapped by the rules)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = _layer_norm()(x)
+        q = nn.DenseGeneral((HEADS, HEAD_DIM), use_bias=False, kernel_init=lp(init, ("embed", "joined_kv")))(h)
+        k = nn.DenseGeneral((HEADS, HEAD_DIM), use_bias=False, kernel_init=lp(init, ("embed", "joined_kv")))(h)
+        v = nn.DenseGeneral((HEADS, HEAD_DIM), use_bias=False, kernel_init=lp(init, ("embed", "joined_kv")))(h)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        attended = nn.dot_product_attention(q, k, v, mask=mask)
+        out = nn.DenseGeneral(DIM, axis=(-2, -1), use_bias=False, kernel_init=lp(init, ("joined_kv", "embed")))
+        x = x + out(attended)
+        h = _layer_norm()(x)
+        h = nn.relu(nn.Dense(HIDDEN, use_bias=False, kernel_init=lp(init, ("embed", "mlp")))(h))
+        return x + nn.Dense(DIM, use_bias=False, kernel_init=lp(init, ("mlp", "embed")))(h)
+
+
+class Lm1b(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(VOCAB, DIM, embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")))
+        x = embed(tokens)
+        for _ in range(LAYERS):
+            x = Lm1bBlock()(x)
+        return embed.attend(x)  # tied output, (batch, seq, vocab)
+
+
+def next_token(model, batch):
+    logits = model(batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return ce.sum(), ce.size
+
+
+def hf_next_token(model, batch):
+    logits = model(batch["inputs"], batch["mask"], batch["positions"], deterministic=True).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return ce.sum(), ce.size
+
+
+def hf_mlm(model, batch):
+    logits = model(batch["inputs"], batch["mask"], batch["types"], batch["positions"], None,
+                   deterministic=True).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return ce.sum(), ce.size
+
+
+def hf_vit_loss(model, batch):
+    logits = model(batch["images"], deterministic=True).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["labels"])
+    return ce.sum(), ce.size
+
+
+def tokens(*keys):
+    return {k: jax.ShapeDtypeStruct((BATCH, T), jnp.int32) for k in keys}
+
+
+def images(size: int, channels: int):
+    return {"images": jax.ShapeDtypeStruct((BATCH, size, size, channels), jnp.float32),
+            "labels": jax.ShapeDtypeStruct((BATCH,), jnp.int32)}
+
+
+LAYER_RULES = [  # BERT's and ViT's encoder layers (HF Flax names), as tests/test_hf_flax_models.py writes them
+    [".*/(query|key|value)/kernel", ["embed", "joined_kv"]],
+    [".*/(query|key|value)/bias", ["joined_kv"]],
+    [".*/attention/output/dense/kernel", ["joined_kv", "embed"]],
+    [".*/intermediate/dense/kernel", ["embed", "mlp"]],
+    [".*/intermediate/dense/bias", ["mlp"]],
+    [r".*layer/\d+/output/dense/kernel", ["mlp", "embed"]]]
+GPT2_RULES = {"paths": {".*/wte/embedding": ["vocab", "embed"], ".*/wpe/embedding": [None, "embed"],
+                        ".*/attn/c_attn/kernel": ["joined_kv", "embed"], ".*/attn/c_attn/bias": ["joined_kv"],
+                        ".*/attn/c_proj/kernel": ["embed", "joined_kv"], ".*/mlp/c_fc/kernel": ["mlp", "embed"],
+                        ".*/mlp/c_fc/bias": ["mlp"], ".*/mlp/c_proj/kernel": ["embed", "mlp"],
+                        ".*/(bias|scale)": [None]},
+              "logical": {"joined_kv": "tensor"}}
+BERT_RULES = {"paths": [[".*word_embeddings/embedding", ["vocab", "embed"]],
+                        [".*(position|token_type)_embeddings/embedding", [None, "embed"]], *LAYER_RULES,
+                        [".*/transform/dense/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
+              "logical": {"joined_kv": "tensor"}}
+VIT_RULES = {"paths": [[".*/(cls_token|position_embeddings)", [None, None, "embed"]],
+                       [".*/patch_embeddings/projection/kernel", [None, None, None, "embed"]], *LAYER_RULES,
+                       ["(.*/)?classifier/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
+              "logical": {"joined_kv": "tensor"}}
+
+
+def _lm1b():
+    return from_linen(Lm1b(), jax.ShapeDtypeStruct((1, T), jnp.int32)), next_token, tokens("inputs", "targets"), \
+        {"logical": {"kv": None, "joined_kv": "tensor"}}
+
+
+def _vit():
+    cfg = ViTConfig("vit-bench", image_size=32, patch_size=4, channels=3, num_classes=10, d_model=DIM,
+                    n_layers=LAYERS, n_heads=HEADS, head_dim=HEAD_DIM, d_ff=HIDDEN)
+    return model_factory(cfg), vit_loss, images(cfg.image_size, cfg.channels), None
+
+
+def _gpt2():
+    import transformers
+
+    hf = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=DIM,
+                                                                   n_layer=LAYERS, n_head=HEADS))
+    ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return (from_linen(hf, ids, ids, ids, rules=GPT2_RULES), hf_next_token,
+            tokens("inputs", "targets", "mask", "positions"), GPT2_RULES)
+
+
+def _bert():
+    import transformers
+
+    hf = transformers.FlaxBertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=HIDDEN, max_position_embeddings=T))
+    ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return (from_linen(hf, ids, ids, ids, ids, None, rules=BERT_RULES), hf_mlm,
+            tokens("inputs", "targets", "mask", "types", "positions"), BERT_RULES)
+
+
+def _hf_vit():
+    import transformers
+
+    hf = transformers.FlaxViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=4, num_channels=3, hidden_size=DIM, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=HIDDEN, num_labels=10))
+    return (from_linen(hf, jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32), rules=VIT_RULES), hf_vit_loss,
+            images(32, 3), VIT_RULES)
+
+
+MODELS = {"vit": _vit, "lm1b": _lm1b, "gpt2": _gpt2, "bert": _bert, "hf-vit": _hf_vit}
+HF = ("gpt2", "bert", "hf-vit")
+
+
+def compare(model: str, recipe_name: str, devices: int = DEVICES):
+    """``(traced estimate, compiled peak)`` bytes per device of ``model``'s step under ``recipe_name``: planned on
+    an ``AbstractMesh`` of ``devices`` and compiled on ``devices`` simulated CPU devices."""
+    factory, loss_fn, example, rules = MODELS[model]()
+    abstract = mt.abstract_state(factory, optax.adamw(1e-3), annotations=rules)
+    layout = mt.BatchLayout.from_example(example)
+    recipe = mt.get_recipe(recipe_name).with_options(max_replicated_fraction=1.0)
+    traced_plan = mt.make_plan(abstract, recipe, recipe.mesh.abstract(devices), batch=layout)
+    traced = estimate_memory(traced_plan, None, cost=program_cost(traced_plan, loss_fn, compile=False))
+    real_plan = mt.make_plan(abstract, recipe, recipe.mesh.build(jax.devices()[:devices]), batch=layout)
+    compiled = program_cost(real_plan, loss_fn)
+    return traced, compiled.memory.peak
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--terms", action="store_true", help="print each estimate's components")
+    args = ap.parse_args(argv)
+    models = args.models.split(",")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"transformers is not installed: skipping {', '.join(m for m in models if m in HF)}")
+        models = [m for m in models if m not in HF]
+    rows = []
+    for model in models:
+        for recipe in args.recipes.split(","):
+            start = time.perf_counter()
+            traced, peak = compare(model, recipe)
+            err = traced.total / peak - 1
+            rows.append([model, recipe, f"{traced.total / MiB:,.2f} MiB", f"{peak / MiB:,.2f} MiB", f"{err:+.1%}"])
+            print("  ".join(rows[-1]), f"({time.perf_counter() - start:.0f} s)", flush=True)
+            if args.terms:
+                for c, b in traced.components:
+                    print(f"    {c.value}: {b / MiB:,.2f} MiB")
+    print(f"\nbatch {BATCH}, sequence {T} (ViTs: images), f32, {DEVICES} devices: AbstractMesh estimate vs compile")
+    if args.markdown:
+        print(f"| model | recipe | AbstractMesh estimate | compiled peak ({DEVICES} CPU devices) | error |\n"
+              "|---|---|---|---|---|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
