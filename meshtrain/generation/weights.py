@@ -28,12 +28,26 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
+from meshtrain.offload import HOST_MEMORY, to_host
 
 
 class WeightFormat(str, enum.Enum):
     NONE = "none"    # as restored / trained (f32 unless the recipe keeps 16-bit parameters)
     BF16 = "bf16"
     INT8 = "int8"
+
+
+class WeightMemory(str, enum.Enum):
+    """Where the stacked layer weights (``blocks``) live between steps. ``host``: in page-locked host
+    memory (:data:`meshtrain.offload.HOST_MEMORY`), each layer's shard copied to the device inside the
+    layer loop when the layer runs (ZeRO-Inference); embedding, norms and head stay on the device."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+#: the stacked layer weights: what ``WeightMemory.HOST`` keeps in host memory
+LAYERS = "blocks"
 
 
 #: the dimensions each built-in decoder weight contracts in its matmul (negative: a leading ``layers``
@@ -111,10 +125,33 @@ def dequantize(params, dtype=jnp.float32):
                         is_leaf=lambda x: isinstance(x, Int8Weight))
 
 
+def place_layers(params, memory: "WeightMemory | str"):
+    """``params`` with the stacked layer weights in ``memory`` (their shardings unchanged otherwise)."""
+    try:
+        memory = WeightMemory(memory)
+    except ValueError:
+        raise ConfigError(f"--offload-weights {memory!r}: use one of {[m.value for m in WeightMemory]}") from None
+    if memory is WeightMemory.DEVICE or LAYERS not in params:
+        return params
+    layers = params[LAYERS]
+    return {**params, LAYERS: jax.device_put(layers, to_host(jax.tree.map(lambda x: x.sharding, layers)))}
+
+
+def _shard_bytes(x) -> int:
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+
+
 def weight_bytes_per_device(params) -> int:
-    """Bytes of the weights one device holds, from each array's sharding (its shard shape × itemsize)."""
+    """Bytes of the weights one device holds in device memory, from each array's sharding (its shard
+    shape × itemsize). Layer weights kept in host memory count one layer: the one being run."""
     total = 0
     for x in jax.tree.leaves(params):
-        total += math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        on_host = x.sharding.memory_kind == HOST_MEMORY
+        total += _shard_bytes(x) // (x.shape[0] if on_host else 1)
     return total
+
+
+def host_weight_bytes_per_device(params) -> int:
+    """Bytes of the weights each device's host memory holds for it (``WeightMemory.HOST``: the layers)."""
+    return sum(_shard_bytes(x) for x in jax.tree.leaves(params) if x.sharding.memory_kind == HOST_MEMORY)
 
