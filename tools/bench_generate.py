@@ -85,37 +85,53 @@ def divergence(a, b):
 
 
 def agreement(continuations, pairs=PAIRS):
-    """Per pair ``(a, b)`` of formats: ``{"first": [...], "equal": [...], "share": equal / positions}`` over
-    the prompts (``continuations[format]``: one token list per prompt)."""
+    """Per pair ``(a, b)`` of formats: ``{"first": [...], "equal": [...], "positions": n, "share": equal / n}``
+    over the prompts (``continuations[format]``: one token list per prompt; ``n``: b's tokens in all)."""
     out = {}
     for a, b in pairs:
         rows = [divergence(x, y) for x, y in zip(continuations[a], continuations[b])]
         total = sum(len(x) for x in continuations[b])
-        out[f"{a} vs {b}"] = {"first": [r[0] for r in rows], "equal": [r[1] for r in rows],
+        out[f"{a} vs {b}"] = {"first": [r[0] for r in rows], "equal": [r[1] for r in rows], "positions": total,
                               "share": sum(r[1] for r in rows) / total}
     return out
 
 
 def measure_agreement(run, recipe, devices, new_tokens, prompts):
+    """:func:`agreement` of greedy continuations of ``prompts`` under each format, plus per pair ``(a, b)``
+    and prompt the ``margin`` at the first divergence: ``log p_b(b's token) - log p_b(a's token)`` under
+    ``b``'s weights (``None``: no divergence). A small margin is a near-tie of the reference ``b``."""
     from meshtrain.generation import load
 
-    continuations = {}
+    loaded, gens = {}, {}
     for fmt in sorted({f for pair in PAIRS for f in pair}):
-        loaded = load(run, recipe=recipe, devices=devices, quantize=fmt)
-        continuations[fmt] = [list(g.new_ids) for g in loaded.generate(prompts, new_tokens).generations]
-    return agreement(continuations)
+        loaded[fmt] = load(run, recipe=recipe, devices=devices, quantize=fmt)
+        gens[fmt] = loaded[fmt].generate(prompts, new_tokens).generations
+    result = agreement({f: [list(g.new_ids) for g in gs] for f, gs in gens.items()})
+    for a, b in PAIRS:
+        r = result[f"{a} vs {b}"]
+        r["margin"] = [None if k == len(gb.new_ids) else margin(loaded[b], gb, ga.new_ids[k], k)
+                       for ga, gb, k in zip(gens[a], gens[b], r["first"])]
+    return result
+
+
+def margin(loaded, g, other: int, k: int) -> float:
+    """``log p(g.new_ids[k]) - log p(other)`` after ``g``'s prompt and first ``k`` new tokens."""
+    seq = list(g.prompt_ids) + list(g.new_ids[:k]) + [other]
+    scored = loaded.generate([seq], 0, prompt_logprobs=True).generations[0]
+    return g.new_logprobs[k] - scored.prompt_logprobs[-1]
 
 
 def print_agreement(result, n_hand):
     for pair, r in result.items():
-        hand, held = sum(r["equal"][:n_hand]), sum(r["equal"][n_hand:])
-        per = max(1, len(r["equal"]))
-        tokens = r["share"] and sum(r["equal"]) / r["share"] / per
-        print(f"{pair}: {100 * r['share']:.1f} % of {len(r['equal'])} x {tokens:.0f} tokens equal "
-              f"(hand-written {100 * hand / (n_hand * tokens):.1f} %, held-out "
-              f"{100 * held / ((per - n_hand) * tokens):.1f} %)")
+        equal, n = r["equal"], len(r["equal"])
+        per = r["positions"] / n  # tokens per prompt
+        print(f"{pair}: {100 * r['share']:.1f} % of {n} x {per:.0f} tokens equal (hand-written "
+              f"{100 * sum(equal[:n_hand]) / (n_hand * per):.1f} %, held-out "
+              f"{100 * sum(equal[n_hand:]) / ((n - n_hand) * per):.1f} %)")
         print(f"  first divergence per prompt: {r['first']}")
-        print(f"  equal tokens per prompt:     {r['equal']}")
+        print(f"  equal tokens per prompt:     {equal}")
+        margins = [f"{m:.4f}" for m in r.get("margin", ()) if m is not None]
+        print(f"  {pair.split(' vs ')[1]}'s log-probability margin at each divergence (nats): {', '.join(margins)}")
 
 
 def fmt(x, spec):

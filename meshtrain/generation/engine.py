@@ -19,6 +19,12 @@ data-parallel size (they are dropped from the results).
 **Stop tokens**: a row stops after it emits one of ``stop_ids`` (the stop token is included in its
 ``new_ids``); the loop ends when every row has stopped or ``max_new_tokens`` are out.
 
+**Weights in the step**: the layer stack stays as stored (int8, or in host memory with
+``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
+(:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step. The
+logits are f32 whatever the weights' format: bf16 logits tie exactly at ~1 % of the trained ``small``
+model's positions, where argmax then picks the lower token id.
+
 **MoE**: generation routes *dropless* (no expert capacity): capacity drops depend on the other tokens
 of a sequence, future ones included, which one-token decoding cannot reproduce.
 

@@ -1,13 +1,23 @@
-"""How generation stores the weights: as trained, bf16, or int8 weight-only.
+"""How generation stores the weights: as trained, bf16, or int8 weight-only; and where (device or host).
 
-``int8``: each matrix is stored as int8 with one bf16 scale per output channel (symmetric:
-``scale = max|w| / 127`` over the dimensions the matmul contracts; f32 scales changed no greedy token
-of the trained ``small`` model), and dequantised to bf16 inside the compiled step right where it is used
-(``q * scale``, which XLA fuses into the matmul's operand where the backend can). The embedding table
-gets one scale per row (a row is a token's vector). The untied output projection ``lm_head_dv``, the
-norm scales and the MoE router stay bf16: the head's rounding moves near-tied argmaxes (trained
-``small``: one of 4 greedy continuations parts at token 13 with an int8 head, none without). The scales replicate over the mesh axes that shard a contracted dimension, so
-their share of a device's bytes grows with those axes (e.g. ``fsdp``).
+``int8``: each matrix is stored as int8 with one bf16 scale per output channel (symmetric,
+round-to-nearest: ``scale = max|w| / 127`` over the dimensions the matmul contracts, so every output
+channel of the stacked ``(layers, ...)`` weights has its own; f32 scales changed no greedy token of the
+trained ``small`` model, and neither clipping the range (MSE-optimal) nor scales per 32 or 64 inputs
+moved its greedy agreement with bf16 beyond one prompt). Inside the compiled step the engine turns one
+layer at a time into compute form (``q * scale`` in bf16) inside the layer loop, so the dequantised
+copy is one layer's, never the whole stack's. The embedding table gets one scale per row (a row is a
+token's vector). The untied output projection ``lm_head_dv``, the norm scales and the MoE router stay
+bf16: the head's rounding moves near-tied argmaxes (trained ``small``: one of 4 greedy continuations
+parts at token 13 with an int8 head, none without). The scales replicate over the mesh axes that shard
+a contracted dimension, so their share of a device's bytes grows with those axes (e.g. ``fsdp``).
+
+``WeightMemory.HOST`` keeps the stacked layer weights (``blocks``, in whichever format) in host memory;
+the engine copies each layer's shards to the device inside the layer loop (``jax.device_put`` to
+``jax.memory.Space.Device``), so device memory holds one layer of the stack. XLA:CPU has a host memory
+space (``pinned_host``, the compiled program's entry layout shows ``S(5)``) but it is the same RAM, so
+on CPU this changes placement, not the process's memory; on GPU/TPU the copy is a host-to-device
+transfer per layer per step.
 
 Example::
 
