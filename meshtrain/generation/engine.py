@@ -22,8 +22,9 @@ data-parallel size (they are dropped from the results).
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
 (:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step. The
-logits are f32 whatever the weights' format: bf16 logits tie exactly at ~1 % of the trained ``small``
-model's positions, where argmax then picks the lower token id.
+logits are f32 whatever the weights' format: bf16 logits near the top are 0.03-0.06 apart and tie
+exactly (argmax then picks the lower token id): 14 of the 17 held-out positions (of 2,048) where the
+trained ``small`` model's bf16 argmax left f32's were exact ties.
 
 **MoE**: generation routes *dropless* (no expert capacity): capacity drops depend on the other tokens
 of a sequence, future ones included, which one-token decoding cannot reproduce.
@@ -185,8 +186,8 @@ class Engine:
         (int8, in host memory) and :meth:`_load_layer` brings one layer at a time into compute form."""
         weights = {k: (v if k == LAYERS else self._compute_form(v)) for k, v in params.items()}
         if HEAD in params:
-            # logits in f32: bf16 logits (8 mantissa bits, ~0.03 apart near |logit| 8) tie exactly at
-            # ~1 % of the trained small model's positions and argmax then takes the lower token id
+            # logits in f32: bf16 logits (8 mantissa bits, ~0.03 apart near |logit| 8) tie exactly, and
+            # argmax then takes the lower token id (see the module docstring)
             weights[HEAD] = dequantize(params[HEAD], jnp.float32).astype(jnp.float32)
         return nnx.merge(self.graphdef, weights, self.model_state)
 
