@@ -109,6 +109,16 @@ def test_bad_prompts_raise_one_line_config_errors(bad, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"quantize": "int4"}, "--quantize 'int4': use one of ['none', 'bf16', 'int8']"),
+    ({"weight_memory": "disk"}, "weight_memory 'disk': use one of ['device', 'host']"),
+])
+def test_unknown_weight_format_or_memory_is_a_one_line_config_error(setting, message):
+    with pytest.raises(ConfigError) as info:
+        load(make_model("tiny"), recipe="dp", devices=1, **setting)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("recipe", ["dp", "fsdp_tp"])
 def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     model = make_model("tiny")

@@ -190,10 +190,12 @@ def main(argv=None) -> int:
 
 
 def row(r) -> str:
+    mib = {k: r[k] / 2 ** 20 for k in ("weight_bytes_per_device", "host_weight_bytes_per_device",
+                                       "cache_bytes_per_device")}
     cells = (r["model"], r["recipe"], r["quantize"], r["weight_memory"], r["batch"], r["padded"],
-             fmt(r["prefill_tokens_per_s"], ".0f"), fmt(r["decode_tokens_per_s"], ".1f"), fmt(r["per_token_ms"], ".2f"),
-             f"{r['weight_bytes_per_device'] / 2 ** 20:.2f} MiB", f"{r['host_weight_bytes_per_device'] / 2 ** 20:.2f} MiB",
-             f"{r['cache_bytes_per_device'] / 2 ** 20:.3f} MiB")
+             fmt(r["prefill_tokens_per_s"], ".0f"), fmt(r["decode_tokens_per_s"], ".1f"),
+             fmt(r["per_token_ms"], ".2f"), f"{mib['weight_bytes_per_device']:.2f} MiB",
+             f"{mib['host_weight_bytes_per_device']:.2f} MiB", f"{mib['cache_bytes_per_device']:.3f} MiB")
     return "  ".join(f"{c!s:>13}" for c in cells)
 
 

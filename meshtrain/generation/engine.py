@@ -54,7 +54,8 @@ from meshtrain.errors import ConfigError
 from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device, empty_cache
 from meshtrain.generation.sampling import Sampling, choose, token_logprobs
 from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
-                                          place_layers, store_weights, weight_bytes_per_device)
+                                          place_layers, store_weights, weight_bytes_per_device, weight_format,
+                                          weight_memory)
 from meshtrain.models.configs import model_factory
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.precision import cast_floats
@@ -149,8 +150,8 @@ class Engine:
                  memory: "WeightMemory | str" = WeightMemory.DEVICE):
         self.cfg = generation_config(cfg)
         self.plan = plan
-        self.weights = WeightFormat(weights)
-        self.memory = WeightMemory(memory)
+        self.weights = weight_format(weights)
+        self.memory = weight_memory(memory)
         abstract = abstract_state(model_factory(self.cfg))
         self.graphdef, self.model_state = abstract.graphdef, abstract.model_state
         placed = jax.device_put(params, plan.param_shardings)

@@ -56,6 +56,21 @@ class WeightMemory(str, enum.Enum):
     HOST = "host"
 
 
+def weight_format(value) -> WeightFormat:
+    try:
+        return WeightFormat(value)
+    except ValueError:
+        raise ConfigError(f"--quantize {value!r}: use one of {[f.value for f in WeightFormat]}") from None
+
+
+def weight_memory(value) -> WeightMemory:
+    try:
+        return WeightMemory(value)
+    except ValueError:
+        raise ConfigError(f"weight_memory {value!r}: use one of {[m.value for m in WeightMemory]} (the CLI's "
+                          f"--offload-weights is host)") from None
+
+
 #: the stacked layer weights: what ``WeightMemory.HOST`` keeps in host memory
 LAYERS = "blocks"
 
@@ -106,10 +121,7 @@ def _walk(params, fn, path=()):
 
 def store_weights(params, fmt: "WeightFormat | str"):
     """``params`` (nested dict of sharded arrays) in format ``fmt``; every array keeps its sharding."""
-    try:
-        fmt = WeightFormat(fmt)
-    except ValueError:
-        raise ConfigError(f"--quantize {fmt!r}: use one of {[f.value for f in WeightFormat]}") from None
+    fmt = weight_format(fmt)
     if fmt is WeightFormat.NONE:
         return params
 
@@ -137,10 +149,7 @@ def dequantize(params, dtype=jnp.float32):
 
 def place_layers(params, memory: "WeightMemory | str"):
     """``params`` with the stacked layer weights in ``memory`` (their shardings unchanged otherwise)."""
-    try:
-        memory = WeightMemory(memory)
-    except ValueError:
-        raise ConfigError(f"--offload-weights {memory!r}: use one of {[m.value for m in WeightMemory]}") from None
+    memory = weight_memory(memory)
     if memory is WeightMemory.DEVICE or LAYERS not in params:
         return params
     layers = params[LAYERS]
