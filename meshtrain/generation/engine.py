@@ -22,9 +22,10 @@ data-parallel size (they are dropped from the results).
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
 (:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step. The
-logits are f32 whatever the weights' format: bf16 logits near the top are 0.03-0.06 apart and tie
-exactly (argmax then picks the lower token id): 14 of the 17 held-out positions (of 2,048) where the
-trained ``small`` model's bf16 argmax left f32's were exact ties.
+logits of an untied head are f32 whatever the weights' format (a tied head shares the embedding table,
+which stays in the compute dtype so that the residual stream does too): bf16 logits near the top are
+0.03-0.06 apart and tie exactly (argmax then picks the lower token id): 14 of the 17 held-out positions
+(of 2,048) where the trained ``small`` model's bf16 argmax left f32's were exact ties.
 
 **MoE**: generation routes *dropless* (no expert capacity): capacity drops depend on the other tokens
 of a sequence, future ones included, which one-token decoding cannot reproduce.
