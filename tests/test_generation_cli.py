@@ -50,6 +50,10 @@ def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs):
     api = mt.generate(runs["text"], ["def main(", "import os"], max_new_tokens=6, prompt_logprobs=True)
     assert [r["new_ids"] for r in rows] == [list(g.new_ids) for g in api]
     np.testing.assert_allclose(rows[0]["new_logprobs"], api[0].new_logprobs, atol=1e-4)
+    offloaded = generate_cli(runs["text"], "--prompt", "def main(", "--prompt", "import os", "--max-new-tokens", 6,
+                             "--prompt-logprobs", "--json", "--recipe", "tp", "--offload-weights")
+    assert offloaded.returncode == 0, offloaded.stderr[-3000:]
+    assert [json.loads(line) for line in offloaded.stdout.splitlines()] == rows  # layers streamed from host
     assert len(rows[1]["prompt_logprobs"]) == len("import os") - 1
     scored = generate_cli(runs["ids"], "--prompt-ids", "1,2,3,4", "--max-new-tokens", 0, "--prompt-logprobs", "--json")
     assert scored.returncode == 0, scored.stderr[-3000:]
@@ -91,11 +95,19 @@ def test_bench_generate_runs_and_prints_its_figures():
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_generate.py"), "--models", "tiny",
                          "--recipes", "dp", "tp", "--batch-sizes", "1", "8", "--prompt-len", "8", "--new-tokens", "4",
-                         "--repeats", "1", "--json"], capture_output=True, text=True, env=env, timeout=600)
+                         "--repeats", "1", "--weight-memory", "device", "host", "--json"], capture_output=True,
+                        text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    cells = [json.loads(line) for line in out.stdout.splitlines()[1:]]
+    rows = [json.loads(line) for line in out.stdout.splitlines()[1:]]
+    cells = rows[::2]  # layers on the device; each followed by the same cell with layers streamed from host
     assert [(c["recipe"], c["batch"], c["padded"]) for c in cells] == [("dp", 1, 8), ("dp", 8, 8), ("tp", 1, 1),
                                                                        ("tp", 8, 8)]
+    for on_device, from_host in zip(rows[::2], rows[1::2]):
+        assert (on_device["weight_memory"], from_host["weight_memory"]) == ("device", "host")
+        assert from_host["decode_tokens_per_s"] > 0 and on_device["host_weight_bytes_per_device"] == 0
+        # tiny: 2 layers, so one layer of the stack stays on the device and the other only in host memory
+        assert (on_device["weight_bytes_per_device"] - from_host["weight_bytes_per_device"]
+                == from_host["host_weight_bytes_per_device"] // 2)
     for c in cells:  # figures, not bounds: the speeds are printed, never compared
         assert c["prefill_tokens_per_s"] > 0 and c["decode_tokens_per_s"] > 0 and c["per_token_ms"] > 0
     # tp splits the weights and the cache's kv_heads over 8 devices; dp replicates them
@@ -115,6 +127,9 @@ def test_plan_generate_shows_weights_and_kv_cache_per_device():
     g = json.loads(out.stdout)["generation"]
     # int8 + bf16 scales + the bf16 output projection (2 % of small's weights)
     assert g["weights_bf16"] * 2 == g["weights_none"] and 0.5 < g["weights_int8"] / g["weights_bf16"] < 0.53
+    # --offload-weights: the 4-layer stack in host memory, one layer of it (and the rest) on the device
+    for fmt in ("none", "bf16", "int8"):
+        assert g[f"weights_{fmt}"] - g[f"weights_{fmt}_offloaded"] == g[f"host_weights_{fmt}"] * 3 // 4 > 0
     # 2 (k, v) × 4 layers × 8 rows × 512 slots × 8 kv heads × 16 × 4 bytes, over fsdp=4 (rows) × tensor=2 (heads)
     assert g["kv_cache"] == 2 * 4 * 8 * 512 * 8 * 16 * 4 // 8 and g["kv_cache_bf16"] * 2 == g["kv_cache"]
     refused = processes.run(plan + ["--recipe", "pp", "--batch-size", "16"], capture_output=True, text=True, env=env,

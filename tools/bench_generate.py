@@ -3,6 +3,19 @@ per-token latency (randomly initialised built-in decoders; weights do not change
 
     python tools/bench_generate.py                                   # tiny and small, dp/fsdp/tp/fsdp_tp, batch 1 and 8
     python tools/bench_generate.py --models small --recipes tp fsdp_tp --batch-sizes 1 8 32 --json
+    python tools/bench_generate.py --models small --weight-memory device host   # layers streamed from host
+    python tools/bench_generate.py --agreement runs/main             # int8 vs bf16 greedy agreement
+
+``--weight-memory host`` keeps the layer weights in host memory and copies one layer at a time to the
+devices inside each step (``meshtrain generate --offload-weights``); the two rows of a cell differ only
+in that.
+
+``--agreement RUN`` measures how far greedy continuations of a trained run agree between weight
+formats: ``--agreement-tokens`` (64) greedy tokens after each of 4 hand-written prompts and 16 held-out
+prompts (32-byte windows of the corpus' validation split starting at a line, seed 0), per pair of
+formats: the first position where the two continuations part and the share of positions whose tokens
+are equal, per prompt and over all (the issue's bar: int8 vs bf16 >= 90 %). ``none`` vs ``bf16`` shows
+how far bf16 itself moves the same continuations.
 
 Each cell compiles prefill and decode once (a warm-up generation), then times ``--repeats``
 generations of ``--new-tokens`` tokens after a ``--prompt-len``-token prompt per row and keeps the
@@ -19,10 +32,10 @@ import json
 import statistics
 
 
-def bench_cell(model, name, recipe, batch, prompt_len, new_tokens, repeats, quantize, devices):
+def bench_cell(model, name, recipe, batch, prompt_len, new_tokens, repeats, quantize, devices, memory="device"):
     from meshtrain.generation import Sampling, load
 
-    loaded = load(model, recipe=recipe, devices=devices, quantize=quantize)
+    loaded = load(model, recipe=recipe, devices=devices, quantize=quantize, weight_memory=memory)
     prompts = [[(7 * b + t) % model.cfg.vocab_size for t in range(prompt_len)] for b in range(batch)]
     loaded.generate(prompts, new_tokens, Sampling())  # compiles prefill and decode
     best = None
@@ -31,13 +44,94 @@ def bench_cell(model, name, recipe, batch, prompt_len, new_tokens, repeats, quan
         if best is None or t.prefill_s + sum(t.decode_s) < best.prefill_s + sum(best.decode_s):
             best = t
     steps = len(best.decode_s)
-    return {"model": name, "recipe": recipe, "quantize": quantize, "batch": batch, "padded": best.batch,
+    return {"model": name, "recipe": recipe, "quantize": quantize, "weight_memory": memory, "batch": batch,
+            "padded": best.batch,
             "prompt_len": prompt_len, "new_tokens": new_tokens,
             "prefill_tokens_per_s": batch * prompt_len / best.prefill_s,
             "decode_tokens_per_s": batch * steps / sum(best.decode_s) if steps else None,
             "per_token_ms": 1e3 * statistics.median(best.decode_s) if steps else None,
             "weight_bytes_per_device": loaded.engine.weight_bytes_per_device(),
+            "host_weight_bytes_per_device": loaded.engine.host_weight_bytes_per_device(),
             "cache_bytes_per_device": loaded.engine.cache_bytes_per_device(batch, prompt_len + new_tokens - 1)}
+
+
+#: hand-written prompts of the agreement measure (the README's)
+HAND_PROMPTS = ("def main(", "import os\n", "class Foo(object):\n    def __init__(self", "    for i in range(")
+#: the format pairs the agreement measure compares (the first is the issue's)
+PAIRS = (("int8", "bf16"), ("none", "bf16"), ("int8", "none"))
+
+
+def held_out_prompts(count: int = 16, length: int = 32, seed: int = 0):
+    """``count`` windows of ``length`` tokens of the default corpus' validation split, each starting
+    at a line (after a newline at or after a seeded random offset)."""
+    import numpy as np
+
+    from meshtrain.data.sources import load_source
+    from meshtrain.train.config import TrainConfig
+
+    _, val = load_source(None).split(TrainConfig().val_fraction)
+    tokens = np.asarray(val.tokens).astype(int)
+    out = []
+    for start in np.random.default_rng(seed).integers(0, len(tokens) - 400, count):
+        start += int(np.argmax(tokens[start:start + 200] == ord("\n"))) + 1
+        out.append(tokens[start:start + length].tolist())
+    return out
+
+
+def divergence(a, b):
+    """``(first position where a and b differ (len if none), positions with equal tokens)``."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return first, sum(x == y for x, y in zip(a, b))
+
+
+def agreement(continuations, pairs=PAIRS):
+    """Per pair ``(a, b)`` of formats: ``{"first": [...], "equal": [...], "positions": n, "share": equal / n}``
+    over the prompts (``continuations[format]``: one token list per prompt; ``n``: b's tokens in all)."""
+    out = {}
+    for a, b in pairs:
+        rows = [divergence(x, y) for x, y in zip(continuations[a], continuations[b])]
+        total = sum(len(x) for x in continuations[b])
+        out[f"{a} vs {b}"] = {"first": [r[0] for r in rows], "equal": [r[1] for r in rows], "positions": total,
+                              "share": sum(r[1] for r in rows) / total}
+    return out
+
+
+def measure_agreement(run, recipe, devices, new_tokens, prompts):
+    """:func:`agreement` of greedy continuations of ``prompts`` under each format, plus per pair ``(a, b)``
+    and prompt the ``margin`` at the first divergence: ``log p_b(b's token) - log p_b(a's token)`` under
+    ``b``'s weights (``None``: no divergence). A small margin is a near-tie of the reference ``b``."""
+    from meshtrain.generation import load
+
+    loaded, gens = {}, {}
+    for fmt in sorted({f for pair in PAIRS for f in pair}):
+        loaded[fmt] = load(run, recipe=recipe, devices=devices, quantize=fmt)
+        gens[fmt] = loaded[fmt].generate(prompts, new_tokens).generations
+    result = agreement({f: [list(g.new_ids) for g in gs] for f, gs in gens.items()})
+    for a, b in PAIRS:
+        r = result[f"{a} vs {b}"]
+        r["margin"] = [None if k == len(gb.new_ids) else margin(loaded[b], gb, ga.new_ids[k], k)
+                       for ga, gb, k in zip(gens[a], gens[b], r["first"])]
+    return result
+
+
+def margin(loaded, g, other: int, k: int) -> float:
+    """``log p(g.new_ids[k]) - log p(other)`` after ``g``'s prompt and first ``k`` new tokens."""
+    seq = list(g.prompt_ids) + list(g.new_ids[:k]) + [other]
+    scored = loaded.generate([seq], 0, prompt_logprobs=True).generations[0]
+    return g.new_logprobs[k] - scored.prompt_logprobs[-1]
+
+
+def print_agreement(result, n_hand):
+    for pair, r in result.items():
+        equal, n = r["equal"], len(r["equal"])
+        per = r["positions"] / n  # tokens per prompt
+        print(f"{pair}: {100 * r['share']:.1f} % of {n} x {per:.0f} tokens equal (hand-written "
+              f"{100 * sum(equal[:n_hand]) / (n_hand * per):.1f} %, held-out "
+              f"{100 * sum(equal[n_hand:]) / ((n - n_hand) * per):.1f} %)")
+        print(f"  first divergence per prompt: {r['first']}")
+        print(f"  equal tokens per prompt:     {equal}")
+        margins = [f"{m:.4f}" for m in r.get("margin", ()) if m is not None]
+        print(f"  {pair.split(' vs ')[1]}'s log-probability margin at each divergence (nats): {', '.join(margins)}")
 
 
 def fmt(x, spec):
@@ -53,7 +147,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quantize", nargs="+", default=["none"], help="weight formats: none bf16 int8")
+    p.add_argument("--weight-memory", nargs="+", default=["device"], help="where the layer weights live: "
+                   "device, host (streamed one layer at a time)")
     p.add_argument("--devices", type=int, default=None, help="(simulated) devices (default: all, or 8 on CPU)")
+    p.add_argument("--agreement", metavar="RUN", default=None, help="measure int8 / bf16 / as-trained greedy "
+                   "agreement of the trained run RUN instead of speed (recipe: the first of --recipes)")
+    p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
     args = p.parse_args(argv)
     from meshtrain.cli import setup_devices
@@ -65,8 +164,16 @@ def main(argv=None) -> int:
     from meshtrain.models import Decoder, get_config
 
     print(f"devices: {jax.device_count()} × {jax.devices()[0].device_kind}", flush=True)
-    header = ("model", "recipe", "weights", "batch", "padded", "prefill tok/s", "decode tok/s", "ms/token",
-              "weights/dev", "cache/dev")
+    if args.agreement:
+        prompts = list(HAND_PROMPTS) + held_out_prompts()
+        result = measure_agreement(args.agreement, args.recipes[0], args.devices, args.agreement_tokens, prompts)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print_agreement(result, len(HAND_PROMPTS))
+        return 0
+    header = ("model", "recipe", "weights", "memory", "batch", "padded", "prefill tok/s", "decode tok/s", "ms/token",
+              "weights/dev", "host w/dev", "cache/dev")
     if not args.json:
         print("  ".join(f"{h:>13}" for h in header), flush=True)
     for name in args.models:
@@ -75,17 +182,21 @@ def main(argv=None) -> int:
         for recipe in args.recipes:
             for quantize in args.quantize:
                 for batch in args.batch_sizes:
-                    r = bench_cell(model, name, recipe, batch, args.prompt_len, args.new_tokens, args.repeats,
-                                   quantize, args.devices)
-                    if args.json:
-                        print(json.dumps(r), flush=True)
-                        continue
-                    cells = (name, recipe, quantize, batch, r["padded"], fmt(r["prefill_tokens_per_s"], ".0f"),
-                             fmt(r["decode_tokens_per_s"], ".1f"), fmt(r["per_token_ms"], ".2f"),
-                             f"{r['weight_bytes_per_device'] / 2 ** 20:.2f} MiB",
-                             f"{r['cache_bytes_per_device'] / 2 ** 20:.3f} MiB")
-                    print("  ".join(f"{c!s:>13}" for c in cells), flush=True)
+                    for memory in args.weight_memory:  # side by side: the same cell, layers on device / host
+                        r = bench_cell(model, name, recipe, batch, args.prompt_len, args.new_tokens, args.repeats,
+                                       quantize, args.devices, memory)
+                        print(json.dumps(r) if args.json else row(r), flush=True)
     return 0
+
+
+def row(r) -> str:
+    mib = {k: r[k] / 2 ** 20 for k in ("weight_bytes_per_device", "host_weight_bytes_per_device",
+                                       "cache_bytes_per_device")}
+    cells = (r["model"], r["recipe"], r["quantize"], r["weight_memory"], r["batch"], r["padded"],
+             fmt(r["prefill_tokens_per_s"], ".0f"), fmt(r["decode_tokens_per_s"], ".1f"),
+             fmt(r["per_token_ms"], ".2f"), f"{mib['weight_bytes_per_device']:.2f} MiB",
+             f"{mib['host_weight_bytes_per_device']:.2f} MiB", f"{mib['cache_bytes_per_device']:.3f} MiB")
+    return "  ".join(f"{c!s:>13}" for c in cells)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from meshtrain.generation.api import Loaded, load
 from meshtrain.generation.engine import check_prompts
 from meshtrain.generation.runs import read_run
 from meshtrain.generation.sampling import Sampling
-from meshtrain.generation.weights import WeightFormat
+from meshtrain.generation.weights import WeightFormat, WeightMemory
 
 
 def add_parser(sub):
@@ -52,6 +52,10 @@ def add_parser(sub):
                    "(with a tokenizer), new_logprobs, prompt_logprobs (with --prompt-logprobs)")
     p.add_argument("--quantize", choices=[f.value for f in WeightFormat], default=WeightFormat.NONE.value,
                    help="store the weights as restored (none), in bf16, or int8 weight-only (per-channel scales)")
+    p.add_argument("--offload-weights", dest="weight_memory", action="store_const", const=WeightMemory.HOST,
+                   default=WeightMemory.DEVICE, help="keep the layer weights in host memory (pinned_host) and copy "
+                   "each layer to the devices inside the step when it runs (ZeRO-Inference): device memory holds "
+                   "one layer's weights")
     p.add_argument("--recipe", default=None, help="recipe to generate under (default: the run's, or fsdp when "
                    "the run's has a pipeline)")
     p.add_argument("--mesh", default=None, help="mesh size overrides, e.g. fsdp=4,tensor=2 (default: the recipe's)")
@@ -98,7 +102,7 @@ def run(args) -> int:
     stop_ids = _ids(args.stop_ids, "--stop-ids") if args.stop_ids else []
     check_prompts(info.cfg, Loaded(None, info.tokenizer, info).encode(prompts), args.max_new_tokens)
     loaded = load(args.run_dir, step=info.step, recipe=args.recipe, mesh=args.mesh, devices=args.devices,
-                  quantize=args.quantize)
+                  quantize=args.quantize, weight_memory=args.weight_memory)
     out = loaded.generate(prompts, args.max_new_tokens, sampling, stop_ids=stop_ids,
                           prompt_logprobs=args.prompt_logprobs)
     for i, g in enumerate(out.generations):

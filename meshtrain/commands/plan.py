@@ -493,4 +493,8 @@ def _with_generation(out, plan, choice, args):
     return out + (f"\ngeneration ({g['batch']} rows x {g['seq']} slots), per device: weights "
                   f"{fmt_bytes(g['weights_none'])} as trained, {fmt_bytes(g['weights_bf16'])} bf16, "
                   f"{fmt_bytes(g['weights_int8'])} int8; KV cache {fmt_bytes(g['kv_cache'])} "
-                  f"({plan.recipe.compute_dtype}), {fmt_bytes(g['kv_cache_bf16'])} bf16")
+                  f"({plan.recipe.compute_dtype}), {fmt_bytes(g['kv_cache_bf16'])} bf16; with --offload-weights "
+                  f"(one layer on the device, the stack in host memory): {fmt_bytes(g['weights_none_offloaded'])} / "
+                  f"{fmt_bytes(g['weights_bf16_offloaded'])} / {fmt_bytes(g['weights_int8_offloaded'])} on the "
+                  f"device, {fmt_bytes(g['host_weights_none'])} / {fmt_bytes(g['host_weights_bf16'])} / "
+                  f"{fmt_bytes(g['host_weights_int8'])} in host memory")

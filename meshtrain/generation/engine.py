@@ -19,6 +19,14 @@ data-parallel size (they are dropped from the results).
 **Stop tokens**: a row stops after it emits one of ``stop_ids`` (the stop token is included in its
 ``new_ids``); the loop ends when every row has stopped or ``max_new_tokens`` are out.
 
+**Weights in the step**: the layer stack stays as stored (int8, or in host memory with
+``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
+(:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step. The
+logits of an untied head are f32 whatever the weights' format (a tied head shares the embedding table,
+which stays in the compute dtype so that the residual stream does too): bf16 logits near the top are
+0.03-0.06 apart and tie exactly (argmax then picks the lower token id): 14 of the 17 held-out positions
+(of 2,048) where the trained ``small`` model's bf16 argmax left f32's were exact ties.
+
 **MoE**: generation routes *dropless* (no expert capacity): capacity drops depend on the other tokens
 of a sequence, future ones included, which one-token decoding cannot reproduce.
 
@@ -46,11 +54,17 @@ from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
 from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device, empty_cache
 from meshtrain.generation.sampling import Sampling, choose, token_logprobs
-from meshtrain.generation.weights import WeightFormat, dequantize, store_weights, weight_bytes_per_device
+from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
+                                          place_layers, store_weights, weight_bytes_per_device, weight_format,
+                                          weight_memory)
 from meshtrain.models.configs import model_factory
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.precision import cast_floats
 from meshtrain.recipes import AttentionKind, Remat
+
+
+#: the untied output projection: its logits are computed in f32 (see ``Engine._model``)
+HEAD = "lm_head_dv"
 
 
 def generation_config(cfg: DecoderConfig) -> DecoderConfig:
@@ -130,16 +144,19 @@ class Output:
 class Engine:
     """The compiled prefill and decode steps of decoder ``cfg`` with ``params`` (nested dict, any
     placement: they are put on ``plan.param_shardings``) on ``plan`` (a params plan of the same model:
-    :func:`meshtrain.generation.plan_for`). ``weights``: how they are stored (:class:`WeightFormat`)."""
+    :func:`meshtrain.generation.plan_for`). ``weights``: how they are stored (:class:`WeightFormat`);
+    ``memory``: where the layer weights live between steps (:class:`WeightMemory`)."""
 
-    def __init__(self, cfg: DecoderConfig, params, plan, *, weights: "WeightFormat | str" = WeightFormat.NONE):
+    def __init__(self, cfg: DecoderConfig, params, plan, *, weights: "WeightFormat | str" = WeightFormat.NONE,
+                 memory: "WeightMemory | str" = WeightMemory.DEVICE):
         self.cfg = generation_config(cfg)
         self.plan = plan
-        self.weights = WeightFormat(weights)
+        self.weights = weight_format(weights)
+        self.memory = weight_memory(memory)
         abstract = abstract_state(model_factory(self.cfg))
         self.graphdef, self.model_state = abstract.graphdef, abstract.model_state
         placed = jax.device_put(params, plan.param_shardings)
-        self.params = store_weights(placed, self.weights)
+        self.params = place_layers(store_weights(placed, self.weights), self.memory)
         compute = {WeightFormat.NONE: plan.recipe.compute_dtype}.get(self.weights, "bfloat16")
         self.compute_dtype = jnp.dtype(compute)
         r = plan.recipe
@@ -150,7 +167,11 @@ class Engine:
 
     # -- figures ----------------------------------------------------------------------------------
     def weight_bytes_per_device(self) -> int:
+        """Device memory (with ``WeightMemory.HOST``: one layer of the stack, see :func:`weight_bytes_per_device`)."""
         return weight_bytes_per_device(self.params)
+
+    def host_weight_bytes_per_device(self) -> int:
+        return host_weight_bytes_per_device(self.params)
 
     def cache_bytes_per_device(self, batch: int, seq: int) -> int:
         return cache_bytes_per_device(self.cfg, self.plan, self.padded_batch(batch), seq, self.compute_dtype)
@@ -159,26 +180,42 @@ class Engine:
         return -(-batch // self.batch_multiple) * self.batch_multiple
 
     # -- the two steps ----------------------------------------------------------------------------
+    def _compute_form(self, weights):
+        return cast_floats(dequantize(weights, self.compute_dtype), self.compute_dtype)
+
     def _model(self, params):
-        weights = cast_floats(dequantize(params, self.compute_dtype), self.compute_dtype)
+        """The model with the weights outside the layer stack in compute form; the stack stays as stored
+        (int8, in host memory) and :meth:`_load_layer` brings one layer at a time into compute form."""
+        weights = {k: (v if k == LAYERS else self._compute_form(v)) for k, v in params.items()}
+        if HEAD in params:
+            # logits in f32: bf16 logits (8 mantissa bits, ~0.03 apart near |logit| 8) tie exactly, and
+            # argmax then takes the lower token id (see the module docstring)
+            weights[HEAD] = dequantize(params[HEAD], jnp.float32).astype(jnp.float32)
         return nnx.merge(self.graphdef, weights, self.model_state)
+
+    def _load_layer(self, layer):
+        """One layer's stored weights (inside the layer loop) in compute form, on the devices."""
+        if self.memory is WeightMemory.HOST:
+            layer = jax.device_put(layer, jax.memory.Space.Device)  # this layer's shards: host -> device
+        return self._compute_form(layer)
+
+    def _forward(self, params, tokens_bt, cache):
+        with step_context(self.ctx):
+            return self._model(params).cached(tokens_bt, cache, load_layer=self._load_layer)
 
     def _compiled(self, sampling: Sampling):
         """``(prefill, decode)`` for ``sampling`` (its settings are static: one compile per setting)."""
         if sampling in self._steps:
             return self._steps[sampling]
-        ctx = self.ctx
 
         def prefill(params, tokens_bt, cache, key):
-            with step_context(ctx):
-                logits_btv, cache = self._model(params)(tokens_bt, cache=cache)
+            logits_btv, cache = self._forward(params, tokens_bt, cache)
             prompt_lp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:])
             nxt = choose(logits_btv[:, -1], key, sampling)
             return nxt, token_logprobs(logits_btv[:, -1], nxt), prompt_lp, cache
 
         def decode(params, token_b, cache, key):
-            with step_context(ctx):
-                logits_btv, cache = self._model(params)(token_b[:, None], cache=cache)
+            logits_btv, cache = self._forward(params, token_b[:, None], cache)
             nxt = choose(logits_btv[:, 0], key, sampling)
             return nxt, token_logprobs(logits_btv[:, 0], nxt), cache
 

@@ -302,7 +302,7 @@ class Decoder(nnx.Module):
         return constrain(logits, ("batch", "seq", "vocab"))
 
     # -- generation: the same layers against a KV cache --------------------------------------------
-    def cached(self, tokens_bt, cache):
+    def cached(self, tokens_bt, cache, *, load_layer=None):
         """``(logits, cache)`` for ``t`` new tokens per row written at cache slot ``cache.index``.
 
         ``cache`` is a dataclass with ``k`` and ``v`` ``(layers, batch, seq, kv_heads, head_dim)``,
@@ -310,7 +310,9 @@ class Decoder(nnx.Module):
         row's left padding: slots ``< pad`` hold no token). Prompts are **left-padded**, so every row
         writes its next token at the same slot; row ``b``'s token at slot ``s`` has position
         ``s - pad[b]`` and sees the slots ``pad[b] .. s``. Returns the cache with ``k``/``v`` written
-        and ``index`` advanced by ``t`` (``dataclasses.replace``). MoE router statistics are dropped."""
+        and ``index`` advanced by ``t`` (``dataclasses.replace``). MoE router statistics are dropped.
+        ``load_layer``: applied to each layer's parameters inside the layer loop, before the block runs
+        (generation: int8 dequantisation and host-to-device copies, one layer at a time)."""
         cfg = self.cfg
         t = tokens_bt.shape[1]
         slots_t = cache.index + jnp.arange(t, dtype=jnp.int32)
@@ -325,7 +327,7 @@ class Decoder(nnx.Module):
 
         def layer(x_btd, xs):
             layer_state, k_bskh, v_bskh = xs
-            block = nnx.merge(graphdef, layer_state)
+            block = nnx.merge(graphdef, load_layer(layer_state) if load_layer else layer_state)
             x_btd, k_bskh, v_bskh = block.cached(x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, cache.index)
             if cfg.n_experts:
                 pop_moe_stats(block)  # router statistics are for the training loss
