@@ -10,7 +10,7 @@ import re
 import pytest
 
 import meshtrain as mt
-from meshtrain import gpu_aot
+from meshtrain.analysis import gpu_aot
 from meshtrain.cli import main
 from meshtrain.hardware import PROFILES
 from meshtrain.models import get_config, model_factory

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import Dict, List
 
-from meshtrain.analysis import lowering
+from meshtrain.analysis import gpu_aot, lowering
 from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_estimate
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, default_loss, has_analytic_model,
@@ -131,9 +131,7 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
         platform = {"tpu": "tpu", "gpu": "cuda", "cpu": "cpu"}[a["backend"].value]
         return {"check": "lower", "platform": platform,
                 **lowering.lowered_summary(lowering.lower_abstract(plan, platform, loss_fn))}
-    if check == "gpu":  # XLA:GPU ahead of time (meshtrain.gpu_aot, the gpu-aot extra)
-        from meshtrain import gpu_aot
-
+    if check == "gpu":  # XLA:GPU ahead of time (meshtrain.analysis.gpu_aot, the gpu-aot extra)
         return gpu_aot.check(plan, args, a["memory"], per_axis_estimate(a["ops"]), loss_fn)
     topology = getattr(args, "topology", None) or lowering.default_topology(a["hw"].name, plan.num_devices)
     if topology is None:
@@ -329,8 +327,6 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
             lines.append(f"  HLO collectives over {key}: {fmt_bytes(kv['total'], SIG3)}"
                          + (f" vs analytic (cpu) {fmt_bytes(est, SIG3)}" if est is not None else ""))
     elif chk.get("check") == "gpu":
-        from meshtrain import gpu_aot
-
         lines += gpu_aot.check_lines(chk)
     elif chk.get("check") == "lower":
         lines += ["", f"check (lower for {chk['platform']} on an AbstractMesh): {chk['arguments']} arguments, "

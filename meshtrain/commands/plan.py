@@ -29,7 +29,7 @@ loss (built-ins have one); without a loss a user model gets the plan and its sta
 More devices than this machine has are planned on an ``AbstractMesh`` (no devices simulated);
 ``--check compile`` compiles locally (≤ 8 devices) and prints the estimates next to XLA's numbers;
 ``--check tpu`` compiles for a fake TPU topology (the ``tpu`` extra) and ``--check gpu --topology
-8xH100`` for compile-only NVIDIA GPUs (the ``gpu-aot`` extra, :mod:`meshtrain.gpu_aot`), on any host.
+8xH100`` for compile-only NVIDIA GPUs (the ``gpu-aot`` extra, :mod:`meshtrain.analysis.gpu_aot`), on any host.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from meshtrain.abstract import abstract_state, list_params
+from meshtrain.analysis import gpu_aot
 from meshtrain.annotate import ModelRules
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.cli import add_device_args, setup_devices
@@ -417,8 +418,6 @@ def _recipe_line(recipe) -> str:
 def _gpu_target(args) -> None:
     """``--check gpu``: ``--topology NxCHIP`` (default: ``--hardware`` × ``--devices``) sets the chip the
     estimates are for and the device count; the plugin must be installed (checked before any work)."""
-    from meshtrain import gpu_aot
-
     hardware = None if args.hardware == "cpu" else args.hardware
     if args.topology is None:
         if hardware not in gpu_aot.ARCHS:

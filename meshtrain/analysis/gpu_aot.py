@@ -29,8 +29,12 @@ import re
 import types
 from typing import Dict, Iterator, Tuple
 
+import meshtrain as mt
+from meshtrain.analysis.collectives import hlo_collectives, per_axis
+from meshtrain.analysis.compiled import MeasuredMemory, step_inputs
 from meshtrain.errors import ConfigError
 from meshtrain.hardware import PROFILES, SCHEDULING_FLAGS
+from meshtrain.plan import fmt_bytes
 
 #: The optional dependency that brings XLA:GPU (pyproject.toml).
 EXTRA = "gpu-aot"
@@ -216,9 +220,6 @@ def compile_gpu_topology(abstract, recipe, batch, topology: GpuTopology, loss_fn
     ``flags``: compile with meshtrain's XLA:GPU scheduling flags (what ``meshtrain train`` sets).
     ``MeasuredMemory.of(compiled)`` is then XLA:GPU's per-device memory.
     """
-    import meshtrain as mt
-    from meshtrain.analysis.compiled import step_inputs
-
     mesh = recipe.mesh.build(topology_devices(topology))
     plan = mt.make_plan(abstract, recipe, mesh, batch=batch)
     state, batch_abs = step_inputs(plan)
@@ -258,9 +259,6 @@ def check(plan, args, memory, planned_per_axis, loss_fn=None) -> Dict[str, objec
     ``memory``: the planner's estimate for the plan (``--hardware`` the topology's chip);
     ``planned_per_axis``: its collective bytes per mesh-axis key (``per_axis_estimate``).
     """
-    from meshtrain.analysis.collectives import hlo_collectives, per_axis
-    from meshtrain.analysis.compiled import MeasuredMemory
-
     topology = parse_topology(args.topology)
     if topology.count != plan.num_devices:
         raise ConfigError(f"--topology {args.topology} has {topology.count} GPUs but the plan is for "
@@ -281,8 +279,6 @@ def check(plan, args, memory, planned_per_axis, loss_fn=None) -> Dict[str, objec
 
 def check_lines(chk: Dict[str, object]) -> list:
     """The report's lines for :func:`check`'s result."""
-    from meshtrain.plan import fmt_bytes
-
     m = chk["measured_memory"]
     calls = chk["cudnn_attention_calls"]
     lines = ["", f"check (gpu {chk['topology']}, XLA:GPU for {chk['target']}): XLA peak "
