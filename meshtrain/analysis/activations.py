@@ -165,6 +165,11 @@ class ActivationModel:
     remat: Remat
     compute_dtype: str
     tensors: Tuple[SavedTensor, ...]
+    #: weight matrices per layer with an MLP-width dimension (gate, up, down: 3; a plain MLP: 2)
+    mlp_matrices: int = 0
+    #: normalisations (scale vectors): per layer, and outside the layers (the final norm)
+    layer_norms: int = 0
+    outer_norms: int = 0
 
     # -- per-tensor figures and results, computed once per model (it is immutable) ----------------
     @functools.cached_property
@@ -258,6 +263,13 @@ class ActivationModel:
         return self._memo(("tensor", tuple(sizes.values()), split, want, dtype, stacked, per_layer, cfg.n_layers),
                           compute)
 
+    def tensor_count(self, *, dims: Tuple[str, ...], dtype: str, stacked: bool = True) -> int:
+        """How many saved ``dtype`` tensors over exactly ``dims`` (plus ``L`` for the stacked ones) one layer
+        (``stacked``) or the step outside the layers keeps, e.g. the MLP-width ``(B, T, f)`` ones."""
+        want, name = frozenset(dims), str(np.dtype(dtype))
+        return sum(t.count for t, _, is_weight, is_stacked, tdims, _, _ in self._rows
+                   if not is_weight and t.dtype == name and tdims == want and is_stacked == stacked)
+
     def loop_constant_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
                                        split: ActivationSplit = ActivationSplit()) -> int:
         """Bytes of the unstacked saved tensors over the sequence twice (``T²``: the dense attention mask or
@@ -345,4 +357,8 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
         groups[key] = groups.get(key, 0) + 1
     tensors = tuple(SavedTensor(e, c, dt, n, cast, mi, mc)
                     for (e, c, dt, cast, mi, mc), n in sorted(groups.items(), key=str))
-    return ActivationModel(remat, str(dtype), tensors)
+    leaves = jax.tree.leaves(params)
+    mlp_matrices = sum(p["f"] in x.shape for x in leaves)
+    layer_norms = sum(tuple(x.shape) == (p["L"], p["d"]) for x in leaves)
+    outer_norms = sum(tuple(x.shape) == (p["d"],) for x in leaves)
+    return ActivationModel(remat, str(dtype), tensors, mlp_matrices, layer_norms, outer_norms)

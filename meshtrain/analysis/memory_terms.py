@@ -98,6 +98,10 @@ class StepShape:
     loop: Any
     unroll: int
     straight: bool
+    #: XLA:GPU with the layers unrolled (the calibrated case: ``straight``, compute dtype narrower than the
+    #: parameters'), and whether its attention is cuDNN's fused kernel
+    gpu: bool = False
+    cudnn: bool = False
 
     @property
     def split(self):
@@ -146,8 +150,9 @@ class StepShape:
 
     @functools.cached_property
     def attention_blocks(self) -> int:
-        """Bytes of blockwise attention's score blocks (:func:`attention_working_set`)."""
-        return attention_working_set(self.plan, self.cfg, self.b_loc)
+        """Bytes of blockwise attention's score blocks (:func:`attention_working_set`); none for cuDNN's fused
+        kernel (its blocks stay in on-chip memory)."""
+        return 0 if self.cudnn else attention_working_set(self.plan, self.cfg, self.b_loc)
 
     @property
     def tpu_unrolled(self) -> bool:
@@ -183,6 +188,9 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     # head_dim) operands keep head_dim minor, while dense and blockwise-XLA attention's layouts put a long one minor
     lanes = TPU_LANES if tpu and runs_splash(plan) else 1
     loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
+    straight = pipe is None and not tpu and unroll >= cfg.n_layers
+    gpu = (straight and moe is None and backend_name(plan, backend) == "gpu"
+           and c < np.dtype(lay.param_dtype).itemsize)
     return StepShape(
         plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
         moe.activation_config(cfg) if moe is not None else cfg,  # MoE: the dense-equivalent MLP width
@@ -191,7 +199,7 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
-        loop, unroll, pipe is None and not tpu and unroll >= cfg.n_layers)  # straight: unrolled (or unroll ≥ L)
+        loop, unroll, straight, gpu, gpu and runs_cudnn(plan))  # straight: unrolled (or unroll ≥ L)
 
 
 def runs_splash(plan) -> bool:
@@ -204,6 +212,23 @@ def runs_splash(plan) -> bool:
     if kind is AttentionKind.FLASH:
         return backend in (FlashBackend.AUTO, FlashBackend.SPLASH)
     return kind is AttentionKind.ULYSSES and backend is FlashBackend.SPLASH
+
+
+def runs_cudnn(plan) -> bool:
+    """Whether the step's attention runs cuDNN's fused kernel when compiled for a GPU
+    (:func:`meshtrain.parallel.flash.flash_attention`): local ``flash`` with ``flash_backend`` auto or cudnn, or
+    ``ulysses`` asking for cudnn, in a half-precision compute dtype, on a batch without segment ids (cuDNN's
+    path takes no segment mask); ring and all_gather run blockwise XLA on their offset blocks."""
+    context = plan.recipe.dimension(Context)
+    backend = context.flash_backend if context is not None else FlashBackend.AUTO
+    kind = plan.recipe.attention
+    if kind is AttentionKind.FLASH:
+        wanted = backend in (FlashBackend.AUTO, FlashBackend.CUDNN)
+    else:
+        wanted = kind is AttentionKind.ULYSSES and backend is FlashBackend.CUDNN
+    segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+    half = np.dtype(layout_of(plan).compute_dtype).itemsize == 2
+    return wanted and half and not segmented
 
 
 def _total(terms: Tuple[MemoryTerm, ...]) -> float:
@@ -249,7 +274,7 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                 MemoryTerm(A, "MoE dispatch buffers", L * moe_none, "L × dispatched rows, expert outputs, f32 router "
                                                                    "logits/probabilities"),
                 MemoryTerm(A, "less loop constants", -s.none.loop_constant_bytes_per_device(s.acfg, B, T, split),
-                           "the T² loop constants (the dense mask, fused into each consumer)"))
+                           "the T² loop constants (the dense mask, fused into each consumer)")) + _gpu_activation_terms(s)
     if s.pipe is None:
         saved = (MemoryTerm(A, "saved tensors", s.model.bytes_per_device(s.acfg, B, T, split),
                             f"the tensors remat={s.remat.value} saves, all layers"),
@@ -287,6 +312,37 @@ def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                        -s.model.tensor_bytes_per_device(s.acfg, B, T, split, **btd), "no f32 copy of (b, T, d)"))
 
 
+def _gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU's differences from the traced residuals of unrolled layers: its fusions read the f32 upcasts of
+    the residual stream from the compute-dtype tensors they upcast, keep of the MLP only its matmuls' operands
+    and results (one ``(b, T, f)`` tensor per MLP-width weight matrix: the gate and up projections and the
+    down projection's input; the activation function's intermediates are recomputed), and cuDNN's fused
+    attention saves K and V repeated to the query heads (the traced blockwise kernel saves them unrepeated)."""
+    if not s.gpu:
+        return ()
+    A, B, T, split, none, c = Component.ACTIVATIONS, s.B, s.T, s.split, s.none, s.lay.compute_dtype
+    btf = ("B", "T", "f")
+    mlp = none.tensor_bytes_per_device(s.acfg, B, T, split, dims=btf, dtype=c, stacked=True)
+    traced = none.tensor_count(dims=btf, dtype=c)
+    kept = min(none.mlp_matrices, traced)
+    norms = none.layer_norms * s.L + none.outer_norms
+    terms = (MemoryTerm(A, "less f32 residual stream (XLA:GPU)",
+                        -none.tensor_bytes_per_device(s.acfg, B, T, split, dims=("B", "T", "d")),
+                        "no f32 copy of (b, T, d): the norms upcast inside their fusions"),
+             MemoryTerm(A, "norm outputs in the compute dtype (XLA:GPU)", norms * s.b_loc * s.t_loc * s.cfg.d_model
+                        * s.c, f"{none.layer_norms}·L + {none.outer_norms} norms × b·T·d·c: each norm's output is the "
+                               f"next matmul's operand"),
+             MemoryTerm(A, "less recomputed MLP activations (XLA:GPU)", -(mlp * (traced - kept) // traced if traced else 0),
+                        f"(b, T, f) tensors: {traced} traced per layer, {kept} kept (one per MLP-width weight "
+                        f"matrix: the matmuls' operands and results)"))
+    if s.cudnn:
+        g = s.cfg.n_heads // s.cfg.n_kv_heads
+        kv = none.tensor_bytes_per_device(s.acfg, B, T, split, dims=("B", "T", "kv", "hh"), dtype=c, stacked=True)
+        terms += (MemoryTerm(A, "K/V repeated to the query heads (cuDNN)", kv * (g - 1),
+                             "L × 2·b·T·(n − kv)·h·c: cuDNN saves K and V at the query heads"),)
+    return terms
+
+
 def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     """The backward's working set: one layer's (``scan_unroll`` layers'; unrolled: every layer's weights as
     multiplied), the f32 logits gradient, blockwise attention's score blocks and a pipeline's extras."""
@@ -295,6 +351,11 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     times = f"{k} × " if k > 1 else ""
     if s.straight:
         layer = (MemoryTerm(M, "layers' weights as multiplied", s.layer_weights, "L·W_layer·c"),)
+        if s.gpu:  # XLA:GPU holds the last layer's residuals and the first of its backward's cotangents together
+            layer += (MemoryTerm(M, "one layer's largest cotangent in f32 and the compute dtype (XLA:GPU)",
+                                 (4 + s.c) * s.none.largest_layer_tensor_elements(s.acfg, B, T, split),
+                                 "(4 + c) × the layer's largest saved tensor (dense: the T² score gradient before "
+                                 "and after the softmax)"),)
     elif s.tpu and s.remat is Remat.NONE and s.moe is None:  # nothing to recompute: the backward's own cotangents
         layer = (MemoryTerm(M, "one layer's largest cotangent (XLA:TPU)",
                             k * s.c * s.model.largest_layer_tensor_elements(s.acfg, B, T, split),
