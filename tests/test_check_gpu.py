@@ -153,3 +153,54 @@ def test_the_plan_names_cudnn_for_a_batch_without_segment_ids(capsys, batch, lin
     code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--hardware", "h100", *batch)
     assert code == 0, err
     assert line in out
+
+
+#: tools/check_compilers.py --gpu (`small`, batch 16 × 1024 without segment ids, bf16 compute, 8xH100 compile-only,
+#: jax-cuda12-pjrt 0.10.2): XLA:GPU's peak per GPU (bytes) for the cases the planner's XLA:GPU model puts within
+#: 10 %; fsdp flash and why: BENCHMARKS.md, "Compiler check: the planner against XLA:GPU". Before the XLA:GPU model
+#: (the XLA:CPU formulas, the blockwise kernel's score blocks under cuDNN): -12.0 %, -12.4 %, +5.0 %, -9.3 %,
+#: +85.2 %, +38.4 %.
+GPU_SMALL_CASES = {
+    "dp": (["--recipe", "dp"], 1_126_830_537),
+    "fsdp": (["--recipe", "fsdp"], 1_092_540_745),
+    "tp": (["--recipe", "tp"], 1_223_924_681),
+    "fsdp_tp": (["--recipe", "fsdp_tp"], 1_104_998_081),
+    "fsdp_tp flash (cudnn)": (["--recipe", "fsdp_tp", "--attention", "flash"], 112_735_425),
+    "fsdp_cp ulysses flash (cudnn)": (["--recipe", "fsdp_cp", "--context-kind", "ulysses", "--flash-backend", "cudnn"],
+                                      129_359_561),
+}
+
+
+def _small_gpu_plan(flags):
+    from meshtrain.cli import build_parser
+    from meshtrain.commands.plan import build
+
+    batch = ",".join(f"{k}=16x1024:int32@batch/seq" for k in ("inputs", "targets", "positions"))
+    args = build_parser().parse_args(["plan", "--model", "small", "--hardware", "h100", "--devices", "8", "--batch",
+                                      batch, "--compute-dtype", "bfloat16", *flags])
+    return build(args)
+
+
+@pytest.mark.parametrize("case", list(GPU_SMALL_CASES))
+def test_small_decoder_estimate_within_10_percent_of_recorded_xla_gpu_peaks(case):
+    """No plugin needed: the planner's XLA:GPU model (``--hardware h100``) against the peaks XLA:GPU reported."""
+    from meshtrain.analysis.memory import estimate_memory
+
+    flags, peak = GPU_SMALL_CASES[case]
+    plan, choice = _small_gpu_plan(flags)
+    est = estimate_memory(plan, choice.cfg, backend="gpu")
+    assert abs(est.total / peak - 1) <= 0.10, (case, f"{est.total / peak - 1:+.1%}", est.to_dict())
+
+
+@pytest.mark.parametrize("flags, cudnn", [(["--recipe", "fsdp", "--attention", "flash"], True),
+                                          (["--recipe", "fsdp_cp", "--context-kind", "ulysses"], False),
+                                          (["--recipe", "fsdp"], False)])
+def test_cudnn_attention_is_modelled_with_its_residuals_and_no_score_blocks(flags, cudnn):
+    """cuDNN's fused attention keeps no score blocks in HBM and saves K/V at the query heads; the blockwise XLA
+    kernel (ulysses' local default) keeps its score blocks."""
+    from meshtrain.analysis.memory import estimate_memory
+
+    plan, choice = _small_gpu_plan(flags)
+    names = {t.name for t in estimate_memory(plan, choice.cfg, backend="gpu").terms}
+    assert ("K/V repeated to the query heads (cuDNN)" in names) is cudnn
+    assert ("attention score blocks" in names) is (not cudnn and plan.recipe.attention.value != "dense")

@@ -114,10 +114,18 @@ def run_gpu_case(flags: List[str], args) -> Dict:
     return json.loads(out.stdout)
 
 
-def gpu_row(label: str, res: Dict) -> List[str]:
-    """:func:`row` with the cuDNN fused-attention custom calls (forward + backward) of the compiled step."""
-    calls = res.get("cudnn_attention_calls")
-    return row(label, figures(res)) + [f"{calls['forward']} + {calls['backward']}" if calls else "—"]
+def gpu_figures(res: Dict) -> Dict:
+    """:func:`figures` with the cuDNN fused-attention custom calls (forward + backward) of the compiled step."""
+    fig = figures(res)
+    if "error" not in res:
+        fig["cudnn_attention_calls"] = res.get("cudnn_attention_calls")
+    return fig
+
+
+def gpu_row(label: str, fig: Dict, before: Dict = None) -> List[str]:
+    """:func:`row` of :func:`gpu_figures` with the cuDNN calls; ``before``: an earlier run's figures."""
+    calls = fig.get("cudnn_attention_calls")
+    return row(label, fig, before) + [f"{calls['forward']} + {calls['backward']}" if calls else "—"]
 
 
 def gpu_main(args) -> int:
@@ -135,12 +143,20 @@ def gpu_main(args) -> int:
         print("the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]' to compile for GPUs; "
               "nothing checked")
         return 0
-    header = ["case", "XLA:GPU peak", "planned memory", "memory error", "collectives per axis: planned/compiled",
-              "cuDNN attention calls"]
-    rows = []
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)
+    header = ["case", "XLA:GPU peak", *(["planned before", "error before"] if before is not None else []),
+              "planned memory", "memory error", "collectives per axis: planned/compiled", "cuDNN attention calls"]
+    rows, saved = [], {}
     for label, flags in cases:
-        rows.append(gpu_row(label, run_gpu_case(flags, args)))
+        saved[label] = gpu_figures(run_gpu_case(flags, args))
+        rows.append(gpu_row(label, saved[label], before.get(label, {}) if before is not None else None))
         print("  ".join(rows[-1]), flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(saved, f, indent=1)
     print(f"\n{args.model}, batch {args.batch_size} × {args.seq_len} (no segment ids), bf16 compute, XLA:GPU "
           f"{args.topology} (meshtrain's scheduling flags)")
     if args.markdown:
