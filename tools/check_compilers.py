@@ -6,6 +6,7 @@ memory and per-axis collective bytes next to what the compiled program holds.
     python tools/check_compilers.py --model small --seq-len 1024 --markdown
     python tools/check_compilers.py --list                  # the cases, without compiling
     python tools/check_compilers.py --gpu --markdown        # the XLA:GPU cases, 8xH100 (gpu-aot extra)
+    python tools/check_compilers.py --gpu --save after.json --before before.json --markdown   # XLA:GPU, before/after
     python tools/check_compilers.py --save after.json --before before.json --markdown   # with before columns
 
 Each case runs in its own process, one after the other (libtpu allows one process per host). Memory

@@ -75,8 +75,23 @@ than the parameters'): XLA:TPU fuses f32 upcasts into their consumers, so
   ``(b, T, heads, 128)`` (dense and blockwise-XLA attention lay a long dimension minor: no padding).
   Measured against libtpu at ``small`` (head_dim 16) 16 × 1024: BENCHMARKS.md, "Compiler check".
 
-The CPU formulas apply otherwise (``backend`` ``"cpu"`` or ``"gpu"``, or an ``AbstractMesh`` with no backend
-given).
+XLA:GPU (``backend="gpu"``, or a plan on GPU devices; layers unrolled, no pipeline or MoE, compute dtype narrower
+than the parameters'): the unrolled formulas above, with what XLA:GPU's fusions keep instead of JAX's residuals
+(measured from the buffer assignment of the compiled step for 8 H100s):
+
+* no f32 copy of the residual stream ``(b, T, d)`` (the norms upcast inside their fusions), but each norm's
+  output in the compute dtype (``(2·L + 1)·b·T·d·c``: it is the next matmul's operand);
+* of the MLP's ``(b, T, f)`` residuals only the matmuls' operands and results, one per MLP-width weight matrix
+  (gate and up projections and the down projection's input; the activation's intermediates are recomputed);
+* the backward's first layer holds its largest cotangent in f32 and the compute dtype, ``(4 + c)·a_max`` (dense
+  attention: the ``T²`` score gradient before and after the softmax) next to every layer's residuals;
+* cuDNN's fused attention (``--attention flash`` on a batch without segment ids, or ulysses asking for cudnn):
+  no score blocks in HBM, and K/V saved at the query heads (``L·2·b·T·(n − kv)·h·c`` more than the traced
+  blockwise kernel).
+
+Against XLA:GPU at ``small`` 16 × 1024: BENCHMARKS.md, "Compiler check: the planner against XLA:GPU". The CPU
+formulas apply otherwise (``backend`` ``"cpu"``, a GPU step with scanned layers, or an ``AbstractMesh`` with no
+backend given).
 
 How close these formulas come to XLA's own figures, recipe by recipe, and how that changed:
 BENCHMARKS.md, "Memory model against XLA". Each component is a sum of named terms

@@ -274,7 +274,8 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                 MemoryTerm(A, "MoE dispatch buffers", L * moe_none, "L × dispatched rows, expert outputs, f32 router "
                                                                    "logits/probabilities"),
                 MemoryTerm(A, "less loop constants", -s.none.loop_constant_bytes_per_device(s.acfg, B, T, split),
-                           "the T² loop constants (the dense mask, fused into each consumer)")) + _gpu_activation_terms(s)
+                           "the T² loop constants (the dense mask, fused into each consumer)")
+                ) + _gpu_activation_terms(s)
     if s.pipe is None:
         saved = (MemoryTerm(A, "saved tensors", s.model.bytes_per_device(s.acfg, B, T, split),
                             f"the tensors remat={s.remat.value} saves, all layers"),
@@ -326,13 +327,15 @@ def _gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     traced = none.tensor_count(dims=btf, dtype=c)
     kept = min(none.mlp_matrices, traced)
     norms = none.layer_norms * s.L + none.outer_norms
+    recomputed = mlp * (traced - kept) // traced if traced else 0
     terms = (MemoryTerm(A, "less f32 residual stream (XLA:GPU)",
                         -none.tensor_bytes_per_device(s.acfg, B, T, split, dims=("B", "T", "d")),
                         "no f32 copy of (b, T, d): the norms upcast inside their fusions"),
-             MemoryTerm(A, "norm outputs in the compute dtype (XLA:GPU)", norms * s.b_loc * s.t_loc * s.cfg.d_model
-                        * s.c, f"{none.layer_norms}·L + {none.outer_norms} norms × b·T·d·c: each norm's output is the "
-                               f"next matmul's operand"),
-             MemoryTerm(A, "less recomputed MLP activations (XLA:GPU)", -(mlp * (traced - kept) // traced if traced else 0),
+             MemoryTerm(A, "norm outputs in the compute dtype (XLA:GPU)",
+                        norms * s.b_loc * s.t_loc * s.cfg.d_model * s.c,
+                        f"{none.layer_norms}·L + {none.outer_norms} norms × b·T·d·c: each norm's output is the next "
+                        f"matmul's operand"),
+             MemoryTerm(A, "less recomputed MLP activations (XLA:GPU)", -recomputed,
                         f"(b, T, f) tensors: {traced} traced per layer, {kept} kept (one per MLP-width weight "
                         f"matrix: the matmuls' operands and results)"))
     if s.cudnn:
@@ -428,6 +431,11 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
         grad_formula = ("the part of the gradients (= parameters) beyond the saved activations: unrolled, each "
                         "layer's gradient is made as its residuals die")
+    if s.gpu:
+        act_formula += ("; XLA:GPU: no f32 copy of the residual stream, each norm's output kept in the compute dtype, "
+                        "of the MLP only its matmuls' operands and results"
+                        + (", cuDNN's K/V at the query heads" if s.cudnn else ""))
+        temp_formula += " + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max (XLA:GPU)"
     if s.tpu:
         temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
                         "XLA:TPU finishes the head's backward before the layers'"
