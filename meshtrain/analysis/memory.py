@@ -252,9 +252,11 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
              f"{r.remat.value}, {r.compute_dtype}, each once, less those XLA recomputes in the backward's fusions; "
              f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes"
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
-            (Component.TEMPORARIES, extra, f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: "
-                                           "gathered over FSDP axes or cast to the compute dtype (Σ E·c ÷ non-batch "
-                                           "shards); XLA working buffers not included"),
+            (Component.TEMPORARIES, extra + (cost.working_set or 0),
+             f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
+             f"to the compute dtype (Σ E·c ÷ non-batch shards); {MEASURED}: + the backward's working set, the most "
+             f"bytes of its own activation-shaped buffers live at once in program order (cotangents, the logits' "
+             f"gradient, matmul outputs; elementwise chains fused), ÷{t} (tensor) as the residuals"),
             (Component.OTHER, per.get("model_state", 0), f"{EXACT}: model state (plan)"))
     return _of_rows(rows, cost.source)
 
