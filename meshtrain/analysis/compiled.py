@@ -320,9 +320,12 @@ def saved_activation_bytes(plan, loss_fn) -> int:
 class TracedActivations:
     """What the loss's traced VJP says about one device's activation memory (bytes, one micro-batch).
 
-    ``saved``: the residuals the backward keeps (:func:`saved_activation_bytes`). ``working``: the backward's
-    working set on top of them, :func:`_backward_working_set`: the most bytes of activation-shaped buffers the
-    backward itself makes (cotangents, the logits' gradient, matmul outputs) that are live at once."""
+    ``saved``: the residuals the backward keeps (:func:`saved_activation_bytes`), and under tensor parallelism
+    the all-reduced partial sums they are fused from (:func:`_all_reduced_inputs`). ``working``: under tensor
+    parallelism, what the backward's all-reduce buffers (a second buffer for each partial sum,
+    :func:`_partial_sum`) add to its peak, the live bytes over the program's order
+    (:func:`_backward_working_set`, with and without them); 0 without a tensor axis (XLA's other working
+    buffers are not estimated: on one device's rows they stay within the saved residuals' error)."""
 
     saved: int
     working: int
@@ -433,8 +436,10 @@ def _backward_working_set(jaxpr, more, start: int, t: int, split: frozenset, sav
     a scan's body adds its own working set while it runs. The residuals are not counted (they are the saved
     activations) but they are freed as the backward reads them for the last time: ``saved`` (residual → bytes)
     are live from ``start`` to their last reader, and the result is the most bytes live at once less their
-    sum (what the backward needs beyond them, 0 when its peak is at its start). Sequential order (the
-    program's), as XLA:CPU schedules a step; an estimate of its heap."""
+    sum (what the backward needs beyond them, 0 when its peak is at its start). ``with_all_reduce``: each
+    partial sum (:func:`_partial_sum`) has a second buffer, its all-reduce, as long as it lives. A body's own
+    outputs are the call's buffers (not counted twice). Sequential order (the program's); an estimate of the
+    heap, used for the difference the all-reduces make (:class:`TracedActivations`)."""
     from jax.extend.core import Literal
 
     eqns = jaxpr.eqns
@@ -589,7 +594,9 @@ class ProgramCost:
     ``flops``: :func:`jaxpr_flops` of the step, all devices together. ``source``: :data:`COMPILED`
     (compiled for the plan's devices: ``memory``, ``collectives``, ``xla_flops`` set) or
     :data:`TRACED` (an ``AbstractMesh``: only traced). ``activations``: :func:`saved_activation_bytes`
-    and ``working_set``: the backward's own buffers live at once (:class:`TracedActivations`; traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices`` (while bodies once).
+    and ``working_set``: what tensor parallelism's all-reduces add to the backward's peak
+    (:class:`TracedActivations`; traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices``
+    (while bodies once).
     """
 
     source: str

@@ -250,13 +250,14 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
             (Component.ACTIVATIONS, cost.activations or 0,
              f"{MEASURED}: loss VJP residuals of one device's b={local_rows(plan)} rows per micro-batch, remat="
              f"{r.remat.value}, {r.compute_dtype}, each once, less those XLA recomputes in the backward's fusions; "
-             f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes"
+             f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes, "
+             f"+ the all-reduced sums (matmuls over a tensor-split dimension) a residual is fused from"
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
             (Component.TEMPORARIES, extra + (cost.working_set or 0),
              f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
-             f"to the compute dtype (Σ E·c ÷ non-batch shards); {MEASURED}: + the backward's working set, the most "
-             f"bytes of its own activation-shaped buffers live at once in program order (cotangents, the logits' "
-             f"gradient, matmul outputs; elementwise chains fused), ÷{t} (tensor) as the residuals"),
+             f"to the compute dtype (Σ E·c ÷ non-batch shards); {EXTRAPOLATED}: + under tensor parallelism the "
+             f"backward's all-reduce buffers (one per matmul summing over a tensor-split dimension) live at once "
+             f"at its peak, {MEASURED} liveness in program order; XLA's other working buffers not included"),
             (Component.OTHER, per.get("model_state", 0), f"{EXACT}: model state (plan)"))
     return _of_rows(rows, cost.source)
 
