@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtrain.abstract import path_str
 from meshtrain.analysis.collectives import Collective, hlo_collectives
 from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.annotate import step_context, step_context_for
@@ -348,13 +349,14 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     stored = _stored_residuals(one, picked)
     split = split | _head_counts(stored, rows_of, t, width)
     sizes = {v: _nbytes(v.aval) / _tensor_divisor(v.aval.shape, rows_of.get(id(v), ()), t, split) for v in stored}
-    saved = int(sum(sizes.values()) + _all_reduced_inputs(one, two, stored, t, split))
+    weights = _tensor_split_weights(plan, one) if t > 1 else {}
+    saved = int(sum(sizes.values()) + _all_reduced_inputs(one, two, stored, t, split, weights))
     producer = {v: i for i, e in enumerate(one.eqns) for v in e.outvars}
     backward = 1 + max((producer.get(outs[i], -1) for i in picked), default=-1)
     working = 0.0
     if t > 1 and len(one.eqns) == len(two.eqns):  # what tensor parallelism's all-reduces add to the backward's peak
-        working = (_backward_working_set(one, two, backward, t, split, sizes, with_all_reduce=True)
-                   - _backward_working_set(one, two, backward, t, split, sizes))
+        working = (_backward_working_set(one, two, backward, t, split, sizes, weights, with_all_reduce=True)
+                   - _backward_working_set(one, two, backward, t, split, sizes, weights))
     return TracedActivations(saved, int(working))
 
 
@@ -382,19 +384,56 @@ def _elementwise(eqn) -> bool:
     return eqn.primitive.name in _CALLS and len(inner) == 1 and all(_elementwise(e) for e in inner[0].eqns)
 
 
-def _partial_sum(eqn, more_eqn, t: int, split: frozenset) -> bool:
+def _partial_sum(eqn, more_eqn, t: int, split: frozenset, weights=None) -> bool:
     """Whether under tensor parallelism ``eqn`` is a matmul that sums over a dimension split over the tensor axes
     into an activation that is not split: each device computes a partial sum, all-reduced into a second buffer
-    of the same size (``more_eqn``: the same equation traced on one more row)."""
+    of the same size (``more_eqn``: the same equation traced on one more row). Split: a dimension of a
+    tensor-split size, or one of a weight's dimensions the plan shards over the tensor axes (``weights``: weight
+    variable → those dimensions, :func:`_tensor_split_weights`; e.g. a ``(D, D)`` output projection whose input
+    dimension is the heads')."""
+    from jax.extend.core import Literal
+
     if t <= 1 or eqn.primitive.name != "dot_general":
         return False
     (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
     summed = [eqn.invars[0].aval.shape[d] for d in contract_l] + [eqn.invars[1].aval.shape[d] for d in contract_r]
+    sharded = [d for x, dims in zip(eqn.invars, (contract_l, contract_r)) if not isinstance(x, Literal)
+               for d in dims if d in (weights or {}).get(x, ())]
     out, out_more = eqn.outvars[0].aval.shape, more_eqn.outvars[0].aval.shape
-    return any(d in split for d in summed) and _tensor_divisor(out, out_more, t, split) == 1
+    return (any(d in split for d in summed) or bool(sharded)) and _tensor_divisor(out, out_more, t, split) == 1
 
 
-def _all_reduced_inputs(jaxpr, more, stored, t: int, split: frozenset) -> float:
+#: Shape-preserving ops a weight passes through on its way to a matmul (a cast, a copy): its sharded dims stay.
+_SAME_DIMS = frozenset({"convert_element_type", "copy", "copy_p", "sharding_constraint"})
+
+
+def _tensor_split_weights(plan, jaxpr) -> Dict[Any, frozenset]:
+    """The dimensions of each parameter (``jaxpr``'s first inputs, in the params' tree order) the plan shards
+    over the tensor axes, and of the casts and transposes made of them (as the matmuls read them)."""
+    from jax.extend.core import Literal
+
+    axes = set(layout_of(plan).tensor_axes)
+    spec = {leaf.path: leaf.spec for leaf in plan.group("params")}
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(plan.abstract.params)[0]]
+    found = {}
+    for var, path in zip(jaxpr.invars, paths):
+        entries = tuple(spec.get(path, ())) + (None,) * len(getattr(var.aval, "shape", ()))
+        dims = frozenset(i for i, e in enumerate(entries[:len(var.aval.shape)]) if _axes_in((e,)) & axes)
+        if dims:
+            found[var] = dims
+    for e in jaxpr.eqns:
+        if len(e.invars) != 1 or isinstance(e.invars[0], Literal) or e.invars[0] not in found:
+            continue
+        dims = found[e.invars[0]]
+        if e.primitive.name in _SAME_DIMS:
+            found[e.outvars[0]] = dims
+        elif e.primitive.name == "transpose":
+            perm = e.params["permutation"]
+            found[e.outvars[0]] = frozenset(i for i, d in enumerate(perm) if d in dims)
+    return found
+
+
+def _all_reduced_inputs(jaxpr, more, stored, t: int, split: frozenset, weights=None) -> float:
     """Bytes of the all-reduced partial sums (:func:`_partial_sum`) the stored residuals are fused from (each
     once): under tensor parallelism the sum is a buffer of its own, which XLA keeps where the backward
     recomputes a residual from it (``x + attention_out`` from the all-reduced ``attention_out``)."""
@@ -410,7 +449,7 @@ def _all_reduced_inputs(jaxpr, more, stored, t: int, split: frozenset) -> float:
             return
         seen.add(v)
         e = jaxpr.eqns[i]
-        if _partial_sum(e, more.eqns[i], t, split):
+        if _partial_sum(e, more.eqns[i], t, split, weights):
             found[v] = _nbytes(v.aval)
         elif _elementwise(e):
             for x in e.invars:
@@ -424,7 +463,7 @@ def _all_reduced_inputs(jaxpr, more, stored, t: int, split: frozenset) -> float:
     return float(sum(found.values()))
 
 
-def _backward_working_set(jaxpr, more, start: int, t: int, split: frozenset, saved=None, *,
+def _backward_working_set(jaxpr, more, start: int, t: int, split: frozenset, saved=None, weights=None, *,
                           with_all_reduce: bool = False) -> float:
     """Bytes of the buffers the backward makes (eqns from ``start`` on) that are live at once, at the most.
 
@@ -486,7 +525,7 @@ def _backward_working_set(jaxpr, more, start: int, t: int, split: frozenset, sav
     live, reduced = [0.0] * (len(eqns) + 1), [0.0] * (len(eqns) + 1)
     for v in buffers | set(saved):
         size = saved[v] if v in saved else _nbytes(v.aval) / _tensor_divisor(v.aval.shape, shape_more[v], t, split)
-        extra = size if v in buffers and _partial_sum(eqns[made[v]], more.eqns[made[v]], t, split) else 0.0
+        extra = size if v in buffers and _partial_sum(eqns[made[v]], more.eqns[made[v]], t, split, weights) else 0.0
         for i in range(made[v], end[v] + 1):
             live[i] += size
             reduced[i] += extra
