@@ -24,7 +24,8 @@ What comes from where:
   devices: peak = argument + output − alias (donated) + temp bytes, exact for this backend.
 * **Memory** (``AbstractMesh``, more devices than exist): nothing can be compiled, so the loss's
   VJP is traced abstractly at one device's micro-batch and its residuals (the tensors the backward
-  keeps) are summed: :func:`saved_activation_bytes`. Compile with ``--check tpu`` (libtpu) or on
+  keeps) are summed: :func:`saved_activation_bytes`; under tensor parallelism with the all-reduce buffers
+  the one-device trace cannot show (:func:`traced_activations`). Compile with ``--check tpu`` (libtpu) or on
   the real devices for exact figures.
 * **Collectives**: from the compiled HLO (:func:`meshtrain.analysis.collectives.hlo_collectives`)
   on a real mesh; on an ``AbstractMesh`` the parameter collectives of :mod:`comms` (FSDP gathers,

@@ -112,8 +112,11 @@ Any other model (no analytic formulas: a ``ViTConfig``, ``BertConfig`` or a user
   (:func:`~meshtrain.analysis.compiled.saved_activation_bytes`); *extrapolated to the mesh*: those
   residuals divided by the tensor size where they have a dimension the plan splits over the tensor axes,
   and temporaries = the weights the step multiplies with where they are not the stored parameters
-  (gathered over FSDP axes or cast to the compute dtype: ``Σ E·c ÷ non-batch shards``). XLA's own
-  working buffers are not in it. Against a real compile on 16 CPU devices: BENCHMARKS.md, "AbstractMesh
+  (gathered over FSDP axes or cast to the compute dtype: ``Σ E·c ÷ non-batch shards``). Under tensor
+  parallelism also the all-reduced sums of matmuls over a tensor-split dimension: those a residual is fused
+  from (activations) and what the backward's all-reduce buffers add to its peak (temporaries, liveness of
+  the traced backward: :class:`~meshtrain.analysis.compiled.TracedActivations`). XLA's other working
+  buffers are not in it. Against a real compile on 16 CPU devices: BENCHMARKS.md, "AbstractMesh
   estimate against a compile" (``tools/bench_plan_any_model.py``).
 """
 
