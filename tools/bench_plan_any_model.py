@@ -5,7 +5,8 @@ compile of the same step on as many simulated CPU devices, for models nobody on 
     python tools/bench_plan_any_model.py --models lm1b,vit --recipes fsdp_tp --markdown
 
 Models: ``vit`` (meshtrain's NNX ViT), ``lm1b`` (a Linen decoder in flax's lm1b style: ``DenseGeneral`` with
-short logical names ``embed``/``joined_kv``/``kv``, bridged with ``from_linen``), and, when ``transformers`` is
+short logical names ``embed``/``joined_kv``/``kv``, bridged with ``from_linen``), ``flax-lm1b`` (flax's own lm1b
+Transformer, unedited, when ``python tools/fetch_upstream_models.py`` has fetched it), and, when ``transformers`` is
 installed, HuggingFace's Flax ``gpt2``, ``bert`` (masked LM) and ``hf-vit``, unedited, with the rules files of
 tests/test_hf_flax_models.py. Memory error = traced estimate / compiled peak − 1 (bytes per device, f32).
 """
@@ -172,7 +173,38 @@ def _hf_vit():
             images(32, 3), VIT_RULES)
 
 
-MODELS = {"vit": _vit, "lm1b": _lm1b, "gpt2": _gpt2, "bert": _bert, "hf-vit": _hf_vit}
+def _flax_lm1b_path() -> str:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fetch_upstream_models",
+                                                  os.path.join(os.path.dirname(__file__), "fetch_upstream_models.py"))
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    return fetch.lm1b_models_path()
+
+
+def lm1b_own_loss(model, batch):
+    """flax's lm1b objective: the model shifts its input right, so logits[t] predicts inputs[t]."""
+    logits = model(batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["inputs"])
+    return ce.sum(), ce.size
+
+
+def _flax_lm1b():
+    """flax's own lm1b Transformer (examples/lm1b/models.py as it ships; ``python tools/fetch_upstream_models.py``
+    puts it in .cache/upstream/), at the bench's sizes, with the rules of tests/test_upstream_models.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm1b_models", _flax_lm1b_path())
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    config = models.TransformerConfig(vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=DIM, num_heads=HEADS,
+                                      qkv_dim=DIM, num_layers=LAYERS, mlp_dim=HIDDEN, max_len=T, deterministic=True)
+    return (from_linen(models.TransformerLM(config), jax.ShapeDtypeStruct((1, T), jnp.int32)), lm1b_own_loss,
+            tokens("inputs"), {"logical": {"kv": "tensor"}})
+
+
+MODELS = {"vit": _vit, "lm1b": _lm1b, "flax-lm1b": _flax_lm1b, "gpt2": _gpt2, "bert": _bert, "hf-vit": _hf_vit}
 HF = ("gpt2", "bert", "hf-vit")
 
 
@@ -203,6 +235,9 @@ def main(argv=None) -> int:
     except ImportError:
         print(f"transformers is not installed: skipping {', '.join(m for m in models if m in HF)}")
         models = [m for m in models if m not in HF]
+    if "flax-lm1b" in models and not os.path.exists(_flax_lm1b_path()):
+        print("flax's lm1b example is not fetched (python tools/fetch_upstream_models.py): skipping flax-lm1b")
+        models = [m for m in models if m != "flax-lm1b"]
     rows = []
     for model in models:
         for recipe in args.recipes.split(","):

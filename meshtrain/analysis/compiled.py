@@ -24,7 +24,8 @@ What comes from where:
   devices: peak = argument + output − alias (donated) + temp bytes, exact for this backend.
 * **Memory** (``AbstractMesh``, more devices than exist): nothing can be compiled, so the loss's
   VJP is traced abstractly at one device's micro-batch and its residuals (the tensors the backward
-  keeps) are summed: :func:`saved_activation_bytes`. Compile with ``--check tpu`` (libtpu) or on
+  keeps) are summed: :func:`saved_activation_bytes`; under tensor parallelism with the all-reduce buffers
+  the one-device trace cannot show (:func:`traced_activations`). Compile with ``--check tpu`` (libtpu) or on
   the real devices for exact figures.
 * **Collectives**: from the compiled HLO (:func:`meshtrain.analysis.collectives.hlo_collectives`)
   on a real mesh; on an ``AbstractMesh`` the parameter collectives of :mod:`comms` (FSDP gathers,
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtrain.abstract import path_str
 from meshtrain.analysis.collectives import Collective, hlo_collectives
 from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.annotate import step_context, step_context_for
@@ -313,6 +315,26 @@ def saved_activation_bytes(plan, loss_fn) -> int:
     cast weights as temporaries). Tensor parallelism: a residual with a dimension the plan
     splits over the tensor axes in some parameter (:func:`tensor_split_sizes`) is divided by the tensor size;
     context parallelism is not applied (an upper bound when ``context`` > 1)."""
+    return traced_activations(plan, loss_fn).saved
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedActivations:
+    """What the loss's traced VJP says about one device's activation memory (bytes, one micro-batch).
+
+    ``saved``: the residuals the backward keeps (:func:`saved_activation_bytes`), and under tensor parallelism
+    the all-reduced partial sums they are fused from (:func:`_all_reduced_inputs`). ``working``: under tensor
+    parallelism, what the backward's all-reduce buffers (a second buffer for each partial sum,
+    :func:`_partial_sum`) add to its peak, the live bytes over the program's order
+    (:func:`_backward_working_set`, with and without them); 0 without a tensor axis (XLA's other working
+    buffers are not estimated: on one device's rows they stay within the saved residuals' error)."""
+
+    saved: int
+    working: int
+
+
+def traced_activations(plan, loss_fn) -> TracedActivations:
+    """:class:`TracedActivations` of ``plan``'s step with ``loss_fn`` (traced on ``b`` and ``b + 1`` rows)."""
     loss_fn = _need_loss(loss_fn, "the activation estimate")
     b = local_rows(plan)
     one, two = _residuals(plan, loss_fn, b), _residuals(plan, loss_fn, b + 1)
@@ -327,8 +349,197 @@ def saved_activation_bytes(plan, loss_fn) -> int:
         picked = [i for i, x in enumerate(outs) if tuple(x.aval.shape) not in params]
     stored = _stored_residuals(one, picked)
     split = split | _head_counts(stored, rows_of, t, width)
-    return int(sum(_nbytes(v.aval) / _tensor_divisor(v.aval.shape, rows_of.get(id(v), ()), t, split)
-                   for v in stored))
+    sizes = {v: _nbytes(v.aval) / _tensor_divisor(v.aval.shape, rows_of.get(id(v), ()), t, split) for v in stored}
+    weights = _tensor_split_weights(plan, one) if t > 1 else {}
+    saved = int(sum(sizes.values()) + _all_reduced_inputs(one, two, stored, t, split, weights))
+    producer = {v: i for i, e in enumerate(one.eqns) for v in e.outvars}
+    backward = 1 + max((producer.get(outs[i], -1) for i in picked), default=-1)
+    working = 0.0
+    if t > 1 and len(one.eqns) == len(two.eqns):  # what tensor parallelism's all-reduces add to the backward's peak
+        working = (_backward_working_set(one, two, backward, t, split, sizes, weights, with_all_reduce=True)
+                   - _backward_working_set(one, two, backward, t, split, sizes, weights))
+    return TracedActivations(saved, int(working))
+
+
+#: Elementwise primitives of a backward beyond :data:`_FUSIBLE` (cotangent sums, zeroed gradients): fused too.
+_ELEMENTWISE = _FUSIBLE | {"add_any", "stop_gradient", "is_finite"}
+_FUSED_READERS = _ELEMENTWISE | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
+
+
+def _sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation runs (a call's body, a scan's or while's body, a cond's branches)."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns") and hasattr(inner, "outvars"):
+                found.append(inner)
+    return found
+
+
+def _elementwise(eqn) -> bool:
+    """Whether XLA fuses ``eqn`` into its readers (an elementwise primitive, or a call with only those inside)."""
+    if eqn.primitive.name in _ELEMENTWISE:
+        return True
+    inner = _sub_jaxprs(eqn)
+    return eqn.primitive.name in _CALLS and len(inner) == 1 and all(_elementwise(e) for e in inner[0].eqns)
+
+
+def _partial_sum(eqn, more_eqn, t: int, split: frozenset, weights=None) -> bool:
+    """Whether under tensor parallelism ``eqn`` is a matmul that sums over a dimension split over the tensor axes
+    into an activation that is not split: each device computes a partial sum, all-reduced into a second buffer
+    of the same size (``more_eqn``: the same equation traced on one more row). Split: a dimension of a
+    tensor-split size, or one of a weight's dimensions the plan shards over the tensor axes (``weights``: weight
+    variable → those dimensions, :func:`_tensor_split_weights`; e.g. a ``(D, D)`` output projection whose input
+    dimension is the heads')."""
+    from jax.extend.core import Literal
+
+    if t <= 1 or eqn.primitive.name != "dot_general":
+        return False
+    (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
+    summed = [eqn.invars[0].aval.shape[d] for d in contract_l] + [eqn.invars[1].aval.shape[d] for d in contract_r]
+    sharded = [d for x, dims in zip(eqn.invars, (contract_l, contract_r)) if not isinstance(x, Literal)
+               for d in dims if d in (weights or {}).get(x, ())]
+    out, out_more = eqn.outvars[0].aval.shape, more_eqn.outvars[0].aval.shape
+    return (any(d in split for d in summed) or bool(sharded)) and _tensor_divisor(out, out_more, t, split) == 1
+
+
+#: Shape-preserving ops a weight passes through on its way to a matmul (a cast, a copy): its sharded dims stay.
+_SAME_DIMS = frozenset({"convert_element_type", "copy", "copy_p", "sharding_constraint"})
+
+
+def _tensor_split_weights(plan, jaxpr) -> Dict[Any, frozenset]:
+    """The dimensions of each parameter (``jaxpr``'s first inputs, in the params' tree order) the plan shards
+    over the tensor axes, and of the casts and transposes made of them (as the matmuls read them)."""
+    from jax.extend.core import Literal
+
+    axes = set(layout_of(plan).tensor_axes)
+    spec = {leaf.path: leaf.spec for leaf in plan.group("params")}
+    paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(plan.abstract.params)[0]]
+    found = {}
+    for var, path in zip(jaxpr.invars, paths):
+        entries = tuple(spec.get(path, ())) + (None,) * len(getattr(var.aval, "shape", ()))
+        dims = frozenset(i for i, e in enumerate(entries[:len(var.aval.shape)]) if _axes_in((e,)) & axes)
+        if dims:
+            found[var] = dims
+    for e in jaxpr.eqns:
+        if len(e.invars) != 1 or isinstance(e.invars[0], Literal) or e.invars[0] not in found:
+            continue
+        dims = found[e.invars[0]]
+        if e.primitive.name in _SAME_DIMS:
+            found[e.outvars[0]] = dims
+        elif e.primitive.name == "transpose":
+            perm = e.params["permutation"]
+            found[e.outvars[0]] = frozenset(i for i, d in enumerate(perm) if d in dims)
+    return found
+
+
+def _all_reduced_inputs(jaxpr, more, stored, t: int, split: frozenset, weights=None) -> float:
+    """Bytes of the all-reduced partial sums (:func:`_partial_sum`) the stored residuals are fused from (each
+    once): under tensor parallelism the sum is a buffer of its own, which XLA keeps where the backward
+    recomputes a residual from it (``x + attention_out`` from the all-reduced ``attention_out``)."""
+    from jax.extend.core import Literal
+
+    index = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    found: Dict[Any, float] = {}
+    seen: set = set()
+
+    def walk(v, depth: int):
+        i = None if isinstance(v, Literal) else index.get(v)
+        if i is None or v in seen or depth < 0:
+            return
+        seen.add(v)
+        e = jaxpr.eqns[i]
+        if _partial_sum(e, more.eqns[i], t, split, weights):
+            found[v] = _nbytes(v.aval)
+        elif _elementwise(e):
+            for x in e.invars:
+                walk(x, depth - 1)
+
+    for v in stored:
+        e = jaxpr.eqns[index[v]] if v in index else None
+        if e is not None and _elementwise(e):
+            for x in e.invars:
+                walk(x, 8)
+    return float(sum(found.values()))
+
+
+def _backward_working_set(jaxpr, more, start: int, t: int, split: frozenset, saved=None, weights=None, *,
+                          with_all_reduce: bool = False) -> float:
+    """Bytes of the buffers the backward makes (eqns from ``start`` on) that are live at once, at the most.
+
+    Counted: values whose shape follows the rows (``jaxpr`` traced on ``b`` rows, ``more`` on ``b + 1``; weight
+    gradients are counted as gradients), each divided by the tensor size as :func:`_tensor_divisor` divides a
+    residual, and only where XLA gives them a buffer: made by a non-elementwise op (a matmul, a reduction, a
+    call) or read by one (a matmul reads its operands from memory); elementwise chains between are fused. A
+    buffer lives from the op that makes it to the last op that reads it or a value fused from it. A call's or
+    a scan's body adds its own working set while it runs. The residuals are not counted (they are the saved
+    activations) but they are freed as the backward reads them for the last time: ``saved`` (residual → bytes)
+    are live from ``start`` to their last reader, and the result is the most bytes live at once less their
+    sum (what the backward needs beyond them, 0 when its peak is at its start). ``with_all_reduce``: each
+    partial sum (:func:`_partial_sum`) has a second buffer, its all-reduce, as long as it lives. A body's own
+    outputs are the call's buffers (not counted twice). Sequential order (the program's); an estimate of the
+    heap, used for the difference the all-reduces make (:class:`TracedActivations`)."""
+    from jax.extend.core import Literal
+
+    eqns = jaxpr.eqns
+    shape_more = {v: w.aval.shape for e, f in zip(eqns, more.eqns) for v, w in zip(e.outvars, f.outvars)}
+    made = {v: i for i, e in enumerate(eqns) if i >= start for v in e.outvars}
+    readers: Dict[Any, list] = {}
+    for e in eqns[start:]:
+        for x in e.invars:
+            if not isinstance(x, Literal):
+                readers.setdefault(x, []).append(e)
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+
+    def activation(v) -> bool:
+        shape = getattr(v.aval, "shape", None)
+        return shape is not None and tuple(shape) != tuple(shape_more.get(v, shape))
+
+    buffers = {v for v, i in made.items() if activation(v) and (v not in outputs or start > 0) and (
+        not _elementwise(eqns[i]) or v in outputs
+        or any(r.primitive.name not in _FUSED_READERS and not _elementwise(r) for r in readers.get(v, ())))}
+    roots: Dict[Any, frozenset] = {}
+
+    saved = saved or {}
+    producer = {v: e for e in eqns for v in e.outvars}
+
+    def roots_of(v) -> frozenset:  # the buffers (or residuals) a fused value is computed from
+        if isinstance(v, Literal):
+            return frozenset()
+        if v in buffers or v in saved:
+            return frozenset({v})
+        if v not in roots:
+            e = producer.get(v)
+            fused = e is not None and (v in made or _elementwise(e))
+            roots[v] = frozenset().union(*(roots_of(x) for x in e.invars)) if fused else frozenset()
+        return roots[v]
+
+    made.update({v: start for v in saved})
+    end = {v: made[v] for v in (buffers | set(saved))}
+    for i, e in enumerate(eqns[start:], start):
+        for x in e.invars:
+            for r in roots_of(x):
+                end[r] = max(end[r], i)
+    for v in outputs & buffers:
+        end[v] = len(eqns)
+    live, reduced = [0.0] * (len(eqns) + 1), [0.0] * (len(eqns) + 1)
+    for v in buffers | set(saved):
+        size = saved[v] if v in saved else _nbytes(v.aval) / _tensor_divisor(v.aval.shape, shape_more[v], t, split)
+        extra = size if v in buffers and _partial_sum(eqns[made[v]], more.eqns[made[v]], t, split, weights) else 0.0
+        for i in range(made[v], end[v] + 1):
+            live[i] += size
+            reduced[i] += extra
+    for i, (e, f) in enumerate(zip(eqns[start:], more.eqns[start:]), start):
+        inner = [_backward_working_set(a, b, 0, t, split, with_all_reduce=True) for a, b
+                 in zip(_sub_jaxprs(e), _sub_jaxprs(f)) if len(a.eqns) == len(b.eqns)]
+        plain = [_backward_working_set(a, b, 0, t, split) for a, b
+                 in zip(_sub_jaxprs(e), _sub_jaxprs(f)) if len(a.eqns) == len(b.eqns)]
+        live[i] += max(plain, default=0.0)
+        reduced[i] += max(inner, default=0.0) - max(plain, default=0.0)
+    if with_all_reduce:
+        live = [a + b for a, b in zip(live, reduced)]
+    return max(max(live[start:], default=0.0) - sum(saved.values()), 0.0)
 
 
 def _head_counts(stored, rows_of, t: int, width) -> frozenset:
@@ -423,7 +634,9 @@ class ProgramCost:
     ``flops``: :func:`jaxpr_flops` of the step, all devices together. ``source``: :data:`COMPILED`
     (compiled for the plan's devices: ``memory``, ``collectives``, ``xla_flops`` set) or
     :data:`TRACED` (an ``AbstractMesh``: only traced). ``activations``: :func:`saved_activation_bytes`
-    (traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices`` (while bodies once).
+    and ``working_set``: what tensor parallelism's all-reduces add to the backward's peak
+    (:class:`TracedActivations`; traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices``
+    (while bodies once).
     """
 
     source: str
@@ -433,6 +646,7 @@ class ProgramCost:
     collectives: Tuple[Collective, ...] = ()
     xla_flops: Optional[float] = None
     activations: Optional[int] = None
+    working_set: Optional[int] = None
 
     @property
     def flops_per_device(self) -> float:
@@ -441,6 +655,7 @@ class ProgramCost:
     def to_dict(self) -> Dict[str, object]:
         return {"source": self.source, "num_devices": self.num_devices, "flops": self.flops,
                 "xla_cost_analysis_flops": self.xla_flops, "activations": self.activations,
+                "working_set": self.working_set,
                 "memory": self.memory.to_dict() if self.memory else None}
 
 
@@ -455,7 +670,8 @@ def program_cost(plan, loss_fn, batch_abstract=None, *, compile: Optional[bool] 
     traced = trace_step(plan, loss_fn, batch_abstract)
     flops = jaxpr_flops(traced.jaxpr)
     if not compile:
-        return ProgramCost(TRACED, plan.num_devices, flops, activations=saved_activation_bytes(plan, loss_fn))
+        acts = traced_activations(plan, loss_fn)
+        return ProgramCost(TRACED, plan.num_devices, flops, activations=acts.saved, working_set=acts.working)
     if is_abstract(plan):
         compile_step(plan, loss_fn, batch_abstract)  # raises the explanation
     compiled = traced.lower().compile()
@@ -468,4 +684,5 @@ def program_cost(plan, loss_fn, batch_abstract=None, *, compile: Optional[bool] 
 
 __all__ = ["ANALYTIC", "COMPILED", "TRACED", "MeasuredMemory", "ProgramCost", "compile_step",
            "compiled_flops_per_step", "default_loss", "has_analytic_model", "jaxpr_flops", "local_rows",
-           "program_cost", "saved_activation_bytes", "step_inputs", "trace_step", "working_weight_bytes"]
+           "program_cost", "saved_activation_bytes", "step_inputs", "trace_step", "traced_activations",
+           "TracedActivations", "working_weight_bytes"]

@@ -127,8 +127,11 @@ Any other model (no analytic formulas: a ``ViTConfig``, ``BertConfig`` or a user
   (:func:`~meshtrain.analysis.compiled.saved_activation_bytes`); *extrapolated to the mesh*: those
   residuals divided by the tensor size where they have a dimension the plan splits over the tensor axes,
   and temporaries = the weights the step multiplies with where they are not the stored parameters
-  (gathered over FSDP axes or cast to the compute dtype: ``Σ E·c ÷ non-batch shards``). XLA's own
-  working buffers are not in it. Against a real compile on 16 CPU devices: BENCHMARKS.md, "AbstractMesh
+  (gathered over FSDP axes or cast to the compute dtype: ``Σ E·c ÷ non-batch shards``). Under tensor
+  parallelism also the all-reduced sums of matmuls over a tensor-split dimension: those a residual is fused
+  from (activations) and what the backward's all-reduce buffers add to its peak (temporaries, liveness of
+  the traced backward: :class:`~meshtrain.analysis.compiled.TracedActivations`). XLA's other working
+  buffers are not in it. Against a real compile on 16 CPU devices: BENCHMARKS.md, "AbstractMesh
   estimate against a compile" (``tools/bench_plan_any_model.py``).
 """
 
@@ -265,11 +268,14 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
             (Component.ACTIVATIONS, cost.activations or 0,
              f"{MEASURED}: loss VJP residuals of one device's b={local_rows(plan)} rows per micro-batch, remat="
              f"{r.remat.value}, {r.compute_dtype}, each once, less those XLA recomputes in the backward's fusions; "
-             f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes"
+             f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes, "
+             f"+ the all-reduced sums (matmuls over a tensor-split dimension) a residual is fused from"
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
-            (Component.TEMPORARIES, extra, f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: "
-                                           "gathered over FSDP axes or cast to the compute dtype (Σ E·c ÷ non-batch "
-                                           "shards); XLA working buffers not included"),
+            (Component.TEMPORARIES, extra + (cost.working_set or 0),
+             f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
+             f"to the compute dtype (Σ E·c ÷ non-batch shards); {EXTRAPOLATED}: + under tensor parallelism the "
+             f"backward's all-reduce buffers (one per matmul summing over a tensor-split dimension) live at once "
+             f"at its peak, {MEASURED} liveness in program order; XLA's other working buffers not included"),
             (Component.OTHER, per.get("model_state", 0), f"{EXACT}: model state (plan)"))
     return _of_rows(rows, cost.source)
 
