@@ -142,7 +142,8 @@ def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(faul
         assert (failed["process"], failed["status"], failed["cause"]) == (process, 137, cause)
     elif fault == "full":   # process 1 exits 74, unless process 0, held in Orbax's save barrier, finds the hang first
         assert (failed["process"], failed["status"]) in ((1, 74), (0, 75)), failed
-        assert failed["status"] == 74 or "slow: process 1" in failed["cause"], failed
+        # (whether that hang report already names process 1 depends on the load: its heartbeat may still be fresh)
+        assert failed["status"] == 74 or "found a hang (watchdog, exit 75)" in failed["cause"], failed
         assert "[1] error: [process 1] saving step 3 to" in done.stderr and "failed: the disk is full" in done.stderr
         assert (events[2]["kind"], events[2]["step"], events[2]["process"]) == ("full", 3, 1)
     else:   # process 0 waits in the step's collective; its watchdog names process 1 and the frame
