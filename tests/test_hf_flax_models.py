@@ -1,7 +1,7 @@
 """transformers' own Flax GPT-2, BERT (masked LM, dropout on) and ViT (dropout on), unedited, through
-the Trainer with glue lines and a rules file each (GPT-2's are the README's): every data/FSDP/ZeRO/TP
-recipe matches one device (relative loss difference <= 1e-5), and the big weights are really sharded.
-Skipped without `transformers` (a test-only dependency)."""
+the Trainer with glue lines and the rules files meshtrain ships (``recipes/rules/hf_*.yaml``; GPT-2's is in
+the README): every data/FSDP/ZeRO/TP recipe matches one device (relative loss difference <= 1e-5), and the
+big weights are really sharded. Skipped without `transformers` (a test-only dependency)."""
 
 import json
 import os
@@ -19,18 +19,29 @@ from meshtrain.train import TrainConfig, Trainer
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2", "hsdp", "fsdp_tp_sp"]
 STEPS, BATCH, T = 3, 16, 64
 
 
+def shipped_rules(name: str) -> str:
+    """A rules file meshtrain ships for a HF model (``recipes/rules/hf_<name>.yaml``; the bench loads them too)."""
+    return os.path.join(ROOT, "recipes", "rules", f"hf_{name}.yaml")
+
+
 @pytest.fixture(scope="module")
-def rules_file(tmp_path_factory):
+def rules_file():
+    return shipped_rules("gpt2")
+
+
+def test_the_readme_shows_the_shipped_gpt2_rules():
+    """The README's GPT-2 rules block is recipes/rules/hf_gpt2.yaml (same sections, same entries)."""
+    import yaml
+
     readme = open(os.path.join(ROOT, "README.md")).read()
-    block = re.search(r"```yaml\n# gpt2-rules.yaml[^\n]*\n(.*?)```", readme, re.S).group(1)
-    path = tmp_path_factory.mktemp("rules") / "gpt2-rules.yaml"
-    path.write_text(block)
-    return str(path)
+    block = re.search(r"```yaml\n# recipes/rules/hf_gpt2.yaml[^\n]*\n(.*?)```", readme, re.S).group(1)
+    with open(shipped_rules("gpt2")) as f:
+        assert yaml.safe_load(block) == yaml.safe_load(f)
 
 
 def gpt2(rules):
@@ -55,21 +66,8 @@ def batches():
                "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (BATCH, T)).copy()}
 
 
-LAYER_RULES = [  # BERT's and ViT's encoder layers (HF Flax names); query|key|value side by side on `tensor`
-    [".*/(query|key|value)/kernel", ["embed", "joined_kv"]],
-    [".*/(query|key|value)/bias", ["joined_kv"]],
-    [".*/attention/output/dense/kernel", ["joined_kv", "embed"]],
-    [".*/intermediate/dense/kernel", ["embed", "mlp"]],
-    [".*/intermediate/dense/bias", ["mlp"]],
-    [r".*layer/\d+/output/dense/kernel", ["mlp", "embed"]]]
-BERT_RULES = {"paths": [[".*word_embeddings/embedding", ["vocab", "embed"]],
-                        [".*(position|token_type)_embeddings/embedding", [None, "embed"]], *LAYER_RULES,
-                        [".*/transform/dense/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
-              "logical": {"joined_kv": "tensor"}}
-VIT_RULES = {"paths": [[".*/(cls_token|position_embeddings)", [None, None, "embed"]],
-                       [".*/patch_embeddings/projection/kernel", [None, None, None, "embed"]], *LAYER_RULES,
-                       ["(.*/)?classifier/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
-             "logical": {"joined_kv": "tensor"}}
+BERT_RULES = shipped_rules("bert")
+VIT_RULES = shipped_rules("vit")
 
 
 def bert(rules):
@@ -154,7 +152,7 @@ from meshtrain.models import from_linen
 
 _hf = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4), _do_init=False)
 _ids = jax.ShapeDtypeStruct((1, 128), jnp.int32)
-make = from_linen(_hf, _ids, _ids, _ids, rules="gpt2-rules.yaml", weights="init")
+make = from_linen(_hf, _ids, _ids, _ids, rules="recipes/rules/hf_gpt2.yaml", weights="init")
 
 
 def loss(model, batch):
@@ -164,21 +162,21 @@ def loss(model, batch):
 '''
 
 
-def test_meshtrain_plan_plans_gpt2_from_the_cli_on_8_and_64_devices(rules_file, tmp_path):
-    import shutil
+def test_meshtrain_plan_plans_gpt2_from_the_cli_on_8_and_64_devices(tmp_path):
+    """The README's command, from the repository's root with the shipped rules file."""
     import sys
 
     import processes
 
-    shutil.copy(rules_file, tmp_path / "gpt2-rules.yaml")
-    (tmp_path / "gpt2_model.py").write_text(MODEL_FILE)
+    model = tmp_path / "gpt2_model.py"
+    model.write_text(MODEL_FILE)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     batch = ",".join(f"{k}=64x128:int32" for k in ("inputs", "targets", "mask", "positions"))
     for devices in (8, 64):
-        out = processes.run([sys.executable, "-m", "meshtrain", "plan", "--model", "gpt2_model.py:make", "--rules",
-                             "gpt2-rules.yaml", "--batch", batch, "--loss", "gpt2_model.py:loss", "--recipe", "fsdp_tp",
-                             "--devices", str(devices)], capture_output=True, text=True, env=env, cwd=tmp_path,
+        out = processes.run([sys.executable, "-m", "meshtrain", "plan", "--model", f"{model}:make", "--rules",
+                             "recipes/rules/hf_gpt2.yaml", "--batch", batch, "--loss", f"{model}:loss", "--recipe",
+                             "fsdp_tp", "--devices", str(devices)], capture_output=True, text=True, env=env, cwd=ROOT,
                             timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"({devices} devices," in out.stdout and "memory per device" in out.stdout, out.stdout[:2000]
