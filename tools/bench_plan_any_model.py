@@ -7,8 +7,10 @@ compile of the same step on as many simulated CPU devices, for models nobody on 
 Models: ``vit`` (meshtrain's NNX ViT), ``lm1b`` (a Linen decoder in flax's lm1b style: ``DenseGeneral`` with
 short logical names ``embed``/``joined_kv``/``kv``, bridged with ``from_linen``), ``flax-lm1b`` (flax's own lm1b
 Transformer, unedited, when ``python tools/fetch_upstream_models.py`` has fetched it), and, when ``transformers`` is
-installed, HuggingFace's Flax ``gpt2``, ``bert`` (masked LM) and ``hf-vit``, unedited, with the rules files of
-tests/test_hf_flax_models.py. Memory error = traced estimate / compiled peak − 1 (bytes per device, f32).
+installed, HuggingFace's Flax ``gpt2``, ``bert`` (masked LM) and ``hf-vit``, unedited, and, when
+``MESHTRAIN_BIG_VISION`` names a big_vision checkout (``python tools/fetch_upstream_models.py --big-vision``),
+big_vision's ViT unedited, ``bv-vit`` and ``bv-vit-scan`` (its own layer scan); the rules files of the unnamed
+ones are ``recipes/rules/*.yaml``. Memory error = traced estimate / compiled peak − 1 (bytes per device, f32).
 """
 
 from __future__ import annotations
@@ -108,27 +110,12 @@ def images(size: int, channels: int):
             "labels": jax.ShapeDtypeStruct((BATCH,), jnp.int32)}
 
 
-LAYER_RULES = [  # BERT's and ViT's encoder layers (HF Flax names), as tests/test_hf_flax_models.py writes them
-    [".*/(query|key|value)/kernel", ["embed", "joined_kv"]],
-    [".*/(query|key|value)/bias", ["joined_kv"]],
-    [".*/attention/output/dense/kernel", ["joined_kv", "embed"]],
-    [".*/intermediate/dense/kernel", ["embed", "mlp"]],
-    [".*/intermediate/dense/bias", ["mlp"]],
-    [r".*layer/\d+/output/dense/kernel", ["mlp", "embed"]]]
-GPT2_RULES = {"paths": {".*/wte/embedding": ["vocab", "embed"], ".*/wpe/embedding": [None, "embed"],
-                        ".*/attn/c_attn/kernel": ["joined_kv", "embed"], ".*/attn/c_attn/bias": ["joined_kv"],
-                        ".*/attn/c_proj/kernel": ["embed", "joined_kv"], ".*/mlp/c_fc/kernel": ["mlp", "embed"],
-                        ".*/mlp/c_fc/bias": ["mlp"], ".*/mlp/c_proj/kernel": ["embed", "mlp"],
-                        ".*/(bias|scale)": [None]},
-              "logical": {"joined_kv": "tensor"}}
-BERT_RULES = {"paths": [[".*word_embeddings/embedding", ["vocab", "embed"]],
-                        [".*(position|token_type)_embeddings/embedding", [None, "embed"]], *LAYER_RULES,
-                        [".*/transform/dense/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
-              "logical": {"joined_kv": "tensor"}}
-VIT_RULES = {"paths": [[".*/(cls_token|position_embeddings)", [None, None, "embed"]],
-                       [".*/patch_embeddings/projection/kernel", [None, None, None, "embed"]], *LAYER_RULES,
-                       ["(.*/)?classifier/kernel", ["embed", None]], [".*/(bias|scale)", [None]]],
-              "logical": {"joined_kv": "tensor"}}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rules_file(name: str) -> str:
+    """A rules file shipped in ``recipes/rules/`` (the ones tests/test_hf_flax_models.py trains with)."""
+    return os.path.join(ROOT, "recipes", "rules", f"{name}.yaml")
 
 
 def _lm1b():
@@ -145,32 +132,35 @@ def _vit():
 def _gpt2():
     import transformers
 
+    rules = rules_file("hf_gpt2")
     hf = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=DIM,
                                                                    n_layer=LAYERS, n_head=HEADS))
     ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
-    return (from_linen(hf, ids, ids, ids, rules=GPT2_RULES), hf_next_token,
-            tokens("inputs", "targets", "mask", "positions"), GPT2_RULES)
+    return (from_linen(hf, ids, ids, ids, rules=rules), hf_next_token,
+            tokens("inputs", "targets", "mask", "positions"), rules)
 
 
 def _bert():
     import transformers
 
+    rules = rules_file("hf_bert")
     hf = transformers.FlaxBertForMaskedLM(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=HIDDEN, max_position_embeddings=T))
     ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
-    return (from_linen(hf, ids, ids, ids, ids, None, rules=BERT_RULES), hf_mlm,
-            tokens("inputs", "targets", "mask", "types", "positions"), BERT_RULES)
+    return (from_linen(hf, ids, ids, ids, ids, None, rules=rules), hf_mlm,
+            tokens("inputs", "targets", "mask", "types", "positions"), rules)
 
 
 def _hf_vit():
     import transformers
 
+    rules = rules_file("hf_vit")
     hf = transformers.FlaxViTForImageClassification(transformers.ViTConfig(
         image_size=32, patch_size=4, num_channels=3, hidden_size=DIM, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, intermediate_size=HIDDEN, num_labels=10))
-    return (from_linen(hf, jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32), rules=VIT_RULES), hf_vit_loss,
-            images(32, 3), VIT_RULES)
+    return (from_linen(hf, jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32), rules=rules), hf_vit_loss,
+            images(32, 3), rules)
 
 
 def _flax_lm1b_path() -> str:
@@ -204,8 +194,44 @@ def _flax_lm1b():
             tokens("inputs"), {"logical": {"kv": "tensor"}})
 
 
-MODELS = {"vit": _vit, "lm1b": _lm1b, "flax-lm1b": _flax_lm1b, "gpt2": _gpt2, "bert": _bert, "hf-vit": _hf_vit}
+def _big_vision_module():
+    """big_vision/models/vit.py as it ships, from the checkout ``MESHTRAIN_BIG_VISION`` names (as
+    tests/test_upstream_models.py imports it: vit.py imports big_vision.utils only to load checkpoints, and that
+    module needs tensorflow, so where it does not import an empty module stands in for it)."""
+    import types
+
+    root = os.environ["MESHTRAIN_BIG_VISION"]
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        import big_vision.utils  # noqa: F401
+    except ImportError:
+        sys.modules["big_vision.utils"] = types.ModuleType("big_vision.utils")
+    from big_vision.models import vit
+    return vit
+
+
+def bv_vit_loss(model, batch):
+    logits, _ = model(batch["images"], train=False)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["labels"])
+    return ce.sum(), ce.size
+
+
+def _big_vision(scan: bool):
+    """big_vision's ViT, unedited, at the bench's sizes (its own layer scan with ``scan``), rules from
+    ``recipes/rules/``."""
+    vit = _big_vision_module()
+    model = vit.Model(10, patch_size=(4, 4), width=DIM, depth=LAYERS, mlp_dim=HIDDEN, num_heads=HEADS,
+                      head_zeroinit=False, scan=scan)
+    rules = rules_file("big_vision_vit_scan" if scan else "big_vision_vit")
+    return (from_linen(model, jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)), bv_vit_loss, images(32, 3),
+            rules)
+
+
+MODELS = {"vit": _vit, "lm1b": _lm1b, "flax-lm1b": _flax_lm1b, "gpt2": _gpt2, "bert": _bert, "hf-vit": _hf_vit,
+          "bv-vit": lambda: _big_vision(False), "bv-vit-scan": lambda: _big_vision(True)}
 HF = ("gpt2", "bert", "hf-vit")
+BIG_VISION = ("bv-vit", "bv-vit-scan")
 
 
 def compare(model: str, recipe_name: str, devices: int = DEVICES):
@@ -238,6 +264,11 @@ def main(argv=None) -> int:
     if "flax-lm1b" in models and not os.path.exists(_flax_lm1b_path()):
         print("flax's lm1b example is not fetched (python tools/fetch_upstream_models.py): skipping flax-lm1b")
         models = [m for m in models if m != "flax-lm1b"]
+    if not os.environ.get("MESHTRAIN_BIG_VISION") and any(m in BIG_VISION for m in models):
+        print("MESHTRAIN_BIG_VISION is not set (big_vision is on no package registry: python "
+              "tools/fetch_upstream_models.py --big-vision, then MESHTRAIN_BIG_VISION=.cache/upstream/big_vision): "
+              f"skipping {', '.join(m for m in models if m in BIG_VISION)}")
+        models = [m for m in models if m not in BIG_VISION]
     rows = []
     for model in models:
         for recipe in args.recipes.split(","):
