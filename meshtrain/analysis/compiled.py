@@ -269,11 +269,44 @@ def _read_only_by_fusions(jaxpr, var, start: int) -> bool:
     return True
 
 
+def _expands(eqn) -> bool:
+    """Whether ``eqn`` makes a value larger than each of its operands, at least one of them computed (not a
+    literal): an outer product or broadcast, e.g. a layer norm's ``rsqrt(var)[..., None] * scale`` of shape
+    ``(b, T, D)`` from a ``(b, T, 1)`` statistic and a ``(D,)`` weight."""
+    from jax.extend.core import Literal
+
+    size = int(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0
+    computed = [x for x in eqn.invars if not isinstance(x, Literal)]
+    return bool(computed) and all(int(np.prod(getattr(x.aval, "shape", ()))) < size for x in computed)
+
+
+def _read_in(jaxpr, var, start: int) -> bool:
+    """Whether an equation from ``start`` on reads ``var``, looking into calls: one a call passes on but its body
+    never reads is dead there (XLA removes it), as a residual the backward does not need."""
+    for e in jaxpr.eqns[start:]:
+        for pos, x in enumerate(e.invars):
+            if x is not var:
+                continue
+            inner = _sub_jaxprs(e) if e.primitive.name in _CALLS else []
+            if len(inner) != 1 or pos >= len(inner[0].invars):
+                return True
+            body = inner[0]
+            if body.invars[pos] in body.outvars or _read_in(body, body.invars[pos], 0):
+                return True
+    return False
+
+
 def _stored_residuals(jaxpr, activations) -> list:
     """The residual variables (of ``activations``, output positions) XLA stores: each once, not the step's own
     inputs, and not those made by fusible ops from inputs, constants and the stored ones where the backward
     reads them only in fusions (XLA recomputes them there: e.g. a masked score matrix and its softmax from the
-    scores, a causal mask from an iota); one a matmul reads stays in a buffer."""
+    scores, a causal mask from an iota); one a matmul reads stays in a buffer. Nor is one recomputed that a
+    fusible op *expands* from smaller operands (:func:`_expands`: a layer norm's per-row statistic times its
+    scale): XLA:CPU materialises such broadcasts where the backward's reductions read them (its YNNPACK
+    library fusions take their operands from buffers), so at least one buffer of its size lives from the
+    forward to the backward (flax's lm1b on 16 devices, the compiled step's live ranges: 1 per layer norm
+    under fsdp_tp, 2 under dp, 3 under tp). Not counted: a residual the backward never reads (passed to a
+    call whose body does not use it, as the masked scores of a softmax's backward: XLA removes it)."""
     from jax.extend.core import Literal
 
     producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
@@ -291,8 +324,9 @@ def _stored_residuals(jaxpr, activations) -> list:
     unique = {id(v): v for v in (jaxpr.outvars[i] for i in activations) if not isinstance(v, Literal)}
     for v in sorted(unique.values(), key=lambda v: producer.get(v, (-1,))[0]):
         found = producer.get(v)
-        if v in live or (found is not None and _fusible(found[1]) and all(derivable(x, 8) for x in found[1].invars)
-                         and _read_only_by_fusions(jaxpr, v, backward)):
+        if v in live or not _read_in(jaxpr, v, backward) or (
+                found is not None and _fusible(found[1]) and not _expands(found[1])
+                and all(derivable(x, 8) for x in found[1].invars) and _read_only_by_fusions(jaxpr, v, backward)):
             continue
         stored.add(v)
     return sorted(stored, key=lambda v: producer.get(v, (-1,))[0])
@@ -307,12 +341,12 @@ def saved_activation_bytes(plan, loss_fn) -> int:
     """Bytes the backward keeps on one device for one micro-batch (``loss_fn``'s VJP residuals).
 
     The loss is traced abstractly (no devices) with the recipe's remat policy and compute dtype on
-    ``B / (data-parallel size × micro-batches)`` rows. Each residual is counted once, and not where XLA
-    recomputes it inside the backward's fusions (made by elementwise ops from the step's inputs, constants or
-    the stored residuals: :func:`_stored_residuals`). It is traced twice, on ``b`` and ``b + 1``
-    rows: residuals whose shape changes with the rows are activations (counted); the others are
-    weights and constants (not counted here: parameters are counted as parameters and gathered or
-    cast weights as temporaries). Tensor parallelism: a residual with a dimension the plan
+    ``B / (data-parallel size × micro-batches)`` rows. Each residual is counted once, not where the backward
+    never reads it, and not where XLA recomputes it inside the backward's fusions (made by elementwise ops from
+    the step's inputs, constants or the stored residuals, without expanding them: :func:`_stored_residuals`).
+    It is traced twice, on ``b`` and ``b + 1`` rows: residuals whose shape changes with the rows are
+    activations (counted); the others are weights and constants (not counted here: parameters are counted as
+    parameters and gathered or cast weights as temporaries). Tensor parallelism: a residual with a dimension the plan
     splits over the tensor axes in some parameter (:func:`tensor_split_sizes`) is divided by the tensor size;
     context parallelism is not applied (an upper bound when ``context`` > 1)."""
     return traced_activations(plan, loss_fn).saved

@@ -267,7 +267,8 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
              + (" + f32 accumulator 4 B × elements per device (micro-batches)" if micro > 1 else "")),
             (Component.ACTIVATIONS, cost.activations or 0,
              f"{MEASURED}: loss VJP residuals of one device's b={local_rows(plan)} rows per micro-batch, remat="
-             f"{r.remat.value}, {r.compute_dtype}, each once, less those XLA recomputes in the backward's fusions; "
+             f"{r.remat.value}, {r.compute_dtype}, each once, less those the backward never reads and those XLA "
+             f"recomputes in the backward's fusions (not the broadcasts a fusible op expands, which XLA:CPU keeps); "
              f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes, "
              f"+ the all-reduced sums (matmuls over a tensor-split dimension) a residual is fused from"
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
