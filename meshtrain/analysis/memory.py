@@ -123,7 +123,8 @@ Any other model (no analytic formulas: a ``ViTConfig``, ``BertConfig`` or a user
 * on an ``AbstractMesh`` (more devices than exist), from the traced program; each formula starts with how
   its figure was obtained: *exact (plan)*: parameters, optimizer state, batch and model state, gradients ``P``
   (as above); *measured (traced program)*: activations = the loss VJP's residuals at one device's
-  micro-batch, each once, less those XLA recomputes inside the backward's fusions
+  micro-batch, each once, less those the backward never reads and those XLA recomputes inside the backward's
+  fusions, not the broadcasts a fusible op expands (XLA:CPU keeps those)
   (:func:`~meshtrain.analysis.compiled.saved_activation_bytes`); *extrapolated to the mesh*: those
   residuals divided by the tensor size where they have a dimension the plan splits over the tensor axes,
   and temporaries = the weights the step multiplies with where they are not the stored parameters
