@@ -50,8 +50,9 @@ def test_tables_go_under_one_heading_newest_first(tmp_path):
 def test_the_dry_run_runs_the_pipeline_and_adds_a_dated_table(tmp_path):
     dc = _tool_module()
     out_md = tmp_path / "BENCHMARKS.md"
-    # a budget for one or two variants: the rest are listed as skipped, as on a slow accelerator host
-    out = run_script("--dry-run", "--budget-s", "150", "--out", str(out_md), timeout=600)
+    # the baseline only (the other rows compare with it): the rest are listed as skipped; the budget's
+    # own skipping is test_a_variant_past_the_budget_or_the_variant_count_is_skipped_with_its_row
+    out = run_script("--dry-run", "--variants", "1", "--out", str(out_md), timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     text = out_md.read_text()
     assert text.startswith(dc.HEADING)
@@ -62,3 +63,15 @@ def test_the_dry_run_runs_the_pipeline_and_adds_a_dated_table(tmp_path):
                      r"([0-9.]+)% \| 1\.000 \| ([0-9.,]+) \| ([0-9.]+) \|$", text, re.M)
     assert base, text  # the baseline: both steps timed, MFU, and the planner's prediction next to it
     assert text[len(dc.HEADING):].strip() in out.stdout  # what it wrote is what it printed
+
+
+def test_a_variant_past_the_budget_or_the_variant_count_is_skipped_with_its_row(monkeypatch):
+    dc = _tool_module()
+    ran = []
+    monkeypatch.setattr(dc, "bench", lambda v, shapes, env, timeout: ran.append(v.label) or {"error": "not run"})
+    shapes = dc.Shapes("tiny", 8, 32, 1)
+    rows = dc.run_all(shapes, {}, 0.0, 8, log=lambda *a, **k: None)   # no budget left: nothing starts
+    assert ran == [] and [r["error"] for r in rows] == ["skipped: 0 s of the 0 s budget left"] * len(dc.VARIANTS)
+    rows = dc.run_all(shapes, {}, 1e9, 8, log=lambda *a, **k: None, limit=2)
+    assert ran == [v.label for v in dc.VARIANTS[:2]]
+    assert [r["error"] for r in rows[2:]] == ["skipped: --variants 2"] * (len(dc.VARIANTS) - 2)

@@ -89,7 +89,13 @@ def parse(argv):
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default 8 per device; dry run 8)")
     p.add_argument("--seq-len", type=int, default=None, help="default 2048 (--dry-run: 32)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5; --dry-run: 1)")
-    return p.parse_args(argv)
+    p.add_argument("--variants", type=int, default=None,
+                   help="run only the first N variants, in priority order (the baseline first); the others get a "
+                        "'skipped' row (default: all)")
+    args = p.parse_args(argv)
+    if args.variants is not None and args.variants < 1:
+        p.error(f"--variants {args.variants}: give 1 or more (1 runs the baseline only)")
+    return args
 
 
 def child_env(dry_run: bool) -> Dict[str, str]:
@@ -162,9 +168,14 @@ def variants_for(devices: int) -> List[Variant]:
     return [one if v.label == "fsdp_tp flash" else v for v in VARIANTS]
 
 
-def run_all(shapes: Shapes, env, budget_s: float, devices: int, log=print) -> List[Dict[str, object]]:
+def run_all(shapes: Shapes, env, budget_s: float, devices: int, log=print,
+            limit: Optional[int] = None) -> List[Dict[str, object]]:
     start, rows, durations = time.monotonic(), [], []
-    for v in variants_for(devices):
+    for i, v in enumerate(variants_for(devices)):
+        if limit is not None and i >= limit:
+            rows.append({"variant": v, "error": f"skipped: --variants {limit}"})
+            log(f"{v.label}: {rows[-1]['error']}", flush=True)
+            continue
         left = budget_s - (time.monotonic() - start)
         expected = statistics.median(durations) if durations else MIN_RUN_S
         if left < max(MIN_RUN_S, expected):
@@ -253,7 +264,7 @@ def main(argv=None) -> int:
     print(f"device check: {device['count']} × {device['kind']} ({device['platform']}); {shapes}", flush=True)
     t0 = time.monotonic()
     devices = SIMULATED_DEVICES if args.dry_run else int(device["count"])
-    rows = run_all(shapes, env, args.budget_s, devices)
+    rows = run_all(shapes, env, args.budget_s, devices, limit=args.variants)
     text = section_text(rows, device, shapes, args.dry_run, time.monotonic() - t0)
     print("\n" + text)
     out = args.out or (None if args.dry_run else BENCHMARKS)
