@@ -259,6 +259,8 @@ def test_expert_order_permutations_match_a_sort(layout):
     permutation a stable sort by (local expert, source) would, padding rows last in buffer order."""
     from meshtrain.parallel.moe import expert_order
 
+    # one compiled program per shape, as inside the train step (run eagerly, each of its ops compiles apart)
+    order = jax.jit(expert_order, static_argnums=2)
     rng = np.random.default_rng(0)
     for _ in range(60):
         ep, n_local, a = (int(v) for v in rng.integers(1, 5, size=3))
@@ -273,7 +275,7 @@ def test_expert_order_permutations_match_a_sort(layout):
             block_experts = np.repeat(np.arange(n_local), counts[i])
             key[starts[i]:starts[i] + len(block_experts)] = block_experts * ep + i
         want = np.argsort(key, kind="stable")
-        idx, inv, sizes = expert_order(jnp.asarray(counts), jnp.asarray(starts, jnp.int32), rows)
+        idx, inv, sizes = order(jnp.asarray(counts), jnp.asarray(starts, jnp.int32), rows)
         np.testing.assert_array_equal(np.asarray(idx), want)
         np.testing.assert_array_equal(np.asarray(inv)[want], np.arange(rows))
         np.testing.assert_array_equal(np.asarray(sizes), counts.sum(0))
