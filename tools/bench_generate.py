@@ -96,18 +96,19 @@ def agreement(continuations, pairs=PAIRS):
     return out
 
 
-def measure_agreement(run, recipe, devices, new_tokens, prompts):
+def measure_agreement(run, recipe, devices, new_tokens, prompts, pairs=PAIRS):
     """:func:`agreement` of greedy continuations of ``prompts`` under each format, plus per pair ``(a, b)``
     and prompt the ``margin`` at the first divergence: ``log p_b(b's token) - log p_b(a's token)`` under
-    ``b``'s weights (``None``: no divergence). A small margin is a near-tie of the reference ``b``."""
+    ``b``'s weights (``None``: no divergence). A small margin is a near-tie of the reference ``b``.
+    Only the formats ``pairs`` names are loaded and run."""
     from meshtrain.generation import load
 
     loaded, gens = {}, {}
-    for fmt in sorted({f for pair in PAIRS for f in pair}):
+    for fmt in sorted({f for pair in pairs for f in pair}):
         loaded[fmt] = load(run, recipe=recipe, devices=devices, quantize=fmt)
         gens[fmt] = loaded[fmt].generate(prompts, new_tokens).generations
-    result = agreement({f: [list(g.new_ids) for g in gs] for f, gs in gens.items()})
-    for a, b in PAIRS:
+    result = agreement({f: [list(g.new_ids) for g in gs] for f, gs in gens.items()}, pairs)
+    for a, b in pairs:
         r = result[f"{a} vs {b}"]
         r["margin"] = [None if k == len(gb.new_ids) else margin(loaded[b], gb, ga.new_ids[k], k)
                        for ga, gb, k in zip(gens[a], gens[b], r["first"])]
