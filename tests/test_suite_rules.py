@@ -101,3 +101,11 @@ def test_every_test_file_keeps_a_fast_test():
         tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
         fast = {t for t in tests if (f"tests/{name}", t) not in slow}
         assert fast or not tests, f"{name}: every test is in tests/slow.txt; keep one in the fast tier"
+
+
+def test_every_slowest_first_entry_names_a_test_file():
+    from conftest import SLOWEST_FILES
+
+    missing = [name for name in SLOWEST_FILES if name not in TEST_FILES]
+    assert not missing and len(set(SLOWEST_FILES)) == len(SLOWEST_FILES), (
+        f"tests/conftest.py SLOWEST_FILES names files that do not exist (renamed?) or twice: {missing}")
