@@ -99,27 +99,16 @@ def lm1b_batches():
 
 
 # -- glue: big_vision's ViT ----------------------------------------------------------------------------
-# big_vision/models/vit.py as it ships. Its parameters have no logical names: the rules' paths: section
-# names them (one list per dimension; the scanned variant stacks its layers on a leading `layers` axis).
+# big_vision/models/vit.py as it ships. Its parameters have no logical names: the rules files meshtrain ships
+# (recipes/rules/big_vision_vit{,_scan}.yaml, which tools/bench_plan_any_model.py reads too) name them in their
+# paths: section, one list per dimension; the scanned variant stacks its layers on a leading `layers` axis.
 # vit.py imports big_vision.utils only to load checkpoints (vit.load); that module needs tensorflow, so
 # where it does not import an empty module stands in for it (the model never touches it).
 
-BV_LAYER_RULES = [  # (path under an encoder block, logical names)
-    ["MultiHeadDotProductAttention_0/(query|key|value)/kernel", ["embed", "heads", "head_dim"]],
-    ["MultiHeadDotProductAttention_0/(query|key|value)/bias", ["heads", "head_dim"]],
-    ["MultiHeadDotProductAttention_0/out/kernel", ["heads", "head_dim", "embed"]],
-    ["MlpBlock_0/Dense_0/kernel", ["embed", "mlp"]],
-    ["MlpBlock_0/Dense_0/bias", ["mlp"]],
-    ["MlpBlock_0/Dense_1/kernel", ["mlp", "embed"]]]
 
-
-def big_vision_rules(scan: bool) -> dict:
-    block, stacked = ("Transformer/encoderblock/", ["layers"]) if scan else (r"Transformer/encoderblock_\d+/", [])
-    return {"paths": [["embedding/kernel", [None, None, None, "embed"]],
-                      ["pos_embedding", [None, None, "embed"]],
-                      *[[block + path, stacked + names] for path, names in BV_LAYER_RULES],
-                      ["head/kernel", ["embed", None]],
-                      [".*(bias|scale)", [None]]]}        # the rest (norms, small biases): trailing unsharded
+def big_vision_rules(scan: bool) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, "recipes", "rules", "big_vision_vit_scan.yaml" if scan else "big_vision_vit.yaml")
 
 
 def big_vision_vit_module():
