@@ -400,7 +400,28 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     if t > 1 and len(one.eqns) == len(two.eqns):  # what tensor parallelism's all-reduces add to the backward's peak
         working = (_backward_working_set(one, two, backward, t, split, sizes, weights, with_all_reduce=True)
                    - _backward_working_set(one, two, backward, t, split, sizes, weights))
-    return TracedActivations(saved, int(working), _recompute_working_set(plan, loss_fn, b, t, split))
+    recompute = _recompute_working_set(plan, loss_fn, b, t, split)
+    if recompute:  # the residuals the backward is done with before it recomputes a segment are freed by then
+        recompute = max(recompute - int(_freed_before_remat(one, backward, sizes)), 0)
+    return TracedActivations(saved, int(working), recompute)
+
+
+def _freed_before_remat(jaxpr, start: int, sizes) -> float:
+    """Bytes of the stored residuals (``sizes``: residual → bytes) the backward (eqns from ``start`` on) reads
+    for the last time before its first equation that runs a remat segment: freed when the recomputation runs
+    (a final layer norm's residuals, read before the layer scan's backward)."""
+    from jax.extend.core import Literal
+
+    first = next((i for i, e in enumerate(jaxpr.eqns[start:], start)
+                  if e.primitive.name in _REMAT or any(_remat_bodies(x) for x in _sub_jaxprs(e))), None)
+    if first is None:
+        return 0.0
+    last = {}
+    for i, e in enumerate(jaxpr.eqns[start:], start):
+        for x in e.invars:
+            if not isinstance(x, Literal) and x in sizes:
+                last[x] = i
+    return float(sum(size for v, size in sizes.items() if last.get(v, first) < first))
 
 
 #: The remat primitive (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``) as jaxprs name it.
@@ -455,7 +476,9 @@ def _recompute_working_set(plan, loss_fn, b: int, t: int, split: frozenset) -> i
     segment would save without remat. Measured: each remat segment of the traced forward (``b`` and ``b + 1``
     rows) differentiated without its policy (:func:`_segment_residuals`), its residuals counted as
     :func:`_stored_residuals` counts the step's, the activations among them ÷ the tensor size where split
-    (:func:`_tensor_divisor`); the largest segment (one runs at a time). 0 without remat."""
+    (:func:`_tensor_divisor`); the largest segment (one runs at a time). 0 without remat. What it adds to the
+    peak is this less the step's residuals freed before the first segment's backward
+    (:func:`_freed_before_remat`, in :func:`traced_activations`)."""
     one, two = (_remat_bodies(_residuals(plan, loss_fn, rows, forward=True)) for rows in (b, b + 1))
     if not one or len(one) != len(two):
         return 0
