@@ -368,11 +368,11 @@ class TracedActivations:
     (:func:`_backward_working_set`, with and without them); 0 without a tensor axis (XLA's other working
     buffers are not estimated: on one device's rows they stay within the saved residuals' error). ``recompute``:
     under remat, what the backward holds while it recomputes the largest remat segment
-    (:func:`_recompute_working_set`); 0 without remat."""
+    (:func:`_recompute_working_set`); ``None`` without remat."""
 
     saved: int
     working: int
-    recompute: int = 0
+    recompute: Optional[int] = None
 
 
 def traced_activations(plan, loss_fn) -> TracedActivations:
@@ -401,7 +401,7 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
         working = (_backward_working_set(one, two, backward, t, split, sizes, weights, with_all_reduce=True)
                    - _backward_working_set(one, two, backward, t, split, sizes, weights))
     recompute = _recompute_working_set(plan, loss_fn, b, t, split)
-    if recompute:  # the residuals the backward is done with before it recomputes a segment are freed by then
+    if recompute is not None:  # the residuals the backward is done with before it recomputes a segment are freed
         recompute = max(recompute - int(_freed_before_remat(one, backward, sizes)), 0)
     return TracedActivations(saved, int(working), recompute)
 
@@ -470,18 +470,18 @@ def _segment_residuals(body):
     return traced.jaxpr, len(out_shape[0])
 
 
-def _recompute_working_set(plan, loss_fn, b: int, t: int, split: frozenset) -> int:
+def _recompute_working_set(plan, loss_fn, b: int, t: int, split: frozenset) -> Optional[int]:
     """Bytes one device holds while the backward recomputes a remat segment (a layer under ``nn.remat`` or
     ``jax.checkpoint``, scanned or not): the segment's forward runs again next to its backward, keeping what the
     segment would save without remat. Measured: each remat segment of the traced forward (``b`` and ``b + 1``
     rows) differentiated without its policy (:func:`_segment_residuals`), its residuals counted as
     :func:`_stored_residuals` counts the step's, the activations among them ÷ the tensor size where split
-    (:func:`_tensor_divisor`); the largest segment (one runs at a time). 0 without remat. What it adds to the
+    (:func:`_tensor_divisor`); the largest segment (one runs at a time). ``None`` without remat. What it adds to the
     peak is this less the step's residuals freed before the first segment's backward
     (:func:`_freed_before_remat`, in :func:`traced_activations`)."""
     one, two = (_remat_bodies(_residuals(plan, loss_fn, rows, forward=True)) for rows in (b, b + 1))
     if not one or len(one) != len(two):
-        return 0
+        return None
     largest = 0.0
     for body, body_more in zip(one, two):
         (res, n), (res_more, n_more) = _segment_residuals(body), _segment_residuals(body_more)
@@ -760,12 +760,14 @@ def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:
     return total, extra
 
 
-def gathered_layer_bytes(plan) -> int:
+def gathered_layer_bytes(plan, *, remat: bool) -> int:
     """Bytes per device of the gathered or cast weight copies the step holds at once on a traced plan: as
-    :func:`working_weight_bytes`'s ``extra``, except that a stacked layer weight (leading logical axis
-    ``layers``, which a layer scan reads one slice per iteration) counts one layer's slice: the loop gathers
-    each iteration's slice (meshtrain's NNX ViT under fsdp_tp, 16 devices: about one layer's all-gathered
-    kernels live at XLA's peak, not every layer's)."""
+    :func:`working_weight_bytes`'s ``extra``, except that with ``remat`` (the traced program runs remat
+    segments) a stacked layer weight (leading logical axis ``layers``, which a layer scan reads one slice per
+    iteration) counts one layer's slice: the backward recomputes each layer's forward, gathering its slice
+    again, so no gathered copy is kept from the forward (big_vision's ViT with its own scan+remat, fsdp on 16
+    devices: +26 % with every layer's copy counted, −7 % with one). Without remat every layer's copy counts
+    (XLA may keep the forward's gathered slices for the backward: vit-tiny, fsdp, 8 devices)."""
     sizes = plan.mesh_sizes
     rule = plan.rules.table("activations").get("batch")
     batch_axes = set(rule.mesh_axes if rule else ())
@@ -776,7 +778,7 @@ def gathered_layer_bytes(plan) -> int:
         shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
         if not (any(sizes.get(a, 1) > 1 for a in axes & batch_axes) or np.dtype(leaf.dtype) != compute):
             continue
-        stacked = bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers" and leaf.shape[0] > 0
+        stacked = remat and bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers" and leaf.shape[0] > 0
         extra += math.prod(leaf.shape) * compute.itemsize // max(shards, 1) // (leaf.shape[0] if stacked else 1)
     return extra
 

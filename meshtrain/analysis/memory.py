@@ -261,7 +261,7 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
         micro = plan.recipe.micro_batches
         elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in plan.group("params"))
         grads = gradient_bytes(plan) + (4 * elems if micro > 1 else 0)
-        extra = gathered_layer_bytes(plan)
+        extra = gathered_layer_bytes(plan, remat=cost.recompute is not None)
         r = plan.recipe
         t = layout_of(plan).tensor
         rows = tuple((c, b, f"{EXACT}: {f}") for c, b, f in state) + (
@@ -276,9 +276,10 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
             (Component.TEMPORARIES, extra + (cost.working_set or 0) + (cost.recompute or 0),
              f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
-             f"to the compute dtype (Σ E·c ÷ non-batch shards; a stacked layer weight, leading logical axis "
-             f"'layers', one layer's slice: a layer scan gathers one slice per iteration); {EXTRAPOLATED}: + under "
-             f"tensor parallelism the "
+             f"to the compute dtype (Σ E·c ÷ non-batch shards"
+             + ("; a stacked layer weight, leading logical axis 'layers', one layer's slice: under remat the "
+                "backward gathers each layer's slice again" if cost.recompute is not None else "")
+             + f"); {EXTRAPOLATED}: + under tensor parallelism the "
              f"backward's all-reduce buffers (one per matmul summing over a tensor-split dimension) live at once "
              f"at its peak, {MEASURED} liveness in program order"
              + (f"; {MEASURED}: + the remat recompute, the residuals of the largest remat segment differentiated "
