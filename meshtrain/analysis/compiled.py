@@ -400,7 +400,7 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     if t > 1 and len(one.eqns) == len(two.eqns):  # what tensor parallelism's all-reduces add to the backward's peak
         working = (_backward_working_set(one, two, backward, t, split, sizes, weights, with_all_reduce=True)
                    - _backward_working_set(one, two, backward, t, split, sizes, weights))
-    recompute = _recompute_working_set(plan, loss_fn, b, t, split)
+    recompute = _recompute_working_set(plan, loss_fn, b, t, split) if _remat_bodies(one) else None
     if recompute is not None:  # the residuals the backward is done with before it recomputes a segment are freed
         recompute = max(recompute - int(_freed_before_remat(one, backward, sizes)), 0)
     return TracedActivations(saved, int(working), recompute)
@@ -793,8 +793,8 @@ class ProgramCost:
     (compiled for the plan's devices: ``memory``, ``collectives``, ``xla_flops`` set) or
     :data:`TRACED` (an ``AbstractMesh``: only traced). ``activations``: :func:`saved_activation_bytes`
     and ``working_set``: what tensor parallelism's all-reduces add to the backward's peak, ``recompute``: what
-    recomputing a remat segment in the backward holds (:class:`TracedActivations`; traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices``
-    (while bodies once).
+    recomputing a remat segment in the backward holds (:class:`TracedActivations`; traced plans only).
+    ``xla_flops``: ``cost_analysis()["flops"] × devices`` (while bodies once).
     """
 
     source: str
