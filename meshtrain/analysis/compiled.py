@@ -199,9 +199,10 @@ def _local_batch(plan, rows: int):
     return plan.batch.map(shrink)
 
 
-def _residuals(plan, loss_fn, rows: int):
+def _residuals(plan, loss_fn, rows: int, *, forward: bool = False):
     """The jaxpr whose outputs are the residuals of ``loss_fn``'s VJP for a ``rows``-row batch, traced on a
-    1-device mesh (``jaxpr.outvars``: one per residual reference, a residual kept twice appears twice)."""
+    1-device mesh (``jaxpr.outvars``: one per residual reference, a residual kept twice appears twice);
+    ``forward``: the loss alone, not differentiated (its remat segments as the model wrote them)."""
     from flax import nnx
 
 
@@ -213,16 +214,20 @@ def _residuals(plan, loss_fn, rows: int):
     dtype = jnp.dtype(recipe.compute_dtype)
     graphdef = abstract.graphdef
 
+    def loss(params, model_state, batch):
+        with step_context(ctx):
+            model = nnx.merge(graphdef, cast_floats(params, dtype), model_state)
+            return unpack_loss(loss_fn(model, batch), loss_fn)[0]
+
+    forward = loss if forward else None
+
     def residuals(params, model_state, batch):
-        def loss(params):
-            with step_context(ctx):
-                model = nnx.merge(graphdef, cast_floats(params, dtype), model_state)
-                return unpack_loss(loss_fn(model, batch), loss_fn)[0]
-        out, vjp = jax.vjp(loss, params)
+        out, vjp = jax.vjp(lambda p: loss(p, model_state, batch), params)
         return jax.tree.leaves(vjp), vjp(jnp.ones_like(out))  # the backward too: who reads each residual
 
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.make_jaxpr(residuals)(abstract.params, abstract.model_state, _local_batch(plan, rows)).jaxpr
+        return jax.make_jaxpr(forward if forward else residuals)(
+            abstract.params, abstract.model_state, _local_batch(plan, rows)).jaxpr
 
 
 #: Primitives XLA fuses into their consumers (elementwise, broadcasts, reshapes, converts, index ramps): a
@@ -361,10 +366,13 @@ class TracedActivations:
     parallelism, what the backward's all-reduce buffers (a second buffer for each partial sum,
     :func:`_partial_sum`) add to its peak, the live bytes over the program's order
     (:func:`_backward_working_set`, with and without them); 0 without a tensor axis (XLA's other working
-    buffers are not estimated: on one device's rows they stay within the saved residuals' error)."""
+    buffers are not estimated: on one device's rows they stay within the saved residuals' error). ``recompute``:
+    under remat, what the backward holds while it recomputes the largest remat segment
+    (:func:`_recompute_working_set`); ``None`` without remat."""
 
     saved: int
     working: int
+    recompute: Optional[int] = None
 
 
 def traced_activations(plan, loss_fn) -> TracedActivations:
@@ -392,7 +400,100 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     if t > 1 and len(one.eqns) == len(two.eqns):  # what tensor parallelism's all-reduces add to the backward's peak
         working = (_backward_working_set(one, two, backward, t, split, sizes, weights, with_all_reduce=True)
                    - _backward_working_set(one, two, backward, t, split, sizes, weights))
-    return TracedActivations(saved, int(working))
+    recompute = _recompute_working_set(plan, loss_fn, b, t, split) if _remat_bodies(one) else None
+    if recompute is not None:  # the residuals the backward is done with before it recomputes a segment are freed
+        recompute = max(recompute - int(_freed_before_remat(one, backward, sizes)), 0)
+    return TracedActivations(saved, int(working), recompute)
+
+
+def _freed_before_remat(jaxpr, start: int, sizes) -> float:
+    """Bytes of the stored residuals (``sizes``: residual → bytes) the backward (eqns from ``start`` on) reads
+    for the last time before its first equation that runs a remat segment: freed when the recomputation runs
+    (a final layer norm's residuals, read before the layer scan's backward)."""
+    from jax.extend.core import Literal
+
+    first = next((i for i, e in enumerate(jaxpr.eqns[start:], start)
+                  if e.primitive.name in _REMAT or any(_remat_bodies(x) for x in _sub_jaxprs(e))), None)
+    if first is None:
+        return 0.0
+    last = {}
+    for i, e in enumerate(jaxpr.eqns[start:], start):
+        for x in e.invars:
+            if not isinstance(x, Literal) and x in sizes:
+                last[x] = i
+    return float(sum(size for v, size in sizes.items() if last.get(v, first) < first))
+
+
+#: The remat primitive (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``) as jaxprs name it.
+_REMAT = ("remat2", "checkpoint")
+
+
+def _remat_bodies(jaxpr) -> list:
+    """The bodies of the outermost remat segments ``jaxpr`` runs (looking into calls, scans and loops; a scan's
+    body at one iteration's shapes), in program order."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name in _REMAT:
+            found.extend(_sub_jaxprs(e)[:1])
+        else:
+            for inner in _sub_jaxprs(e):
+                found.extend(_remat_bodies(inner))
+    return found
+
+
+def _segment_residuals(body):
+    """The jaxpr of the residuals (and the backward) of a remat segment's body differentiated *without* its
+    policy, as :func:`_residuals` traces the loss: what the backward recomputes and holds while it runs the
+    segment's backward; and how many of its first outputs are the residuals (the rest: the input gradients).
+    Differentiated in its floating inputs; the cotangent of each float output is ones."""
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+    run = jaxpr_as_fun(ClosedJaxpr(body, []))
+    avals = [v.aval for v in body.invars]
+    floats = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    others = [i for i in range(len(avals)) if i not in floats]
+
+    def residuals(diff, rest):
+        def total(diff):
+            args = [None] * len(avals)
+            for i, x in zip(floats, diff):
+                args[i] = x
+            for i, x in zip(others, rest):
+                args[i] = x
+            outs = [o for o in run(*args) if jnp.issubdtype(o.dtype, jnp.inexact)]
+            return sum((o.sum() for o in outs), jnp.zeros((), jnp.float32))
+        out, vjp = jax.vjp(total, diff)
+        return jax.tree.leaves(vjp), vjp(jnp.ones_like(out))
+
+    shapes = lambda idx: [jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in idx]  # noqa: E731
+    traced, out_shape = jax.make_jaxpr(residuals, return_shape=True)(shapes(floats), shapes(others))
+    return traced.jaxpr, len(out_shape[0])
+
+
+def _recompute_working_set(plan, loss_fn, b: int, t: int, split: frozenset) -> Optional[int]:
+    """Bytes one device holds while the backward recomputes a remat segment (a layer under ``nn.remat`` or
+    ``jax.checkpoint``, scanned or not): the segment's forward runs again next to its backward, keeping what the
+    segment would save without remat. Measured: each remat segment of the traced forward (``b`` and ``b + 1``
+    rows) differentiated without its policy (:func:`_segment_residuals`), its residuals counted as
+    :func:`_stored_residuals` counts the step's, the activations among them ÷ the tensor size where split
+    (:func:`_tensor_divisor`); the largest segment (one runs at a time). ``None`` without remat. What it adds to the
+    peak is this less the step's residuals freed before the first segment's backward
+    (:func:`_freed_before_remat`, in :func:`traced_activations`)."""
+    one, two = (_remat_bodies(_residuals(plan, loss_fn, rows, forward=True)) for rows in (b, b + 1))
+    if not one or len(one) != len(two):
+        return None
+    largest = 0.0
+    for body, body_more in zip(one, two):
+        (res, n), (res_more, n_more) = _segment_residuals(body), _segment_residuals(body_more)
+        if n != n_more:
+            continue
+        rows_of = {id(x): y.aval.shape for x, y in zip(res.outvars[:n], res_more.outvars[:n])}
+        picked = [i for i, (x, y) in enumerate(zip(res.outvars[:n], res_more.outvars[:n]))
+                  if tuple(x.aval.shape) != tuple(y.aval.shape)]
+        stored = _stored_residuals(res, picked)
+        largest = max(largest, sum(_nbytes(v.aval) / _tensor_divisor(v.aval.shape, rows_of.get(id(v), ()), t, split)
+                                   for v in stored))
+    return int(largest)
 
 
 #: Elementwise primitives of a backward beyond :data:`_FUSIBLE` (cotangent sums, zeroed gradients): fused too.
@@ -659,6 +760,29 @@ def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:
     return total, extra
 
 
+def gathered_layer_bytes(plan, *, remat: bool) -> int:
+    """Bytes per device of the gathered or cast weight copies the step holds at once on a traced plan: as
+    :func:`working_weight_bytes`'s ``extra``, except that with ``remat`` (the traced program runs remat
+    segments) a stacked layer weight (leading logical axis ``layers``, which a layer scan reads one slice per
+    iteration) counts one layer's slice: the backward recomputes each layer's forward, gathering its slice
+    again, so no gathered copy is kept from the forward (big_vision's ViT with its own scan+remat, fsdp on 16
+    devices: +26 % with every layer's copy counted, −7 % with one). Without remat every layer's copy counts
+    (XLA may keep the forward's gathered slices for the backward: vit-tiny, fsdp, 8 devices)."""
+    sizes = plan.mesh_sizes
+    rule = plan.rules.table("activations").get("batch")
+    batch_axes = set(rule.mesh_axes if rule else ())
+    compute = np.dtype(plan.recipe.compute_dtype)
+    extra = 0
+    for leaf in plan.group("params"):
+        axes = _axes_in(leaf.spec)
+        shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
+        if not (any(sizes.get(a, 1) > 1 for a in axes & batch_axes) or np.dtype(leaf.dtype) != compute):
+            continue
+        stacked = remat and bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers" and leaf.shape[0] > 0
+        extra += math.prod(leaf.shape) * compute.itemsize // max(shards, 1) // (leaf.shape[0] if stacked else 1)
+    return extra
+
+
 # -- one object for the report ------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -668,9 +792,9 @@ class ProgramCost:
     ``flops``: :func:`jaxpr_flops` of the step, all devices together. ``source``: :data:`COMPILED`
     (compiled for the plan's devices: ``memory``, ``collectives``, ``xla_flops`` set) or
     :data:`TRACED` (an ``AbstractMesh``: only traced). ``activations``: :func:`saved_activation_bytes`
-    and ``working_set``: what tensor parallelism's all-reduces add to the backward's peak
-    (:class:`TracedActivations`; traced plans only). ``xla_flops``: ``cost_analysis()["flops"] × devices``
-    (while bodies once).
+    and ``working_set``: what tensor parallelism's all-reduces add to the backward's peak, ``recompute``: what
+    recomputing a remat segment in the backward holds (:class:`TracedActivations`; traced plans only).
+    ``xla_flops``: ``cost_analysis()["flops"] × devices`` (while bodies once).
     """
 
     source: str
@@ -681,6 +805,7 @@ class ProgramCost:
     xla_flops: Optional[float] = None
     activations: Optional[int] = None
     working_set: Optional[int] = None
+    recompute: Optional[int] = None
 
     @property
     def flops_per_device(self) -> float:
@@ -689,7 +814,7 @@ class ProgramCost:
     def to_dict(self) -> Dict[str, object]:
         return {"source": self.source, "num_devices": self.num_devices, "flops": self.flops,
                 "xla_cost_analysis_flops": self.xla_flops, "activations": self.activations,
-                "working_set": self.working_set,
+                "working_set": self.working_set, "recompute": self.recompute,
                 "memory": self.memory.to_dict() if self.memory else None}
 
 
@@ -705,7 +830,8 @@ def program_cost(plan, loss_fn, batch_abstract=None, *, compile: Optional[bool] 
     flops = jaxpr_flops(traced.jaxpr)
     if not compile:
         acts = traced_activations(plan, loss_fn)
-        return ProgramCost(TRACED, plan.num_devices, flops, activations=acts.saved, working_set=acts.working)
+        return ProgramCost(TRACED, plan.num_devices, flops, activations=acts.saved, working_set=acts.working,
+                           recompute=acts.recompute)
     if is_abstract(plan):
         compile_step(plan, loss_fn, batch_abstract)  # raises the explanation
     compiled = traced.lower().compile()
@@ -719,4 +845,4 @@ def program_cost(plan, loss_fn, batch_abstract=None, *, compile: Optional[bool] 
 __all__ = ["ANALYTIC", "COMPILED", "TRACED", "MeasuredMemory", "ProgramCost", "compile_step",
            "compiled_flops_per_step", "default_loss", "has_analytic_model", "jaxpr_flops", "local_rows",
            "program_cost", "saved_activation_bytes", "step_inputs", "trace_step", "traced_activations",
-           "TracedActivations", "working_weight_bytes"]
+           "TracedActivations", "gathered_layer_bytes", "working_weight_bytes"]

@@ -145,7 +145,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, ProgramCost, default_loss,  # noqa: F401
-                                         has_analytic_model, local_rows, program_cost, working_weight_bytes)
+                                         gathered_layer_bytes, has_analytic_model, local_rows, program_cost,
+                                         working_weight_bytes)
 from meshtrain.analysis.memory_terms import (BATCH_FORMULA, GRAD_FORMULA, OPTIMIZER_FORMULA, PARAMS_FORMULA,
                                              Component, MemoryTerm, analytic_terms, gradient_bytes)
 from meshtrain.analysis.memory_terms import attention_working_set, backend_name  # noqa: F401 (re-export)
@@ -260,7 +261,7 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
         micro = plan.recipe.micro_batches
         elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in plan.group("params"))
         grads = gradient_bytes(plan) + (4 * elems if micro > 1 else 0)
-        _, extra = working_weight_bytes(plan)
+        extra = gathered_layer_bytes(plan, remat=cost.recompute is not None)
         r = plan.recipe
         t = layout_of(plan).tensor
         rows = tuple((c, b, f"{EXACT}: {f}") for c, b, f in state) + (
@@ -273,11 +274,18 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
              f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes, "
              f"+ the all-reduced sums (matmuls over a tensor-split dimension) a residual is fused from"
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
-            (Component.TEMPORARIES, extra + (cost.working_set or 0),
+            (Component.TEMPORARIES, extra + (cost.working_set or 0) + (cost.recompute or 0),
              f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
-             f"to the compute dtype (Σ E·c ÷ non-batch shards); {EXTRAPOLATED}: + under tensor parallelism the "
+             f"to the compute dtype (Σ E·c ÷ non-batch shards"
+             + ("; a stacked layer weight, leading logical axis 'layers', one layer's slice: under remat the "
+                "backward gathers each layer's slice again" if cost.recompute is not None else "")
+             + f"); {EXTRAPOLATED}: + under tensor parallelism the "
              f"backward's all-reduce buffers (one per matmul summing over a tensor-split dimension) live at once "
-             f"at its peak, {MEASURED} liveness in program order; XLA's other working buffers not included"),
+             f"at its peak, {MEASURED} liveness in program order"
+             + (f"; {MEASURED}: + the remat recompute, the residuals of the largest remat segment differentiated "
+                f"without its policy (what the backward holds while it recomputes that segment), counted as the "
+                f"step's residuals, {EXTRAPOLATED}: ÷{t} (tensor) where split" if cost.recompute else "")
+             + "; XLA's other working buffers not included"),
             (Component.OTHER, per.get("model_state", 0), f"{EXACT}: model state (plan)"))
     return _of_rows(rows, cost.source)
 
