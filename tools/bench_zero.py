@@ -21,7 +21,7 @@ step (round-robin), so that whatever else loads the machine hits all recipes ali
 
   The four add up to what the step holds beyond its batch: state arguments + temporaries. For
   reference, ``saved`` = the masked-LM loss VJP's residuals at one device's rows, traced
-  (``meshtrain.analysis.compiled.saved_activation_bytes``; equal for every 8-device recipe).
+  (``meshtrain.analysis.traced.saved_activation_bytes``; equal for every 8-device recipe).
 
   and compares parameters + gradients + optimizer with ZeRO's accounting
   (``meshtrain.analysis.memory.zero_model_state``) with meshtrain's f32 Adam: 4 B parameters, 4 B
@@ -32,7 +32,7 @@ step (round-robin), so that whatever else loads the machine hits all recipes ali
 * the planned memory of the full ``distilbert-base`` (66M-parameter encoder + MLM and classifier
   heads) at batch 32 × 512 on 8 × A100-40GB (40 GB = 40e9 bytes each), from ``make_plan`` on an
   ``AbstractMesh`` of 8 devices; activations = the masked-LM loss VJP's residuals traced at one
-  device's rows (``meshtrain.analysis.compiled.saved_activation_bytes``).
+  device's rows (``meshtrain.analysis.traced.saved_activation_bytes``).
 
 Exit status 1 when a check fails: components within 10 % of the ZeRO formulas, losses equal
 (max relative difference to one device ≤ 1e-4).
@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import meshtrain as mt  # noqa: E402
-from meshtrain.analysis.compiled import saved_activation_bytes  # noqa: E402
+from meshtrain.analysis.traced import saved_activation_bytes  # noqa: E402
 from meshtrain.analysis.memory import ZeroStage, zero_model_state  # noqa: E402
 from meshtrain.data import default_corpus  # noqa: E402
 from meshtrain.data.mlm import MLMBatches  # noqa: E402
