@@ -14,8 +14,6 @@ clones it (pinned commit), and ``MESHTRAIN_BIG_VISION=.cache/upstream/big_vision
 import importlib.util
 import json
 import os
-import sys
-import types
 
 import flax
 import jax
@@ -119,14 +117,7 @@ def big_vision_vit_module():
                     "MESHTRAIN_BIG_VISION=.cache/upstream/big_vision")
     if not os.path.exists(os.path.join(root, "big_vision", "models", "vit.py")):
         pytest.fail(f"MESHTRAIN_BIG_VISION={root}: no big_vision/models/vit.py there")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        import big_vision.utils  # noqa: F401
-    except ImportError:
-        sys.modules["big_vision.utils"] = types.ModuleType("big_vision.utils")
-    from big_vision.models import vit
-    return vit
+    return FETCH.import_big_vision_vit(root)
 
 
 def big_vision_vit(scan: bool):

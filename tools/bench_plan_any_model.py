@@ -195,20 +195,12 @@ def _flax_lm1b():
 
 
 def _big_vision_module():
-    """big_vision/models/vit.py as it ships, from the checkout ``MESHTRAIN_BIG_VISION`` names (as
-    tests/test_upstream_models.py imports it: vit.py imports big_vision.utils only to load checkpoints, and that
-    module needs tensorflow, so where it does not import an empty module stands in for it)."""
-    import types
+    """big_vision/models/vit.py as it ships, from the checkout ``MESHTRAIN_BIG_VISION`` names (imported as
+    tests/test_upstream_models.py does: ``fetch_upstream_models.import_big_vision_vit``)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fetch_upstream_models import import_big_vision_vit
 
-    root = os.environ["MESHTRAIN_BIG_VISION"]
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        import big_vision.utils  # noqa: F401
-    except ImportError:
-        sys.modules["big_vision.utils"] = types.ModuleType("big_vision.utils")
-    from big_vision.models import vit
-    return vit
+    return import_big_vision_vit(os.environ["MESHTRAIN_BIG_VISION"])
 
 
 def bv_vit_loss(model, batch):

@@ -137,6 +137,23 @@ def fetch_big_vision(source: str = BIG_VISION_GIT, cache: str = CACHE) -> str:
     return folder
 
 
+def import_big_vision_vit(root: str):
+    """``big_vision.models.vit`` from the checkout at ``root`` (as ``fetch_big_vision`` leaves it), unedited.
+    vit.py imports big_vision.utils only to load checkpoints, and that module needs tensorflow, so where it
+    does not import an empty module stands in for it (the model never touches it)."""
+    import sys
+    import types
+
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        import big_vision.utils  # noqa: F401
+    except ImportError:
+        sys.modules["big_vision.utils"] = types.ModuleType("big_vision.utils")
+    from big_vision.models import vit
+    return vit
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--big-vision", nargs="?", const=BIG_VISION_GIT, metavar="GIT_SOURCE",
