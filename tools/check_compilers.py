@@ -205,8 +205,13 @@ def replanned(case: Case, args, compiled: Dict) -> Dict:
     figures a ``--save`` file recorded for this case: a planner change checked in seconds, not a recompile."""
     if "error" in compiled:
         return compiled
-    res = _run(plan_argv(case, args, ["--hardware", args.hardware, "--devices", str(args.devices),
-                                      "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]), args)
+    if args.gpu:  # the estimate --check gpu makes: --topology NxCHIP is --devices N --hardware chip
+        count, chip = args.topology.lower().split("x", 1)
+        target = ["--hardware", chip, "--devices", count, "--batch", unpacked_batch(args.batch_size, args.seq_len)]
+    else:
+        target = ["--hardware", args.hardware, "--devices", str(args.devices), "--batch-size", str(args.batch_size),
+                  "--seq-len", str(args.seq_len)]
+    res = _run(plan_argv(case, args, target), args)
     if "error" in res:
         return res
     res.update(estimated_memory=res["memory"]["total"], measured_memory=compiled["measured_memory"], hlo_bytes_per_axis={})
@@ -283,7 +288,11 @@ def gpu_main(args) -> int:
         plugin = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
     except ModuleNotFoundError:
         plugin = False
-    if not plugin:
+    replan = None
+    if args.replan:
+        with open(args.replan) as f:
+            replan = json.load(f)
+    elif not plugin:
         print("the XLA:GPU plugin is not installed: pip install 'meshtrain[gpu-aot]' to compile for GPUs; "
               "nothing checked")
         return 0
@@ -297,7 +306,11 @@ def gpu_main(args) -> int:
     rows, saved = [], {}
     for case in cases:
         label = case.label
-        saved[label] = gpu_figures(run_gpu_case(case, args))
+        if replan is not None:
+            saved[label] = {**replanned(case, args, replan.get(label, {"error": "not in the --replan file"})),
+                            "cudnn_attention_calls": replan.get(label, {}).get("cudnn_attention_calls")}
+        else:
+            saved[label] = gpu_figures(run_gpu_case(case, args))
         rows.append(gpu_row(label, saved[label], before.get(label, {}) if before is not None else None))
         print("  ".join(rows[-1]), flush=True)
     if args.save:
