@@ -162,6 +162,11 @@ def describe(case: Case, args, check: str) -> str:
             f"{', ' + changed if changed else ''})")
 
 
+def selected(case: Case, args) -> bool:
+    """``--only TEXT[,TEXT...]``: the case's label contains one of the texts."""
+    return args.only is None or any(text in case.label for text in args.only.split(","))
+
+
 def run_plan_child(spec_json: str, argv: List[str]) -> int:
     """The child of :func:`plan_argv`: the named config with the spec's fields replaced, then the plan CLI."""
     from meshtrain.cli import main as cli_main
@@ -279,7 +284,7 @@ def gpu_row(label: str, fig: Dict, before: Dict = None) -> List[str]:
 
 def gpu_main(args) -> int:
     """``--gpu``: the :data:`GPU_CASES` compiled by XLA:GPU for ``args.topology``."""
-    cases = [c for c in GPU_CASES if args.only is None or args.only in c.label]
+    cases = [c for c in GPU_CASES if selected(c, args)]
     if args.list:
         for case in cases:
             print(describe(case, args, f"gpu --topology {args.topology}"))
@@ -339,7 +344,8 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=None, help="default: 8 (--quick, --gpu: 16)")
     ap.add_argument("--seq-len", type=int, default=None, help="default: 4096 (--quick, --gpu: 1024)")
-    ap.add_argument("--only", default=None, help="run the cases whose label contains this text")
+    ap.add_argument("--only", default=None, help="run the cases whose label contains this text (or one of these "
+                                                 "comma-separated texts)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per case")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -359,7 +365,7 @@ def main() -> int:
             setattr(args, key, value)
     if args.gpu:
         return gpu_main(args)
-    cases = [c for c in CASES if (args.only is None or args.only in c.label) and (c.quick or not args.quick)]
+    cases = [c for c in CASES if selected(c, args) and (c.quick or not args.quick)]
     if args.list:
         for case in cases:
             print(describe(case, args, "tpu"))
