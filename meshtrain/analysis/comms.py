@@ -421,9 +421,14 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
     B, T = batch_dims(plan)
     m = lay.micro_batches
     b = B // (lay.batch_split * m)
-    x = b * T * cfg.d_model * c
+    # x: one device's (b, T/context, d) residual stream; context parallelism splits the sequence before any
+    # tensor-parallel collective sees it
+    x = b * (T // lay.context) * cfg.d_model * c
     axes = lay.tensor_axes
-    sp = lay.sequence > 1
+    # Megatron sequence parallelism: the residual sequence split over the tensor axes themselves; a sequence
+    # split over `context` (cp recipes) leaves tensor parallelism's all-reduces as they are (measured:
+    # fsdp_tp_cp on 8xH100 all-reduces over `tensor` exactly the fsdp_tp bytes of its T/context tokens)
+    sp = bool(set(lay.sequence_axes) & set(axes))
     runs, rerun = layer_runs(plan, cfg)  # L·m, or the pipeline's layer passes per device
     # remat=full re-runs the forward's collectives in the backward, except the last one of a layer:
     # the MLP-down reduction only produces the layer's output, which the backward never reads, so XLA
