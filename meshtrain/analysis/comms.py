@@ -198,8 +198,11 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         elif x.has_r:
             # XLA:TPU and XLA:GPU all-reduce a replicated parameter's gradient in the compute dtype and
             # upcast after (measured: the dp step's all-reduce result is the bf16 gradient on v5p and on
-            # 8xH100, tools/check_compilers.py); XLA:CPU reduces in the parameter's dtype.
-            g_reduce = g_shard * c / p if backend in (Backend.TPU, Backend.GPU) and not x.has_f and c < p else g_shard
+            # 8xH100, tools/check_compilers.py); XLA:TPU does so for an FSDP-sharded gradient's all-reduce across
+            # replicas too (measured: hsdp's `data` bytes, Llama-3-8B 4 layers, are the bf16 shard's);
+            # XLA:CPU reduces in the parameter's dtype.
+            narrow = backend is Backend.TPU or (backend is Backend.GPU and not x.has_f)
+            g_reduce = g_shard * c / p if narrow and c < p else g_shard
             put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 
     if cfg is not None:
