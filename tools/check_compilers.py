@@ -252,7 +252,11 @@ def row(label: str, res: Dict, before: Dict = None) -> List[str]:
         if max(p, c) < 0.1 * 2 ** 20:
             continue  # e.g. a few scalars reduced over `fsdp+tensor`
         err = f"{p / c - 1:+.0%}" if c else ("0" if not p else "n/a")
-        axes.append(f"{axis} {p / 2 ** 20:.1f}/{c / 2 ** 20:.1f} MiB ({err})")
+        text = f"{axis} {p / 2 ** 20:.1f}/{c / 2 ** 20:.1f} MiB ({err})"
+        was = (before or {}).get("planned", {}).get(axis, {}).get("total", 0.0) if before is not None else p
+        if abs(was - p) > 0.005 * max(p, was):  # the planner changed: its figure before too
+            text += f" [before {was / 2 ** 20:.1f}" + (f", {was / c - 1:+.0%}]" if c else "]")
+        axes.append(text)
     return [label, f"{peak / 2 ** 20:,.0f} MiB", *old, f"{est / 2 ** 20:,.0f} MiB", f"{est / peak - 1:+.1%}",
             "; ".join(axes) or "none", "yes" if within(res) else "no"]
 
