@@ -178,9 +178,10 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             if cpu:
                 put("all-reduce", f, g_full, runs, x.what[2])
             else:
-                # XLA:GPU reduce-scatters the FSDP gradients in the compute dtype and upcasts the shard after
-                # (measured: fsdp and fsdp_tp on 8xH100, tools/check_compilers.py --gpu, bf16 reduce-scatters)
-                g_scatter = g_full * c / p if backend is Backend.GPU and c < p else g_full
+                # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
+                # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
+                # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides)
+                g_scatter = g_full * c / p if c < p else g_full
                 put("reduce-scatter", f, g_scatter / x.size_f, runs, x.what[3])
         g_shard = g_full / x.size_f
         if x.has_z:
