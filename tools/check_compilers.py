@@ -2,14 +2,16 @@
 compile for a fake topology on this host, needs libtpu), and the table puts the planner's per-device
 memory and per-axis collective bytes next to what the compiled program holds.
 
-    python tools/check_compilers.py                         # the default cases, v5p:2x2x2, small
-    python tools/check_compilers.py --model small --seq-len 1024 --markdown
-    python tools/check_compilers.py --list                  # the cases, without compiling
-    python tools/check_compilers.py --gpu --markdown        # the XLA:GPU cases, 8xH100 (gpu-aot extra)
-    python tools/check_compilers.py --gpu --save after.json --before before.json --markdown   # XLA:GPU, before/after
-    python tools/check_compilers.py --save after.json --before before.json --markdown   # with before columns
+    python tools/check_compilers.py --markdown --save tpu.json   # the full table: 38 cases, v5p:2x2x2, Llama-3-8B
+                                                                 # (MoE: Mixtral-8x7B) at 4 layers, 8 × 4096, remat full
+    python tools/check_compilers.py --quick --markdown          # ten cases at the `small` shapes (16 × 1024)
+    python tools/check_compilers.py --list                      # the cases, without compiling
+    python tools/check_compilers.py --replan tpu.json --before tpu.json --markdown   # the planner now, same compiles
+    python tools/check_compilers.py --gpu --markdown            # the XLA:GPU cases, 8xH100 (gpu-aot extra), `small`
 
-Each case runs in its own process, one after the other (libtpu allows one process per host). Memory
+``--layers N`` replaces the models' layer count (the plan CLI takes a config by name, so such a case runs the
+CLI in a child that replaces the named config's fields first, as it does for a case's own overrides such
+as dropless routing). Each case runs in its own process, one after the other (libtpu allows one process per host). Memory
 error = estimate / compiled peak − 1; collectives: the planner's analytic bytes per mesh axis vs the
 bytes of the collectives in the compiled HLO on that axis (one convention on both sides, that of
 ``meshtrain.analysis.collectives``: a collective's result bytes per device per execution; an all-reduce
