@@ -114,8 +114,12 @@ def test_bad_planner_input_exits_2_with_a_message(capsys, args, message):
 
 
 @pytest.mark.skipif(not tpu_available(), reason="needs libtpu (pip install 'meshtrain[tpu]')")
-@pytest.mark.parametrize("recipe, mesh", [("fsdp", {"fsdp": 8}), ("tp", {"tensor": 8}),
-                                          ("fsdp_tp", {"fsdp": 4, "tensor": 2})])
+@pytest.mark.parametrize("recipe, mesh", [
+    # 8-way FSDP: XLA:TPU's windowed reduce-scatter loops move the whole bf16 gradient as shard-sized
+    # permutes (+15.1 % over the reduce-scatter convention since the planner counts the reduction in bf16,
+    # as XLA:TPU runs it); BENCHMARKS.md, "Full compiler table (issue 24)"
+    pytest.param("fsdp", {"fsdp": 8}, marks=pytest.mark.xfail(strict=True, reason="windowed-einsum loops")),
+    ("tp", {"tensor": 8}), ("fsdp_tp", {"fsdp": 4, "tensor": 2})])
 def test_tpu_hlo_collectives_match_the_analytic_inventory(recipe, mesh):
     """XLA:TPU turns FSDP gathers into windowed-einsum loops of collective-permutes and annotates no
     trip counts: counted from the loops, HLO bytes per axis stay within 10% of the analytic figures

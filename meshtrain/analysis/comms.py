@@ -153,6 +153,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
 
     pipe = pipeline_shape(plan)
     cpu = backend is Backend.CPU
+    shards_gradients = any(getattr(s, "shard_gradients", False) for s in plan.recipe.strategies)  # ZeRO-2
     for x in cached(plan, "param_collectives", _param_collective_leaves, layout_only=True):
         elems, p, t, layer, f, r, z = x.elems, x.p, x.t, x.layer, x.f, x.r, x.z
         per = (cfg.n_layers if cfg is not None else x.lead) if layer else 1
@@ -177,11 +178,20 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             if cpu:
                 put("all-reduce", f, g_full, runs, x.what[2])
             else:
-                put("reduce-scatter", f, g_full / x.size_f, runs, x.what[3])
+                # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
+                # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
+                # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides)
+                g_scatter = g_full * c / p if c < p else g_full
+                put("reduce-scatter", f, g_scatter / x.size_f, runs, x.what[3])
         g_shard = g_full / x.size_f
         if x.has_z:
             if cpu:
                 put("all-reduce", r, g_shard, reduce_runs, x.what[4])
+            elif backend is Backend.TPU and not shards_gradients and c < p:
+                # ZeRO-1 on XLA:TPU: the data-parallel all-reduce of the compute-dtype gradient, each device then
+                # slicing its optimizer shard (measured, Llama-3-8B 4 layers on v5p:2x2x2: `data` carries the
+                # dp step's bf16 all-reduce + the f32 updated-parameter all-gather, to the MiB)
+                put("all-reduce", r, g_shard * c / p, reduce_runs, x.what[4])
             else:
                 put("reduce-scatter", z, g_shard / x.size_z, reduce_runs, x.what[5])
                 put("all-reduce", x.rz, g_shard / x.size_z, reduce_runs, x.what[4])
@@ -189,8 +199,11 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         elif x.has_r:
             # XLA:TPU and XLA:GPU all-reduce a replicated parameter's gradient in the compute dtype and
             # upcast after (measured: the dp step's all-reduce result is the bf16 gradient on v5p and on
-            # 8xH100, tools/check_compilers.py); XLA:CPU reduces in the parameter's dtype.
-            g_reduce = g_shard * c / p if backend in (Backend.TPU, Backend.GPU) and not x.has_f and c < p else g_shard
+            # 8xH100, tools/check_compilers.py); XLA:TPU does so for an FSDP-sharded gradient's all-reduce across
+            # replicas too (measured: hsdp's `data` bytes, Llama-3-8B 4 layers, are the bf16 shard's);
+            # XLA:CPU reduces in the parameter's dtype.
+            narrow = backend is Backend.TPU or (backend is Backend.GPU and not x.has_f)
+            g_reduce = g_shard * c / p if narrow and c < p else g_shard
             put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 
     if cfg is not None:
@@ -418,9 +431,14 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
     B, T = batch_dims(plan)
     m = lay.micro_batches
     b = B // (lay.batch_split * m)
-    x = b * T * cfg.d_model * c
+    # x: one device's (b, T/context, d) residual stream; context parallelism splits the sequence before any
+    # tensor-parallel collective sees it
+    x = b * (T // lay.context) * cfg.d_model * c
     axes = lay.tensor_axes
-    sp = lay.sequence > 1
+    # Megatron sequence parallelism: the residual sequence split over the tensor axes themselves; a sequence
+    # split over `context` (cp recipes) leaves tensor parallelism's all-reduces as they are (measured:
+    # fsdp_tp_cp on 8xH100 all-reduces over `tensor` exactly the fsdp_tp bytes of its T/context tokens)
+    sp = bool(set(lay.sequence_axes) & set(axes))
     runs, rerun = layer_runs(plan, cfg)  # L·m, or the pipeline's layer passes per device
     # remat=full re-runs the forward's collectives in the backward, except the last one of a layer:
     # the MLP-down reduction only produces the layer's output, which the backward never reads, so XLA
