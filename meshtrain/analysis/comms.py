@@ -181,7 +181,10 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
                 # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
                 # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
                 # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides)
-                g_scatter = g_full * c / p if c < p else g_full
+                # except an expert weight's on XLA:TPU, reduce-scattered in the parameter dtype (measured, Mixtral
+                # 4 layers on v5p:2x2x2: fsdp_ep's `fsdp` gap to the compile was the expert shards' bf16 bytes)
+                keep = backend is Backend.TPU and x.expert
+                g_scatter = g_full * c / p if c < p and not keep else g_full
                 put("reduce-scatter", f, g_scatter / x.size_f, runs, x.what[3])
         g_shard = g_full / x.size_f
         if x.has_z:
@@ -241,6 +244,7 @@ class _ParamLeaf:
     size_z: int
     size_s: int
     what: Tuple[str, ...]
+    expert: bool = False  # an MoE expert weight (logical axis `expert`)
 
 
 def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
@@ -270,7 +274,7 @@ def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
             group(z), group(r - z), lay.size(f), lay.size(z), lay.size(s),
             (f"FSDP forward gather {path}", f"FSDP backward re-gather {path}", f"grad reduce (as all-reduce) {path}",
              f"grad reduce-scatter {path}", f"grad all-reduce {path}", f"ZeRO-1 grad reduce-scatter {path}",
-             f"ZeRO-1 updated-param gather {path}")))
+             f"ZeRO-1 updated-param gather {path}"), "expert" in (leaf.logical_axes or ())))
     return tuple(out)
 
 
