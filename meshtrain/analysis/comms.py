@@ -181,7 +181,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
                 # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
                 # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
                 # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides)
-                # except an expert weight's on XLA:TPU, reduce-scattered in the parameter dtype (measured, Mixtral
+                # except an expert weight's on XLA:TPU, reduce-scattered in the parameter dtype (inferred from bytes, Mixtral
                 # 4 layers on v5p:2x2x2: fsdp_ep's `fsdp` gap to the compile was the expert shards' bf16 bytes)
                 keep = backend is Backend.TPU and x.expert
                 g_scatter = g_full * c / p if c < p and not keep else g_full
