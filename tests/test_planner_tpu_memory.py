@@ -69,19 +69,24 @@ def test_dp_gradient_all_reduce_counted_as_xla_tpu_counts_it():
 DATA_AXIS_BYTES = {"zero1": 11_538_751_500, "hsdp": 961_544_192}
 
 
-@pytest.mark.parametrize("recipe", list(DATA_AXIS_BYTES))
-def test_data_parallel_gradient_reductions_counted_as_xla_tpu_runs_them(recipe):
+def _planned_tpu_bytes_per_axis(model: str, recipe: str) -> dict:
+    """The planner's XLA:TPU bytes per mesh axis for ``model`` at 4 layers, as tools/check_compilers.py plans it."""
     import meshtrain as mt
     from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_estimate
     from meshtrain.cli import build_parser
     from meshtrain.commands.plan import ModelChoice, build
 
-    cfg = mt.models.get_config("llama3-8b", n_layers=4)
-    args = build_parser().parse_args(["plan", "--model", "llama3-8b", "--recipe", recipe, "--hardware", "tpu-v5p",
+    cfg = mt.models.get_config(model, n_layers=4)
+    args = build_parser().parse_args(["plan", "--model", model, "--recipe", recipe, "--hardware", "tpu-v5p",
                                       "--devices", "8", "--batch-size", "8", "--seq-len", "4096", "--compute-dtype",
                                       "bfloat16", "--remat", "full"])
-    plan, _ = build(args, ModelChoice("llama3-8b", cfg, mt.models.model_factory(cfg), None, None))
-    planned = per_axis_estimate(analytic_collectives(plan, cfg, Backend.TPU))["data"]
+    plan, _ = build(args, ModelChoice(model, cfg, mt.models.model_factory(cfg), None, None))
+    return per_axis_estimate(analytic_collectives(plan, cfg, Backend.TPU))
+
+
+@pytest.mark.parametrize("recipe", list(DATA_AXIS_BYTES))
+def test_data_parallel_gradient_reductions_counted_as_xla_tpu_runs_them(recipe):
+    planned = _planned_tpu_bytes_per_axis("llama3-8b", recipe)["data"]
     assert abs(planned["total"] / DATA_AXIS_BYTES[recipe] - 1) <= 0.01, planned
     assert "reduce-scatter" not in planned
 
@@ -172,15 +177,5 @@ EXPERT_FSDP_BYTES = {"fsdp_ep": 10_357_424_152, "fsdp_tp_ep": 9_520_365_608}
 
 @pytest.mark.parametrize("recipe", list(EXPERT_FSDP_BYTES))
 def test_expert_weight_gradients_reduce_scattered_as_xla_tpu_does(recipe):
-    import meshtrain as mt
-    from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_estimate
-    from meshtrain.cli import build_parser
-    from meshtrain.commands.plan import ModelChoice, build
-
-    cfg = mt.models.get_config("mixtral-8x7b", n_layers=4)
-    args = build_parser().parse_args(["plan", "--model", "mixtral-8x7b", "--recipe", recipe, "--hardware", "tpu-v5p",
-                                      "--devices", "8", "--batch-size", "8", "--seq-len", "4096", "--compute-dtype",
-                                      "bfloat16", "--remat", "full"])
-    plan, _ = build(args, ModelChoice("mixtral-8x7b", cfg, mt.models.model_factory(cfg), None, None))
-    planned = per_axis_estimate(analytic_collectives(plan, cfg, Backend.TPU))["fsdp"]["total"]
+    planned = _planned_tpu_bytes_per_axis("mixtral-8x7b", recipe)["fsdp"]["total"]
     assert abs(planned / EXPERT_FSDP_BYTES[recipe] - 1) <= 0.02, planned
