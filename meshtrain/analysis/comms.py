@@ -153,7 +153,6 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
 
     pipe = pipeline_shape(plan)
     cpu = backend is Backend.CPU
-    shards_gradients = any(getattr(s, "shard_gradients", False) for s in plan.recipe.strategies)  # ZeRO-2
     for x in cached(plan, "param_collectives", _param_collective_leaves, layout_only=True):
         elems, p, t, layer, f, r, z = x.elems, x.p, x.t, x.layer, x.f, x.r, x.z
         per = (cfg.n_layers if cfg is not None else x.lead) if layer else 1
@@ -180,9 +179,9 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             else:
                 # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
                 # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
-                # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides)
-                # except an expert weight's on XLA:TPU, reduce-scattered in the parameter dtype (inferred from bytes, Mixtral
-                # 4 layers on v5p:2x2x2: fsdp_ep's `fsdp` gap to the compile was the expert shards' bf16 bytes)
+                # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides), except that XLA:TPU reduce-scatters an expert
+                # weight's in the parameter dtype (inferred from bytes, Mixtral 4 layers on v5p:2x2x2: fsdp_ep's
+                # `fsdp` gap to the compile was the expert shards' bf16 bytes)
                 keep = backend is Backend.TPU and x.expert
                 g_scatter = g_full * c / p if c < p and not keep else g_full
                 put("reduce-scatter", f, g_scatter / x.size_f, runs, x.what[3])
@@ -190,7 +189,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
         if x.has_z:
             if cpu:
                 put("all-reduce", r, g_shard, reduce_runs, x.what[4])
-            elif backend is Backend.TPU and not shards_gradients and c < p:
+            elif backend is Backend.TPU and not plan.recipe.shard_gradients and c < p:
                 # ZeRO-1 on XLA:TPU: the data-parallel all-reduce of the compute-dtype gradient, each device then
                 # slicing its optimizer shard (measured, Llama-3-8B 4 layers on v5p:2x2x2: `data` carries the
                 # dp step's bf16 all-reduce + the f32 updated-parameter all-gather, to the MiB)
