@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from meshtrain.abstract import path_str
 from meshtrain.analysis.layout import cached, layout_of
@@ -136,8 +137,6 @@ def _expands(eqn) -> bool:
     """Whether ``eqn`` makes a value larger than each of its operands, at least one of them computed (not a
     literal): an outer product or broadcast, e.g. a layer norm's ``rsqrt(var)[..., None] * scale`` of shape
     ``(b, T, D)`` from a ``(b, T, 1)`` statistic and a ``(D,)`` weight."""
-    from jax.extend.core import Literal
-
     size = int(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0
     computed = [x for x in eqn.invars if not isinstance(x, Literal)]
     return bool(computed) and all(int(np.prod(getattr(x.aval, "shape", ()))) < size for x in computed)
@@ -170,8 +169,6 @@ def _stored_residuals(jaxpr, activations) -> list:
     forward to the backward (flax's lm1b on 16 devices, the compiled step's live ranges: 1 per layer norm
     under fsdp_tp, 2 under dp, 3 under tp). Not counted: a residual the backward never reads (passed to a
     call whose body does not use it, as the masked scores of a softmax's backward: XLA removes it)."""
-    from jax.extend.core import Literal
-
     producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     backward = 1 + max((producer.get(jaxpr.outvars[i], (-1,))[0] for i in activations), default=-1)
     live = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -268,8 +265,6 @@ def _freed_before_remat(jaxpr, start: int, sizes) -> float:
     """Bytes of the stored residuals (``sizes``: residual → bytes) the backward (eqns from ``start`` on) reads
     for the last time before its first equation that runs a remat segment: freed when the recomputation runs
     (a final layer norm's residuals, read before the layer scan's backward)."""
-    from jax.extend.core import Literal
-
     first = next((i for i, e in enumerate(jaxpr.eqns[start:], start)
                   if e.primitive.name in _REMAT or any(_remat_bodies(x) for x in _sub_jaxprs(e))), None)
     if first is None:
@@ -304,8 +299,6 @@ def _segment_residuals(body):
     policy, as :func:`_residuals` traces the loss: what the backward recomputes and holds while it runs the
     segment's backward; and how many of its first outputs are the residuals (the rest: the input gradients).
     Differentiated in its floating inputs; the cotangent of each float output is ones."""
-    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
-
     run = jaxpr_as_fun(ClosedJaxpr(body, []))
     avals = [v.aval for v in body.invars]
     floats = [i for i, a in enumerate(avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
@@ -385,8 +378,6 @@ def _partial_sum(eqn, more_eqn, t: int, split: frozenset, weights=None) -> bool:
     tensor-split size, or one of a weight's dimensions the plan shards over the tensor axes (``weights``: weight
     variable → those dimensions, :func:`_tensor_split_weights`; e.g. a ``(D, D)`` output projection whose input
     dimension is the heads')."""
-    from jax.extend.core import Literal
-
     if t <= 1 or eqn.primitive.name != "dot_general":
         return False
     (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
@@ -404,8 +395,6 @@ _SAME_DIMS = frozenset({"convert_element_type", "copy", "copy_p", "sharding_cons
 def _tensor_split_weights(plan, jaxpr) -> Dict[Any, frozenset]:
     """The dimensions of each parameter (``jaxpr``'s first inputs, in the params' tree order) the plan shards
     over the tensor axes, and of the casts and transposes made of them (as the matmuls read them)."""
-    from jax.extend.core import Literal
-
     axes = set(layout_of(plan).tensor_axes)
     spec = {leaf.path: leaf.spec for leaf in plan.group("params")}
     paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(plan.abstract.params)[0]]
@@ -431,8 +420,6 @@ def _all_reduced_inputs(jaxpr, more, stored, t: int, split: frozenset, weights=N
     """Bytes of the all-reduced partial sums (:func:`_partial_sum`) the stored residuals are fused from (each
     once): under tensor parallelism the sum is a buffer of its own, which XLA keeps where the backward
     recomputes a residual from it (``x + attention_out`` from the all-reduced ``attention_out``)."""
-    from jax.extend.core import Literal
-
     index = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     found: Dict[Any, float] = {}
     seen: set = set()
@@ -473,8 +460,6 @@ def _backward_working_set(jaxpr, more, start: int, t: int, split: frozenset, sav
     partial sum (:func:`_partial_sum`) has a second buffer, its all-reduce, as long as it lives. A body's own
     outputs are the call's buffers (not counted twice). Sequential order (the program's); an estimate of the
     heap, used for the difference the all-reduces make (:class:`TracedActivations`)."""
-    from jax.extend.core import Literal
-
     eqns = jaxpr.eqns
     shape_more = {v: w.aval.shape for e, f in zip(eqns, more.eqns) for v, w in zip(e.outvars, f.outvars)}
     made = {v: i for i, e in enumerate(eqns) if i >= start for v in e.outvars}
@@ -598,44 +583,43 @@ def working_weight_bytes(plan, *, layers_only: bool = False) -> Tuple[int, int]:
     return cached(plan, key, lambda p: _working_weight_bytes(p, layers_only), layout_only=True)
 
 
-def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:
+def _weights_as_multiplied(plan):
+    """``(leaf, bytes, copy)`` per parameter: its bytes per device as the step multiplies with it (compute dtype,
+    gathered over the data-parallel axes that shard it), and whether that is a copy (gathered or cast), not the
+    stored parameter itself."""
     sizes = plan.mesh_sizes
     rule = plan.rules.table("activations").get("batch")
     batch_axes = set(rule.mesh_axes if rule else ())
     compute = np.dtype(plan.recipe.compute_dtype)
-    c = compute.itemsize
-    total = extra = 0
     for leaf in plan.group("params"):
-        if layers_only and not (leaf.logical_axes and leaf.logical_axes[0] == "layers"):
-            continue
         axes = _axes_in(leaf.spec)
         shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
         gathered = any(sizes.get(a, 1) > 1 for a in axes & batch_axes)
-        w = math.prod(leaf.shape) * c // max(shards, 1)
+        yield leaf, math.prod(leaf.shape) * compute.itemsize // max(shards, 1), gathered or np.dtype(leaf.dtype) != compute
+
+
+def _stacked(leaf) -> bool:
+    """A stacked layer weight: leading logical axis ``layers`` (a layer scan reads one slice per iteration)."""
+    return bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers"
+
+
+def _working_weight_bytes(plan, layers_only: bool) -> Tuple[int, int]:
+    total = extra = 0
+    for leaf, w, copy in _weights_as_multiplied(plan):
+        if layers_only and not _stacked(leaf):
+            continue
         total += w
-        if gathered or np.dtype(leaf.dtype) != compute:
-            extra += w
+        extra += w if copy else 0
     return total, extra
 
 
 def gathered_layer_bytes(plan, *, remat: bool) -> int:
     """Bytes per device of the gathered or cast weight copies the step holds at once on a traced plan: as
     :func:`working_weight_bytes`'s ``extra``, except that with ``remat`` (the traced program runs remat
-    segments) a stacked layer weight (leading logical axis ``layers``, which a layer scan reads one slice per
-    iteration) counts one layer's slice: the backward recomputes each layer's forward, gathering its slice
-    again, so no gathered copy is kept from the forward (big_vision's ViT with its own scan+remat, fsdp on 16
-    devices: +26 % with every layer's copy counted, −7 % with one). Without remat every layer's copy counts
-    (XLA may keep the forward's gathered slices for the backward: vit-tiny, fsdp, 8 devices)."""
-    sizes = plan.mesh_sizes
-    rule = plan.rules.table("activations").get("batch")
-    batch_axes = set(rule.mesh_axes if rule else ())
-    compute = np.dtype(plan.recipe.compute_dtype)
-    extra = 0
-    for leaf in plan.group("params"):
-        axes = _axes_in(leaf.spec)
-        shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
-        if not (any(sizes.get(a, 1) > 1 for a in axes & batch_axes) or np.dtype(leaf.dtype) != compute):
-            continue
-        stacked = remat and bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers" and leaf.shape[0] > 0
-        extra += math.prod(leaf.shape) * compute.itemsize // max(shards, 1) // (leaf.shape[0] if stacked else 1)
-    return extra
+    segments) a stacked layer weight (:func:`_stacked`) counts one layer's slice: the backward recomputes each
+    layer's forward, gathering its slice again, so no gathered copy is kept from the forward (big_vision's ViT
+    with its own scan+remat, fsdp on 16 devices: +26 % with every layer's copy counted, −7 % with one). Without
+    remat every layer's copy counts (XLA may keep the forward's gathered slices for the backward: vit-tiny, fsdp,
+    8 devices)."""
+    return sum(w // (leaf.shape[0] if remat and _stacked(leaf) and leaf.shape[0] > 0 else 1)
+               for leaf, w, copy in _weights_as_multiplied(plan) if copy)
