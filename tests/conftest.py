@@ -55,7 +55,8 @@ def pytest_configure(config):
 #: The slowest files, slowest first (a whole-suite ``--durations`` profile on 2 busy cores, summed per
 #: file). They are collected first: ``--dist loadfile`` hands files to workers in collection order (with
 #: xdist's reordering by test count off, pytest_configure), so a long file collected last would run
-#: alone at the end while the other workers sit idle. The rest keep their order. tests/test_suite_rules.py checks that each entry names a file.
+#: alone at the end while the other workers sit idle. The rest keep their order. tests/test_suite_rules.py
+#: checks that each entry names a file.
 SLOWEST_FILES = (
     "test_generation.py", "test_resilience_supervisor.py", "test_step_options.py", "test_hf_flax_models.py",
     "test_pipeline.py", "test_notebooks.py", "test_moe.py", "test_parity.py", "test_trainer.py", "test_peers.py",

@@ -227,6 +227,8 @@ def replanned(case: Case, args, compiled: Dict) -> Dict:
 
 #: The planner's target: memory and every axis's collective bytes within 10 % of the compiled program.
 TOLERANCE = 0.10
+#: An axis with fewer bytes than this on both sides is left out of the check and the table (a few scalars).
+MIN_AXIS_BYTES = 0.1 * 2 ** 20
 
 
 def within(res: Dict) -> bool:
@@ -234,7 +236,7 @@ def within(res: Dict) -> bool:
     errors = [res["estimated_memory"] / res["measured_memory"]["peak"] - 1]
     for axis in set(res["planned"]) | set(res["compiled"]):
         p, c = res["planned"].get(axis, {}).get("total", 0.0), res["compiled"].get(axis, {}).get("total", 0)
-        if max(p, c) >= 0.1 * 2 ** 20:
+        if max(p, c) >= MIN_AXIS_BYTES:
             errors.append(p / c - 1 if c else float("inf"))
     return all(abs(e) <= TOLERANCE for e in errors)
 
@@ -251,7 +253,7 @@ def row(label: str, res: Dict, before: Dict = None) -> List[str]:
     axes = []
     for axis in sorted(set(planned) | set(compiled)):
         p, c = planned.get(axis, {}).get("total", 0.0), compiled.get(axis, {}).get("total", 0)
-        if max(p, c) < 0.1 * 2 ** 20:
+        if max(p, c) < MIN_AXIS_BYTES:
             continue  # e.g. a few scalars reduced over `fsdp+tensor`
         err = f"{p / c - 1:+.0%}" if c else ("0" if not p else "n/a")
         text = f"{axis} {p / 2 ** 20:.1f}/{c / 2 ** 20:.1f} MiB ({err})"
