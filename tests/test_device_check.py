@@ -59,9 +59,9 @@ def test_the_dry_run_runs_the_pipeline_and_adds_a_dated_table(tmp_path):
     assert re.search(r"^### \d{4}-\d\d-\d\d \d\d:\d\d UTC: 8 x cpu \(cpu\) — dry run", text, re.M), text
     for v in dc.VARIANTS:  # every variant has its row, measured or skipped
         assert f"| {v.section} | {v.label} |" in text, text
-    base = re.search(r"^\| recipe \| fsdp flash \| ([0-9.,]+) \| ([0-9.,]+) \| ([0-9.]+) \| ([0-9.]+)% \| "
+    base = re.search(r"^\| recipe \| fsdp flash \| xla \| ([0-9.,]+) \| ([0-9.,]+) \| ([0-9.]+) \| ([0-9.]+)% \| "
                      r"([0-9.]+)% \| 1\.000 \| ([0-9.,]+) \| ([0-9.]+) \|$", text, re.M)
-    assert base, text  # the baseline: both steps timed, MFU, and the planner's prediction next to it
+    assert base, text  # the baseline (blockwise XLA flash on CPU): both steps timed, MFU, the planner's prediction
     assert text[len(dc.HEADING):].strip() in out.stdout  # what it wrote is what it printed
 
 
@@ -75,3 +75,18 @@ def test_a_variant_past_the_budget_or_the_variant_count_is_skipped_with_its_row(
     rows = dc.run_all(shapes, {}, 1e9, 8, log=lambda *a, **k: None, limit=2)
     assert ran == [v.label for v in dc.VARIANTS[:2]]
     assert [r["error"] for r in rows[2:]] == ["skipped: --variants 2"] * (len(dc.VARIANTS) - 2)
+
+
+def test_a_failed_run_is_reported_by_its_exception_and_out_of_memory_line():
+    dc = _tool_module()
+    # the shape of a real failure (fsdp dense on one H200, 2026-11-27): JAX's note on filtered frames comes
+    # last, the exception before it, XLA's allocator line earlier
+    stderr = ("EXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 64.02GiB with allocator "
+              "GPU_0_bfc on device 0. [tf-allocator-allocation-error='']\nTraceback (most recent call last):\n"
+              "jax.errors.JaxRuntimeError: NOT_FOUND: All configs failed during profiling.\n"
+              "--------------------\nFor simplicity, JAX has removed its internal frames from the traceback.\n")
+    assert dc.failure_reason(stderr, 1) == (
+        "jax.errors.JaxRuntimeError: NOT_FOUND: All configs failed during profiling. (RESOURCE_EXHAUSTED: Out of "
+        "memory while trying to allocate 64.02GiB with allocator GPU_0_bfc on device 0.)")
+    assert dc.failure_reason("Traceback\nValueError: bad shape\n", 1) == "ValueError: bad shape"
+    assert dc.failure_reason("", 3) == "exit 3"

@@ -39,6 +39,8 @@ import time
 LLAMA_1B = dict(name="llama3.2-1b", vocab_size=128_256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                 head_dim=64, d_ff=8192, max_seq_len=8192, rope_theta=500_000.0, tie_embeddings=True)
 
+#: A packed batch's keys (``--packing unpacked`` drops the last).
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids")
 #: ``jax.Device.device_kind`` prefixes -> hardware profile names.
 DEVICE_KINDS = (("NVIDIA H100", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100", "a100"), ("NVIDIA B200", "b200"),
                 ("TPU v4", "tpu-v4"), ("TPU v5 lite", "tpu-v5e"), ("TPU v5e", "tpu-v5e"), ("TPU v5p", "tpu-v5p"),
@@ -66,6 +68,9 @@ def _parse(argv):
     p.add_argument("--offload", default="none", choices=("none", "optimizer"),
                    help="meshtrain's step with its optimizer state in host memory (the hand-written step keeps it "
                         "on the device: the ratio is then offload's cost)")
+    p.add_argument("--packing", default="packed", choices=("packed", "unpacked"),
+                   help="packed: batches carry segment ids (flash on a GPU then runs blockwise XLA, cuDNN's path "
+                        "takes no segment mask); unpacked: no segment ids (flash on a GPU runs cuDNN)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -102,6 +107,7 @@ def main(argv=None) -> int:
     from meshtrain.models import get_config, model_factory
     from meshtrain.models.decoder import DecoderConfig
     from meshtrain.models.flops import model_flops_per_token
+    from meshtrain.parallel.flash import flash_backend
     from meshtrain.recipes import AttentionKind
     from meshtrain.train.step import next_token_loss, step_context_for
 
@@ -132,16 +138,21 @@ def main(argv=None) -> int:
 
     tx = optax.adamw(1e-4, weight_decay=0.1)
     abstract = mt.abstract_state(model_factory(cfg), tx)
-    plan = mt.make_plan(abstract, recipe, batch=mt.BatchSpec(batch, seq))
+    packed = args.packing == "packed"
+    spec = mt.BatchSpec(batch, seq, keys=BATCH_KEYS if packed else BATCH_KEYS[:-1])  # segment_ids last
+    plan = mt.make_plan(abstract, recipe, batch=spec)
     # the hand-written step keeps its optimizer state on the device (with --offload: the baseline)
     hand_plan = (plan if args.offload == "none" else
-                 mt.make_plan(abstract, recipe.with_options(offload="none"), batch=mt.BatchSpec(batch, seq)))
+                 mt.make_plan(abstract, recipe.with_options(offload="none"), batch=spec))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, size=(4, batch, seq + 1), dtype=np.int32)
     positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
-    batches = [jax.device_put({"inputs": t[:, :-1], "targets": t[:, 1:], "positions": positions,
-                               "segment_ids": np.ones((batch, seq), np.int32)}, plan.batch_shardings)
-               for t in tokens]
+    segments = {"segment_ids": np.ones((batch, seq), np.int32)} if packed else {}
+    batches = [jax.device_put({"inputs": t[:, :-1], "targets": t[:, 1:], "positions": positions, **segments},
+                              plan.batch_shardings) for t in tokens]
+    # the kernel flash attention gets here (a GPU runs cuDNN only on a batch without segment ids)
+    kernel = (flash_backend(platform=platform, dtype=args.compute_dtype, segmented=packed)[0].value
+              if attention == "flash" else attention)
 
     mt_step = mt.make_train_step(plan)
     mt_state = mt.init_state(plan, seed=0)
@@ -200,7 +211,8 @@ def main(argv=None) -> int:
     result = {
         "device": f"{n} x {devices[0].device_kind} ({platform})", "hardware": hw.name,
         "peak_tflops_per_device": hw.peak_flops / 1e12, "model": cfg.name, "params": cfg.num_params(),
-        "recipe": recipe.name, "attention": attention, "offload": args.offload, "remat": remat, "param_dtype": args.param_dtype,
+        "recipe": recipe.name, "attention": attention, "attention_kernel": kernel,
+        "packing": args.packing, "offload": args.offload, "remat": remat, "param_dtype": args.param_dtype,
         "compute_dtype": args.compute_dtype, "batch": batch, "seq_len": seq, "steps": args.steps,
         "model_flops_per_step": flops_per_step, "first_loss": {"meshtrain": first_mt, "hand-written": first_hand},
         "compile_s": {"meshtrain": compile_mt, "hand-written": compile_hand}, "results": rows,

@@ -6,7 +6,7 @@ measures, with ``tools/bench_mfu.py`` (meshtrain's step against a hand-written `
 
 * MFU of the 1B decoder (Llama-3.2-1B shapes) per recipe: fsdp, dp, fsdp_tp (tp on one device),
   flash attention;
-* flash vs dense attention (fsdp);
+* flash vs dense attention (fsdp), and flash on an unpacked batch (no segment ids: cuDNN on a GPU);
 * meshtrain's XLA scheduling flags on vs off (fsdp);
 * the cost of optimizer-state host offload (fsdp, ``offload=optimizer`` vs the hand-written step
   that keeps the state on the device);
@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,7 @@ class Variant:
 #: In order of priority: the baseline first (the other rows compare with it), the recipes last.
 VARIANTS = (
     Variant("recipe", BASELINE, ("--recipe", "fsdp", "--attention", "flash")),
+    Variant("attention", "fsdp flash, unpacked", ("--recipe", "fsdp", "--attention", "flash", "--packing", "unpacked")),
     Variant("attention", "fsdp dense", ("--recipe", "fsdp", "--attention", "dense")),
     Variant("XLA flags", "fsdp flash, flags off", ("--recipe", "fsdp", "--attention", "flash", "--xla-flags", "none")),
     Variant("offload", "fsdp flash, optimizer offloaded", ("--recipe", "fsdp", "--attention", "flash",
@@ -132,8 +134,20 @@ def bench(variant: Variant, shapes: Shapes, env, timeout: float) -> Dict[str, ob
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish in {timeout:.0f} s (the budget left)"}
     if out.returncode:
-        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:200]}
+        return {"error": failure_reason(out.stderr, out.returncode)}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def failure_reason(stderr: str, returncode: int) -> str:
+    """The line of a failed run's stderr that says why: the last exception line (JAX's note on its
+    filtered traceback is not one), with an out-of-memory line after it when XLA printed one."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    raised = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b", ln.split(":")[0].split(".")[-1])]
+    reason = (raised or lines or [f"exit {returncode}"])[-1]
+    oom = next((ln for ln in reversed(lines) if "RESOURCE_EXHAUSTED" in ln), None)
+    if oom and oom not in reason:
+        reason += " (" + oom[oom.index("RESOURCE_EXHAUSTED"):].split(" [")[0] + ")"
+    return reason[:300]
 
 
 def predicted_step_s(res: Dict[str, object]) -> Optional[float]:
@@ -154,7 +168,10 @@ def predicted_step_s(res: Dict[str, object]) -> Optional[float]:
         param_dtype=res["param_dtype"], compute_dtype=res["compute_dtype"], remat=res["remat"],
         attention=res["attention"], offload=res.get("offload", "none"))
     abstract = mt.abstract_state(model_factory(cfg), optax.adamw(1e-4, weight_decay=0.1))
-    plan = mt.make_plan(abstract, recipe, recipe.mesh.abstract(n), batch=mt.BatchSpec(res["batch"], res["seq_len"]))
+    spec = mt.BatchSpec(res["batch"], res["seq_len"])
+    if res.get("packing") == "unpacked":
+        spec = dataclasses.replace(spec, keys=tuple(k for k in spec.keys if k != "segment_ids"))
+    plan = mt.make_plan(abstract, recipe, recipe.mesh.abstract(n), batch=spec)
     hw = get_hardware(res["hardware"], num_devices=n)
     ops = analytic_collectives(plan, cfg, backend_of(hw))
     return estimate_step_time(plan, cfg, hw, collectives=ops).step_s
@@ -201,20 +218,20 @@ def _ms(s: Optional[float]) -> str:
 
 
 def table(rows: List[Dict[str, object]]) -> List[str]:
-    header = ["section", "variant", "meshtrain step ms", "hand-written ms", "meshtrain / hand", "MFU meshtrain",
+    header = ["section", "variant", "attention kernel", "meshtrain step ms", "hand-written ms", "meshtrain / hand", "MFU meshtrain",
               "MFU hand-written", f"vs {BASELINE}", "planner ms", "planner / measured"]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = next((r for r in rows if r["variant"].label == BASELINE and "error" not in r), None)
     for r in rows:
         v = r["variant"]
         if "error" in r:
-            out.append("| " + " | ".join([v.section, v.label, r["error"]] + ["—"] * (len(header) - 3)) + " |")
+            out.append("| " + " | ".join([v.section, v.label, "—", r["error"]] + ["—"] * (len(header) - 4)) + " |")
             continue
         mt_, hand = r["results"]["meshtrain"], r["results"]["hand-written"]
         pred = r.get("predicted_step_s")
         vs = f"{mt_['step_s'] / base['results']['meshtrain']['step_s']:.3f}" if base else "—"
         out.append("| " + " | ".join([
-            v.section, v.label, _ms(mt_["step_s"]), _ms(hand["step_s"]), f"{r['ratio_meshtrain_over_hand']:.3f}",
+            v.section, v.label, r.get("attention_kernel", "—"), _ms(mt_["step_s"]), _ms(hand["step_s"]), f"{r['ratio_meshtrain_over_hand']:.3f}",
             f"{mt_['mfu']:.1%}", f"{hand['mfu']:.1%}", vs, _ms(pred) if pred else r.get("predicted_error", "—"),
             f"{pred / mt_['step_s']:.2f}" if pred else "—"]) + " |")
     return out
@@ -252,8 +269,8 @@ def write(path: str, text: str) -> None:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    env = child_env(args.dry_run)  # before this process pins itself to the CPU: the children get the host's
     os.environ["JAX_PLATFORMS"] = "cpu"  # this process only plans; the accelerator is the children's
-    env = child_env(args.dry_run)
     device = probe(env)
     if device["platform"] == "cpu" and not args.dry_run:
         print("error: tools/device_check.sh needs a GPU or TPU, and JAX sees only CPUs on this host; run it on an "
