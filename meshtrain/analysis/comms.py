@@ -39,7 +39,8 @@ its result's bytes on one device per execution; an all-reduce counts the reduced
 XLA:TPU and XLA:GPU all-reduce the gradient of a replicated (data-parallel) parameter in the compute dtype:
 counted in ``c`` bytes there.
 
-Backends: XLA:GPU/TPU emit the above. XLA:CPU (measured, jax 0.10) has no reduce-scatter (it
+Backends: XLA:GPU/TPU emit the above, except that XLA:TPU (libtpu 0.0.42.1, measured) all-reduces the whole
+``X`` where sequence parallelism allows a reduce-scatter, as XLA:CPU does. XLA:CPU (measured, jax 0.10) has no reduce-scatter (it
 all-reduces the full tensor and slices) and does not reassociate all-reduces: the backward
 all-reduces q, k, v and gate, up input-gradient partials separately (5 per layer instead of 2).
 """
@@ -459,7 +460,9 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
         add("all-gather", axes, x, 2 * runs, "SP forward all-gather (b,T,d) before column-parallel", crit, fwd)
         add("all-gather", axes, x, (4 + regather) * runs + fwd_again, "SP backward all-gathers (re-gather inputs, "
             "reduce-scatter transposes)", crit, bwd)
-        if backend is Backend.CPU:
+        # XLA:CPU has no reduce-scatter; XLA:TPU all-reduces the full (b,T,d) here too (measured, libtpu
+        # 0.0.42.1, fsdp_tp_sp at Llama-3-8B shapes: 22 all-reduces of x over `tensor`, no reduce-scatter)
+        if backend in (Backend.CPU, Backend.TPU):
             add("all-reduce", axes, x, 2 * runs, "SP forward reduce-scatter (as all-reduce)", crit, fwd)
             add("all-reduce", axes, x, (bwd_ar + recompute) * runs + fwd_again,
                 "SP backward reduce-scatter (as all-reduce)", crit, bwd)
@@ -468,7 +471,7 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
             add("reduce-scatter", axes, x / t, (2 + recompute) * runs + fwd_again, "SP backward reduce-scatter",
                 crit, bwd)
     if lay.vocab_axes == axes:
-        kind, nbytes = ("reduce-scatter", x / t) if sp and backend is not Backend.CPU else ("all-reduce", x)
+        kind, nbytes = ("reduce-scatter", x / t) if sp and backend is Backend.GPU else ("all-reduce", x)
         add(kind, axes, nbytes, m, "vocab-parallel embedding lookup", crit, fwd)
         add(kind, axes, nbytes, m, "vocab-parallel head: input gradient", crit, bwd)
         add("all-reduce", axes, b * T * 4, 3 * m, "vocab-parallel loss (max, sum, target logit)", crit, fwd)
