@@ -458,8 +458,12 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
             + (", recomputed forward)" if recompute else ")"), crit, bwd)
     else:
         add("all-gather", axes, x, 2 * runs, "SP forward all-gather (b,T,d) before column-parallel", crit, fwd)
-        add("all-gather", axes, x, (4 + regather) * runs + fwd_again, "SP backward all-gathers (re-gather inputs, "
-            "reduce-scatter transposes)", crit, bwd)
+        # the backward all-gathers the cotangents of the two reduce-scatters, and re-gathers the two layer inputs
+        # unless the forward saved them: XLA:GPU without remat keeps the gathered inputs (measured, `small` on
+        # 8xH100: 17 all-gathers, not 25); XLA:TPU was measured under remat full only
+        inputs = 0 if backend is Backend.GPU and plan.recipe.remat is Remat.NONE else 2
+        add("all-gather", axes, x, (2 + inputs + regather) * runs + fwd_again, "SP backward all-gathers ("
+            + ("re-gathered inputs, " if inputs else "") + "reduce-scatter transposes)", crit, bwd)
         # XLA:CPU has no reduce-scatter; XLA:TPU all-reduces the full (b,T,d) here too (measured, libtpu
         # 0.0.42.1, fsdp_tp_sp at Llama-3-8B shapes: 22 all-reduces of x over `tensor`, no reduce-scatter)
         if backend in (Backend.CPU, Backend.TPU):
