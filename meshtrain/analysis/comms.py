@@ -203,10 +203,10 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
             # XLA:TPU and XLA:GPU all-reduce a replicated parameter's gradient in the compute dtype and
             # upcast after (measured: the dp step's all-reduce result is the bf16 gradient on v5p and on
             # 8xH100, tools/check_compilers.py); XLA:TPU does so for an FSDP-sharded gradient's all-reduce across
-            # replicas too (measured: hsdp's `data` bytes, Llama-3-8B 4 layers, are the bf16 shard's);
+            # replicas too (measured: hsdp's `data` bytes, Llama-3-8B 4 layers, are the bf16 shard's), and so does
+            # XLA:GPU (measured: fsdp_cp and fsdp_tp_cp's `context` all-reduces on 8xH100 are the bf16 shards');
             # XLA:CPU reduces in the parameter's dtype.
-            narrow = backend is Backend.TPU or (backend is Backend.GPU and not x.has_f)
-            g_reduce = g_shard * c / p if narrow and c < p else g_shard
+            g_reduce = g_shard * c / p if not cpu and c < p else g_shard
             put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 
     if cfg is not None:
