@@ -220,6 +220,8 @@ GPU_AXIS_BYTES = [
     (["--recipe", "fsdp_tp_sp"], "tensor", 53_657_600),
     # the FSDP shard's gradient all-reduced across `context` in bf16 (before: +14 %, counted in f32)
     (["--recipe", "fsdp_cp", "--context-kind", "all_gather"], "context", 24_215_552),
+    # usp's two-device ring: its one backward hop sends no (still zero) dK/dV (before: +51 %)
+    (["--recipe", "fsdp_cp_usp"], "context", 16_795_648),
 ]
 
 

@@ -97,6 +97,16 @@ def test_data_parallel_gradient_reductions_counted_as_xla_tpu_runs_them(recipe):
 SEQUENCE_PARALLEL_TENSOR_BYTES = 3_523_624_960
 
 
+#: ... and on `context` for fsdp_cp_usp (usp: Ulysses 2 × a two-device ring): the ring's one backward hop carries
+#: the K/V block only, its dK/dV accumulators still zeros that XLA folds (before: 448.5 MiB planned, +40 %)
+USP_CONTEXT_BYTES = 335_749_120
+
+
+def test_a_two_device_ring_sends_no_accumulator_on_its_one_backward_hop():
+    planned = _planned_tpu_bytes_per_axis("llama3-8b", "fsdp_cp_usp")["context"]
+    assert abs(planned["total"] / USP_CONTEXT_BYTES - 1) <= 0.02, planned
+
+
 def test_sequence_parallel_reductions_counted_as_xla_tpu_runs_them():
     planned = _planned_tpu_bytes_per_axis("llama3-8b", "fsdp_tp_sp")["tensor"]
     assert abs(planned["total"] / SEQUENCE_PARALLEL_TENSOR_BYTES - 1) <= 0.05, planned

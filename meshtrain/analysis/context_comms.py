@@ -6,7 +6,8 @@ head width ``h``, compute bytes ``c``; ring size ``R``, Ulysses size ``U``:
 
 * ``ring``: forward ``R-1`` collective-permutes of the K/V block ``2·b·(T/R)·kv·h·c`` (plus its
   indices and segment ids); backward ``R-1`` permutes of the K/V block with the f32 dK/dV
-  accumulators (``2·b·(T/R)·kv·h·4``) and one more hop of the accumulators. A rematerialising
+  accumulators (``2·b·(T/R)·kv·h·4``; not on a two-device ring, whose one trip XLA folds while the
+  accumulators are still zeros) and one more hop of the accumulators. A rematerialising
   recipe runs the forward ring again in the backward.
 * ``all_gather``: forward all-gather of K/V (result ``2·b·T·kv·h·c``) and segment ids; backward
   reduce-scatter of dK/dV (result ``2·b·(T/R)·kv·h·c``).
@@ -65,8 +66,11 @@ def context_collectives(plan, cfg, backend: str = "tpu") -> List[dict]:
         acc = 2 * b * (t_ring // R) * heads_kv * h * 4
         fwd = (R - 1) * L * m * (2 if recompute else 1)
         add("collective-permute", axes, block, fwd, "ring: K/V blocks (forward)", "forward")
-        add("collective-permute", axes, block + acc, (R - 1) * L * m, "ring: K/V blocks + dK/dV (backward)",
-            "backward")
+        # a two-device ring's backward is one trip whose dK/dV are still the zeros they start as: XLA folds
+        # the loop and sends no accumulator on that hop (measured: usp's R = 2 ring on 8xH100 and v5p:2x2x2)
+        riding = acc if R > 2 else 0
+        add("collective-permute", axes, block + riding, (R - 1) * L * m,
+            "ring: K/V blocks" + (" + dK/dV" if riding else "") + " (backward)", "backward")
         add("collective-permute", axes, acc, L * m, "ring: dK/dV home (backward)", "backward")
 
     def ulysses(U, t_part, axes):
