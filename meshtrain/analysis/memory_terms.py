@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import numpy as np
 
+from meshtrain.abstract import path_str
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import working_weight_bytes
 from meshtrain.analysis.comms import batch_dims
@@ -168,6 +169,17 @@ class StepShape:
         """The gradients in the compute dtype at their shardings."""
         return gradient_bytes(self.plan, itemsize=self.c)
 
+    @functools.cached_property
+    def lookup_gradient(self) -> int:
+        """The compute-dtype gradient of an embedding table used only for the lookup (untied): the backward
+        makes it last, after the layers'."""
+        return 0 if self.cfg.tie_embeddings else gradient_bytes(self.plan, itemsize=self.c, axes=LOOKUP_TABLE_AXES)
+
+    @property
+    def layer_phase_gradients(self) -> int:
+        """The gradients XLA:GPU holds while the layers' backward scan runs (all but the lookup table's)."""
+        return self.compute_gradients - self.lookup_gradient
+
     @property
     def tpu_unrolled(self) -> bool:
         """XLA:TPU with the layers unrolled (``scan_unroll ≥ L``): one layer's backward at a time."""
@@ -266,9 +278,11 @@ def gradient_terms(s: StepShape, activations: int) -> Tuple[MemoryTerm, ...]:
         grads = MemoryTerm(G, "gradients (compute dtype)", gradient_bytes(s.plan, itemsize=s.c),
                            "elements per device × compute-dtype bytes at the gradients' shardings")
     elif s.gpu_scan:
-        grads = MemoryTerm(G, "gradients (compute dtype, XLA:GPU scan)", s.compute_gradients,
-                           "elements per device × compute-dtype bytes at the gradients' shardings: the backward "
-                           "scan stacks each layer's gradient in the compute dtype, upcast in the optimizer update")
+        grads = MemoryTerm(G, "gradients (compute dtype, XLA:GPU scan)", s.layer_phase_gradients,
+                           "elements per device × compute-dtype bytes at the gradients' shardings, but the untied "
+                           "embedding table's (made after the layers' backward, when the weight casts are freed): "
+                           "the backward scan stacks each layer's gradient in the compute dtype, upcast in the "
+                           "optimizer update")
     elif s.straight:
         grads = MemoryTerm(G, "gradients beyond the saved activations",
                            max(gradient_bytes(s.plan) - activations, 0),
@@ -420,7 +434,7 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                                             "max(4·b·T·V/t − the above, 0)"))
     elif s.gpu_scan:  # XLA:GPU too, and the layers' phase holds the gradient stacks as well: the larger phase
         head = s.f32_logits + logits_grad
-        beyond = max(head - s.compute_gradients - int(_total(layer + (blocks,))), 0)
+        beyond = max(head - s.layer_phase_gradients - int(_total(layer + (blocks,))), 0)
         terms = layer + (blocks, MemoryTerm(M, "f32 logits and their gradient beyond the layers' backward (XLA:GPU "
                                                "scan)", beyond,
                                             "max(saved f32 logits + 4·b·T·V/t − compute-dtype gradients − the "
@@ -467,7 +481,7 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                     + "with remat=none (backward working set)"
                     + (f" + its weight gradient as multiplied W_layer·c = {w_layers:,} B (remat: recomputed "
                        "residuals and weight gradient together)" if w_layers and not straight else "")
-                    + " + f32 logits gradient 4·b·T·V/t"
+                    + ("" if s.gpu_scan else " + f32 logits gradient 4·b·T·V/t")
                     + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
     grad_formula = "= parameters (same shardings and dtype)"
     if straight:
@@ -484,6 +498,13 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         "of the MLP only its matmuls' operands and results"
                         + (", cuDNN's K/V at the query heads" if s.cudnn else ""))
         temp_formula += " + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max (XLA:GPU)"
+    if s.gpu_scan:
+        grad_formula = ("elements per device × compute-dtype bytes (XLA:GPU scan: the backward scan stacks each "
+                        "layer's gradient in the compute dtype, upcast in the optimizer update)")
+        act_formula += "; XLA:GPU scan: the saved f32 logits are freed before the layers' backward"
+        temp_formula += (" + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max; the saved f32 "
+                         "logits and their gradient 4·b·T·V/t count where the head's phase outgrows the layers' "
+                         "(XLA:GPU scan)")
     if s.tpu:
         temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
                         "XLA:TPU finishes the head's backward before the layers'"
@@ -562,18 +583,27 @@ def _param_elements(plan) -> Tuple[int, int, int]:
             sum(e for e, l in zip(per_leaf, params) if l.logical_axes and l.logical_axes[0] == "layers"))
 
 
-def gradient_bytes(plan, itemsize: Optional[int] = None) -> int:
+def gradient_bytes(plan, itemsize: Optional[int] = None, axes: Optional[Tuple[str, ...]] = None) -> int:
     """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
     keeps its gradient in (:func:`meshtrain.plan.gradient_shardings`: the parameter's own, or its
     optimizer state's under ``zero2``). ``itemsize``: bytes per element instead of the parameter's dtype
-    (floating-point leaves only). Once per layout and ``itemsize``."""
-    return cached(plan, ("gradient_bytes", itemsize), lambda p: _gradient_bytes(p, itemsize), layout_only=True)
+    (floating-point leaves only); ``axes``: only the parameters with these logical axes. Once per layout,
+    ``itemsize`` and ``axes``."""
+    return cached(plan, ("gradient_bytes", itemsize, axes), lambda p: _gradient_bytes(p, itemsize, axes),
+                  layout_only=True)
 
 
-def _gradient_bytes(plan, itemsize: Optional[int]) -> int:
+#: The logical axes of an embedding table the step looks tokens up in (the head's weight is ``(embed, vocab)``).
+LOOKUP_TABLE_AXES = ("vocab", "embed")
+
+
+def _gradient_bytes(plan, itemsize: Optional[int], axes: Optional[Tuple[str, ...]] = None) -> int:
     sizes = plan.mesh_sizes
     total = 0
-    for sharding, leaf in zip(jax.tree.leaves(gradient_shardings(plan)), jax.tree.leaves(plan.abstract.params)):
+    leaves = jax.tree_util.tree_leaves_with_path(plan.abstract.params)
+    for sharding, (keypath, leaf) in zip(jax.tree.leaves(gradient_shardings(plan)), leaves):
+        if axes is not None and tuple(plan.abstract.param_axes.get(path_str(keypath)) or ()) != axes:
+            continue
         shards = 1
         for entry in sharding.spec:
             for axis in (entry if isinstance(entry, tuple) else (entry,)):
