@@ -232,11 +232,13 @@ def test_planned_collective_bytes_per_axis_within_5_percent_of_recorded_xla_gpu(
 #: Scanned layer stacks on XLA:GPU (compile-only `meshtrain plan --check gpu`, jax-cuda12-pjrt 0.10.2, meshtrain's
 #: scheduling flags; bf16 compute, f32 parameters, Adam): XLA:GPU's peak per GPU (bytes), and for the two Llama-3-8B
 #: steps also the real H200's (BENCHMARKS.md, "Device checks": 126.62 / 129.30 GB, jax 0.11.2). Llama-3-8B dp on
-#: 1xH200, batch 2 × 2048 (packed: the blockwise flash kernel), remat full, at its 32 layers and at 4; fsdp on
-#: 8xH100, batch 8 × 2048; `small` on 8xH100, batch 16 × 1024 without segment ids, --layer-loop scan. Before the
-#: scan model (the XLA:CPU formulas): +17.9 %, +17.0 % (real H200: +18.9 %, +17.6 %), +35.8 %, +29.2 %, +12.6 %,
-#: -9.2 %, -39.0 %, -42.3 %. Still outside 10 %: `small` dp remat dots -10.4 % (XLA double-buffers the saved f32
-#: score stack) and fsdp remat none -20.0 % (transposed copies of the saved T² stacks).
+#: 1xH200, batch 2 × 2048 (packed: the blockwise flash kernel), remat full at its 32 layers, at 4 layers remat full,
+#: dots and none; fsdp and fsdp_tp on 8xH100, batch 8 × 2048, remat full; `small` on 8xH100, batch 16 × 1024 without
+#: segment ids, --layer-loop scan. Before the scan model (the XLA:CPU formulas), in this order: +17.9 %, +17.0 %
+#: (real H200: +18.9 %, +17.6 %), +35.8 %, +29.2 %, +11.9 %, +30.0 %, +12.6 %, +16.0 %, -9.2 %, -39.0 %, -42.3 %,
+#: -38.3 %. Still outside 10 %: `small` dp remat dots -10.4 % (XLA double-buffers the saved f32 score stack), fsdp
+#: remat none -20.0 % (transposed copies of the saved T² stacks), fsdp flash (cuDNN) remat full +12.2 % (before
+#: +19.6 %; 54 MB in all).
 LLAMA_DP = ["--recipe", "dp", "--hardware", "h200", "--devices", "1", "--batch-size", "2", "--seq-len", "2048",
             "--remat", "full"]
 SMALL_SCAN = ["--hardware", "h100", "--devices", "8", "--layer-loop", "scan", "--compute-dtype", "bfloat16",
@@ -251,9 +253,17 @@ GPU_SCAN_CASES = {
     "llama3-8b fsdp 8xH100": ("llama3-8b", None, ["--recipe", "fsdp", "--hardware", "h100", "--devices", "8",
                                                   "--batch-size", "8", "--seq-len", "2048", "--remat", "full"],
                               19_952_198_361),
+    "llama3-8b 4 layers dp remat dots": ("llama3-8b", 4, [*LLAMA_DP[:-1], "dots", "--local-attention", "flash"],
+                                         40_677_087_177),
+    "llama3-8b 4 layers dp remat none": ("llama3-8b", 4, [*LLAMA_DP[:-1], "none", "--local-attention", "flash",
+                                                          "--layer-loop", "scan"], 33_660_316_889),
+    "llama3-8b fsdp_tp 8xH100": ("llama3-8b", None, ["--recipe", "fsdp_tp", "--hardware", "h100", "--devices", "8",
+                                                     "--batch-size", "8", "--seq-len", "2048", "--remat", "full"],
+                                 19_863_474_905),
     "small dp remat none": ("small", None, SMALL_SCAN + ["--recipe", "dp", "--remat", "none"], 1_549_620_265),
     "small dp remat full": ("small", None, SMALL_SCAN + ["--recipe", "dp", "--remat", "full"], 505_110_217),
     "small fsdp remat full": ("small", None, SMALL_SCAN + ["--recipe", "fsdp", "--remat", "full"], 444_746_065),
+    "small fsdp_tp remat full": ("small", None, SMALL_SCAN + ["--recipe", "fsdp_tp", "--remat", "full"], 447_258_321),
 }
 
 

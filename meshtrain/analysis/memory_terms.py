@@ -100,7 +100,7 @@ class StepShape:
     unroll: int
     straight: bool
     #: XLA:GPU with the layers unrolled (the calibrated case: ``straight``, compute dtype narrower than the
-    #: parameters'), and whether its attention is cuDNN's fused kernel
+    #: parameters'), and whether its attention (unrolled or scanned) is cuDNN's fused kernel
     gpu: bool = False
     cudnn: bool = False
     #: XLA:GPU with the layers scanned (no pipeline or MoE, compute dtype narrower than the parameters'): the
@@ -228,7 +228,7 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
-        loop, unroll, straight, gpu, gpu and runs_cudnn(plan),  # straight: unrolled (or unroll ≥ L)
+        loop, unroll, straight, gpu, narrow_gpu and runs_cudnn(plan),  # straight: unrolled (or unroll ≥ L)
         narrow_gpu and not straight)
 
 
