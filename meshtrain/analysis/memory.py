@@ -96,7 +96,8 @@ read off the buffer assignments of Llama-3-8B at 32 and 4 layers on 1xH200 and 8
 formulas above, except that
 
 * the backward scan stacks each layer's gradient in the compute dtype (``c`` bytes per element at the gradient's
-  sharding; the optimizer update upcasts), next to the compute-dtype weight casts the forward made;
+  sharding; the optimizer update upcasts), next to the compute-dtype weight casts the forward made; an untied
+  embedding table's gradient is made after the layers' backward, once the casts are freed, and is not counted;
 * the head's backward (the saved f32 logits and their f32 gradient, ``2·4·b·T·V/t``) finishes before the layers'
   backward allocates the gradient stacks: the two phases are alternatives, the larger counts;
 * a layer's backward holds its largest cotangent in f32 and the compute dtype, ``(4 + c)·a_max``, as unrolled.

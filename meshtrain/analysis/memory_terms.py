@@ -437,8 +437,8 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
         beyond = max(head - s.layer_phase_gradients - int(_total(layer + (blocks,))), 0)
         terms = layer + (blocks, MemoryTerm(M, "f32 logits and their gradient beyond the layers' backward (XLA:GPU "
                                                "scan)", beyond,
-                                            "max(saved f32 logits + 4·b·T·V/t − compute-dtype gradients − the "
-                                            "above, 0)"))
+                                            "max(saved f32 logits + 4·b·T·V/t − the layers' phase gradients − "
+                                            "the above, 0)"))
     else:
         terms = layer + (MemoryTerm(M, "f32 logits gradient", logits_grad, "4·b·T·V/t"), blocks)
     if s.pipe is not None and s.pipe.one_f_one_b:
@@ -500,7 +500,8 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
         temp_formula += " + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max (XLA:GPU)"
     if s.gpu_scan:
         grad_formula = ("elements per device × compute-dtype bytes (XLA:GPU scan: the backward scan stacks each "
-                        "layer's gradient in the compute dtype, upcast in the optimizer update)")
+                        "layer's gradient in the compute dtype, upcast in the optimizer update), less the untied "
+                        "embedding table's (made after the layers' backward)")
         act_formula += "; XLA:GPU scan: the saved f32 logits are freed before the layers' backward"
         temp_formula += (" + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max; the saved f32 "
                          "logits and their gradient 4·b·T·V/t count where the head's phase outgrows the layers' "
