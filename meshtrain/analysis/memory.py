@@ -89,9 +89,20 @@ than the parameters'): the unrolled formulas above, with what XLA:GPU's fusions 
   no score blocks in HBM, and K/V saved at the query heads (``L·2·b·T·(n − kv)·h·c`` more than the traced
   blockwise kernel).
 
-Against XLA:GPU at ``small`` 16 × 1024: BENCHMARKS.md, "Compiler check: the planner against XLA:GPU". The CPU
-formulas apply otherwise (``backend`` ``"cpu"``, a GPU step with scanned layers, or an ``AbstractMesh`` with no
-backend given).
+Against XLA:GPU at ``small`` 16 × 1024: BENCHMARKS.md, "Compiler check: the planner against XLA:GPU".
+
+XLA:GPU with the layers scanned (no pipeline or MoE, compute dtype narrower than the parameters'; any remat policy;
+read off the buffer assignments of Llama-3-8B at 32 and 4 layers on 1xH200 and 8xH100 and of ``small``): the scan
+formulas above, except that
+
+* the backward scan stacks each layer's gradient in the compute dtype (``c`` bytes per element at the gradient's
+  sharding; the optimizer update upcasts), next to the compute-dtype weight casts the forward made; an untied
+  embedding table's gradient is made after the layers' backward, once the casts are freed, and is not counted;
+* the head's backward (the saved f32 logits and their f32 gradient, ``2·4·b·T·V/t``) finishes before the layers'
+  backward allocates the gradient stacks: the two phases are alternatives, the larger counts;
+* a layer's backward holds its largest cotangent in f32 and the compute dtype, ``(4 + c)·a_max``, as unrolled.
+
+The CPU formulas apply otherwise (``backend`` ``"cpu"``, or an ``AbstractMesh`` with no backend given).
 
 How close these formulas come to XLA's own figures, recipe by recipe, and how that changed:
 BENCHMARKS.md, "Memory model against XLA". Each component is a sum of named terms

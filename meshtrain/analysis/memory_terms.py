@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import numpy as np
 
+from meshtrain.abstract import path_str
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import working_weight_bytes
 from meshtrain.analysis.comms import batch_dims
@@ -99,9 +100,13 @@ class StepShape:
     unroll: int
     straight: bool
     #: XLA:GPU with the layers unrolled (the calibrated case: ``straight``, compute dtype narrower than the
-    #: parameters'), and whether its attention is cuDNN's fused kernel
+    #: parameters'), and whether its attention (unrolled or scanned) is cuDNN's fused kernel
     gpu: bool = False
     cudnn: bool = False
+    #: XLA:GPU with the layers scanned (no pipeline or MoE, compute dtype narrower than the parameters'): the
+    #: backward scan stacks the layers' gradients in the compute dtype, and the head's backward (the f32 logits
+    #: and their gradient) finishes before the layers' starts
+    gpu_scan: bool = False
 
     @property
     def split(self):
@@ -154,6 +159,27 @@ class StepShape:
         kernel (its blocks stay in on-chip memory)."""
         return 0 if self.cudnn else attention_working_set(self.plan, self.cfg, self.b_loc)
 
+    @functools.cached_property
+    def f32_logits(self) -> int:
+        """The saved f32 logits ``(b, T, V)`` on one device for one micro-batch."""
+        return self.model.tensor_bytes_per_device(self.acfg, self.B, self.T, self.split)
+
+    @functools.cached_property
+    def compute_gradients(self) -> int:
+        """The gradients in the compute dtype at their shardings."""
+        return gradient_bytes(self.plan, itemsize=self.c)
+
+    @functools.cached_property
+    def lookup_gradient(self) -> int:
+        """The compute-dtype gradient of an embedding table used only for the lookup (untied): the backward
+        makes it last, after the layers'."""
+        return 0 if self.cfg.tie_embeddings else gradient_bytes(self.plan, itemsize=self.c, axes=LOOKUP_TABLE_AXES)
+
+    @property
+    def layer_phase_gradients(self) -> int:
+        """The gradients XLA:GPU holds while the layers' backward scan runs (all but the lookup table's)."""
+        return self.compute_gradients - self.lookup_gradient
+
     @property
     def tpu_unrolled(self) -> bool:
         """XLA:TPU with the layers unrolled (``scan_unroll ≥ L``): one layer's backward at a time."""
@@ -191,8 +217,9 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     lanes = TPU_LANES if tpu and runs_splash(plan) else 1
     loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
     straight = pipe is None and not tpu and unroll >= cfg.n_layers
-    gpu = (straight and moe is None and backend_name(plan, backend) == "gpu"
-           and c < np.dtype(lay.param_dtype).itemsize)
+    narrow_gpu = (pipe is None and moe is None and backend_name(plan, backend) == "gpu"
+                  and c < np.dtype(lay.param_dtype).itemsize)
+    gpu = straight and narrow_gpu
     return StepShape(
         plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
         moe.activation_config(cfg) if moe is not None else cfg,  # MoE: the dense-equivalent MLP width
@@ -201,7 +228,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
-        loop, unroll, straight, gpu, gpu and runs_cudnn(plan))  # straight: unrolled (or unroll ≥ L)
+        loop, unroll, straight, gpu, narrow_gpu and runs_cudnn(plan),  # straight: unrolled (or unroll ≥ L)
+        narrow_gpu and not straight)
 
 
 def runs_splash(plan) -> bool:
@@ -249,6 +277,12 @@ def gradient_terms(s: StepShape, activations: int) -> Tuple[MemoryTerm, ...]:
     if s.tpu:
         grads = MemoryTerm(G, "gradients (compute dtype)", gradient_bytes(s.plan, itemsize=s.c),
                            "elements per device × compute-dtype bytes at the gradients' shardings")
+    elif s.gpu_scan:
+        grads = MemoryTerm(G, "gradients (compute dtype, XLA:GPU scan)", s.layer_phase_gradients,
+                           "elements per device × compute-dtype bytes at the gradients' shardings, but the untied "
+                           "embedding table's (made after the layers' backward, when the weight casts are freed): "
+                           "the backward scan stacks each layer's gradient in the compute dtype, upcast in the "
+                           "optimizer update")
     elif s.straight:
         grads = MemoryTerm(G, "gradients beyond the saved activations",
                            max(gradient_bytes(s.plan) - activations, 0),
@@ -283,7 +317,7 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                             f"the tensors remat={s.remat.value} saves, all layers"),
                  MemoryTerm(A, "MoE dispatch buffers", L * s.moe_saved, "L × dispatched rows, expert outputs, f32 "
                                                                         "router logits/probabilities"))
-        return saved + _tpu_activation_terms(s) + (casts,)
+        return saved + _tpu_activation_terms(s) + _gpu_scan_activation_terms(s) + (casts,)
     x, m, pipe = s.stage_input, s.pipe.micro_batches, s.pipe
     stack = MemoryTerm(A, "pipeline stack", pipe.stage_activation_bytes(L, s.layer_saved, x),
                        "2p stage inputs 2·p·x (stash)" if pipe.one_f_one_b else "ticks·L/(p·r)·a_layer")
@@ -313,6 +347,16 @@ def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                                                           * (4 - s.c) // 4), "f32 tensors held in the compute dtype"),
             MemoryTerm(A, "less f32 residual stream (XLA:TPU)",
                        -s.model.tensor_bytes_per_device(s.acfg, B, T, split, **btd), "no f32 copy of (b, T, d)"))
+
+
+def _gpu_scan_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU with the layers scanned: the saved f32 logits are gone before the layers' backward starts (the
+    head's backward runs first); :func:`temporary_terms` counts them with their gradient where that phase is the
+    larger one."""
+    if not s.gpu_scan:
+        return ()
+    return (MemoryTerm(Component.ACTIVATIONS, "less f32 logits (XLA:GPU scan)", -s.f32_logits,
+                       "the head's backward frees them before the layers' backward"),)
 
 
 def _gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
@@ -357,10 +401,7 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     if s.straight:
         layer = (MemoryTerm(M, "layers' weights as multiplied", s.layer_weights, "L·W_layer·c"),)
         if s.gpu:  # XLA:GPU holds the last layer's residuals and the first of its backward's cotangents together
-            layer += (MemoryTerm(M, "one layer's largest cotangent in f32 and the compute dtype (XLA:GPU)",
-                                 (4 + s.c) * s.none.largest_layer_tensor_elements(s.acfg, B, T, split),
-                                 "(4 + c) × the layer's largest saved tensor (dense: the T² score gradient before "
-                                 "and after the softmax)"),)
+            layer += (_largest_cotangent(s),)
     elif s.tpu and s.remat is Remat.NONE and s.moe is None:  # nothing to recompute: the backward's own cotangents
         layer = (MemoryTerm(M, "one layer's largest cotangent (XLA:TPU)",
                             k * s.c * s.model.largest_layer_tensor_elements(s.acfg, B, T, split),
@@ -381,6 +422,8 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
         if s.layer_weights:
             layer += (MemoryTerm(M, "layer's weight gradient as multiplied", k * s.layer_weights,
                                  f"{times}W_layer·c (remat: recomputed residuals and weight gradient together)"),)
+        if s.gpu_scan:  # as unrolled: the layer's backward makes its largest cotangent in f32 and the compute dtype
+            layer += (_largest_cotangent(s, k),)
     blocks = MemoryTerm(M, "attention score blocks", s.attention_blocks,
                         "4 × 4 B·b·n·bq·bk (blockwise kernels)")
     logits_rows = s.b_loc * s.pipe.micro_batches if s.pipe is not None and not s.pipe.one_f_one_b else s.b_loc
@@ -389,6 +432,13 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
         beyond = max(logits_grad - int(_total(layer + (blocks,))), 0)
         terms = layer + (blocks, MemoryTerm(M, "f32 logits gradient beyond the working set", beyond,
                                             "max(4·b·T·V/t − the above, 0)"))
+    elif s.gpu_scan:  # XLA:GPU too, and the layers' phase holds the gradient stacks as well: the larger phase
+        head = s.f32_logits + logits_grad
+        beyond = max(head - s.layer_phase_gradients - int(_total(layer + (blocks,))), 0)
+        terms = layer + (blocks, MemoryTerm(M, "f32 logits and their gradient beyond the layers' backward (XLA:GPU "
+                                               "scan)", beyond,
+                                            "max(saved f32 logits + 4·b·T·V/t − the layers' phase gradients − "
+                                            "the above, 0)"))
     else:
         terms = layer + (MemoryTerm(M, "f32 logits gradient", logits_grad, "4·b·T·V/t"), blocks)
     if s.pipe is not None and s.pipe.one_f_one_b:
@@ -397,6 +447,15 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                   MemoryTerm(M, "f32 input cotangents", 4 * m * x // s.c, "4·m·x/c"),
                   MemoryTerm(M, "tick's f32 weight gradient and accumulator", 2 * 4 * s.stage_w, "2·4 B·W_stage"))
     return terms
+
+
+def _largest_cotangent(s: StepShape, k: int = 1) -> MemoryTerm:
+    """XLA:GPU: a layer's backward holds its largest cotangent in f32 and in the compute dtype (dense attention:
+    the ``T²`` score gradient before and after the softmax), ``k`` layers' at once."""
+    return MemoryTerm(Component.TEMPORARIES, "one layer's largest cotangent in f32 and the compute dtype (XLA:GPU)",
+                      k * (4 + s.c) * s.none.largest_layer_tensor_elements(s.acfg, s.B, s.T, s.split),
+                      ("k × " if k > 1 else "") + "(4 + c) × the layer's largest saved tensor (dense: the T² score "
+                      "gradient before and after the softmax)")
 
 
 def _params_formula(s: StepShape) -> str:
@@ -422,7 +481,7 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                     + "with remat=none (backward working set)"
                     + (f" + its weight gradient as multiplied W_layer·c = {w_layers:,} B (remat: recomputed "
                        "residuals and weight gradient together)" if w_layers and not straight else "")
-                    + " + f32 logits gradient 4·b·T·V/t"
+                    + ("" if s.gpu_scan else " + f32 logits gradient 4·b·T·V/t")
                     + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
     grad_formula = "= parameters (same shardings and dtype)"
     if straight:
@@ -439,6 +498,14 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         "of the MLP only its matmuls' operands and results"
                         + (", cuDNN's K/V at the query heads" if s.cudnn else ""))
         temp_formula += " + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max (XLA:GPU)"
+    if s.gpu_scan:
+        grad_formula = ("elements per device × compute-dtype bytes (XLA:GPU scan: the backward scan stacks each "
+                        "layer's gradient in the compute dtype, upcast in the optimizer update), less the untied "
+                        "embedding table's (made after the layers' backward)")
+        act_formula += "; XLA:GPU scan: the saved f32 logits are freed before the layers' backward"
+        temp_formula += (" + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max; the saved f32 "
+                         "logits and their gradient 4·b·T·V/t count where the head's phase outgrows the layers' "
+                         "(XLA:GPU scan)")
     if s.tpu:
         temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
                         "XLA:TPU finishes the head's backward before the layers'"
@@ -517,18 +584,27 @@ def _param_elements(plan) -> Tuple[int, int, int]:
             sum(e for e, l in zip(per_leaf, params) if l.logical_axes and l.logical_axes[0] == "layers"))
 
 
-def gradient_bytes(plan, itemsize: Optional[int] = None) -> int:
+def gradient_bytes(plan, itemsize: Optional[int] = None, axes: Optional[Tuple[str, ...]] = None) -> int:
     """Gradient bytes per device: each parameter's bytes divided by the shards of the sharding the step
     keeps its gradient in (:func:`meshtrain.plan.gradient_shardings`: the parameter's own, or its
     optimizer state's under ``zero2``). ``itemsize``: bytes per element instead of the parameter's dtype
-    (floating-point leaves only). Once per layout and ``itemsize``."""
-    return cached(plan, ("gradient_bytes", itemsize), lambda p: _gradient_bytes(p, itemsize), layout_only=True)
+    (floating-point leaves only); ``axes``: only the parameters with these logical axes. Once per layout,
+    ``itemsize`` and ``axes``."""
+    return cached(plan, ("gradient_bytes", itemsize, axes), lambda p: _gradient_bytes(p, itemsize, axes),
+                  layout_only=True)
 
 
-def _gradient_bytes(plan, itemsize: Optional[int]) -> int:
+#: The logical axes of an embedding table the step looks tokens up in (the head's weight is ``(embed, vocab)``).
+LOOKUP_TABLE_AXES = ("vocab", "embed")
+
+
+def _gradient_bytes(plan, itemsize: Optional[int], axes: Optional[Tuple[str, ...]] = None) -> int:
     sizes = plan.mesh_sizes
     total = 0
-    for sharding, leaf in zip(jax.tree.leaves(gradient_shardings(plan)), jax.tree.leaves(plan.abstract.params)):
+    leaves = jax.tree_util.tree_leaves_with_path(plan.abstract.params)
+    for sharding, (keypath, leaf) in zip(jax.tree.leaves(gradient_shardings(plan)), leaves):
+        if axes is not None and tuple(plan.abstract.param_axes.get(path_str(keypath)) or ()) != axes:
+            continue
         shards = 1
         for entry in sharding.spec:
             for axis in (entry if isinstance(entry, tuple) else (entry,)):
