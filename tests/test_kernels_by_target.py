@@ -171,6 +171,18 @@ def test_asking_for_cudnn_on_packed_documents_below_hopper_names_the_fix():
                          compute_capability=(9, 0))[0].value == "cudnn"
 
 
+@pytest.mark.parametrize("room", [0, -3, 2.5, True])
+def test_a_bad_room_for_packed_documents_is_refused_in_one_line(room):
+    from meshtrain.errors import ConfigError
+    from meshtrain.parallel.flash import flash_attention
+
+    q = jnp.zeros((2, 16, 4, 16))
+    with pytest.raises(ConfigError, match=rf"^flash attention max_segments \(flash.CUDNN_MAX_SEGMENTS\) is "
+                                          rf"{re.escape(repr(room))}; give a whole number ≥ 1 of packed documents per "
+                                          rf"row$"):
+        flash_attention(q, q, q, PACKED_ROWS["several, per row"][0], max_segments=room)
+
+
 def _fake_cudnn(calls):
     """JAX's cuDNN attention as this host can run it: dense attention under the mask its ragged
     arguments describe (the ragged layout's meaning, not cuDNN's numerics)."""

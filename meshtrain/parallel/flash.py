@@ -54,9 +54,10 @@ BLOCK_ELEMENTS = 2 ** 19
 #: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
 #: memory: cuDNN keeps f32 softmax statistics of ``(b · CUDNN_MAX_SEGMENTS, n, T)`` per layer for the
 #: backward (at head dim 64 and 32 segments, as many bytes as the layer's queries), so the bound is
-#: a fixed count rather than a fraction of ``T``, which would make them grow as ``T²``. 32 covers
-#: rows of 2,048 tokens whose documents average 64 tokens or more. Read at trace time; ``flash_attention
-#: (..., max_segments=)`` overrides it per call.
+#: a fixed count rather than a fraction of ``T``, which would make them grow as ``T²``. A row of
+#: ``T`` tokens holds about ``T / L + 1`` documents of mean length ``L``: at 32, the fallback stays rare
+#: for documents well above 64 tokens at ``T`` = 2,048 (256 at 8,192). Read when a step is traced;
+#: ``flash_attention(..., max_segments=)`` overrides it per call.
 CUDNN_MAX_SEGMENTS = 32
 #: cuDNN's ragged layout needs this compute capability or newer (Hopper; JAX refuses it below).
 PACKED_MIN_CAPABILITY = (9, 0)
@@ -361,6 +362,7 @@ def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, q_idx=Non
     """
     t, s = q.shape[1], k.shape[1]
     platform, segmented = target_platform(), segment_ids is not None
+    room = _max_segments(max_segments) if segmented else None
     capability = target_compute_capability() if segmented and platform in ("gpu", "cuda") else None
     chosen, _ = flash_backend(backend, platform=platform, dtype=q.dtype, segmented=segmented,
                               compute_capability=capability)
@@ -372,7 +374,6 @@ def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, q_idx=Non
                                                                     implementation="cudnn").astype(q_.dtype)
         return per_device(cudnn, q, k, v, None)
     if chosen is FlashBackend.CUDNN and natural and t == s:
-        room = _max_segments(max_segments)
         return per_device(lambda q_, k_, v_, seg: _cudnn_packed(q_, k_, v_, seg, causal, room), q, k, v,
                           segment_ids)
     if chosen is FlashBackend.SPLASH and natural and t == s:
