@@ -235,3 +235,23 @@ def test_packed_cudnn_path_matches_the_reference_and_falls_back_to_blockwise(mon
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-4 * max(1.0, np.abs(np.asarray(b)).max())
     assert calls and all(c[1][1] == ROOM and c[2][1] == ROOM + 1 for c in calls)  # traced in either case
     assert bool(cudnn_segments(seg, ROOM)[2]) is fits
+
+
+@pytest.mark.parametrize("args, code, line", [
+    ([], 2, "check_cudnn_packed: needs an NVIDIA GPU (JAX's backend here is 'cpu'); --dry-run checks the ragged "
+            "description only\n"),
+    (["--dry-run"], 0, "dry run: 4 rows of 2048 tokens, [1, 5, 32, 4] documents, room 32: fits True, ragged mask == "
+                       "segment mask: True; unfit rows fit: False\n"),
+])
+def test_the_gpu_check_of_packed_cudnn_refuses_a_cpu_host_in_one_line(args, code, line):
+    import os
+    import sys
+
+    import processes
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "check_cudnn_packed.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = processes.run([sys.executable, tool, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert (out.stderr if code else out.stdout).endswith(line)  # after any JAX plugin log lines
