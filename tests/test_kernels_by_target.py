@@ -159,6 +159,14 @@ def test_flash_backend_takes_packed_documents_to_cudnn_on_hopper(platform, dtype
     assert chosen.value == backend and reason in why, why
 
 
+@pytest.mark.parametrize("text, capability", [("9.0", (9, 0)), ("10.3", (10, 3)), ("8.6", (8, 6)),
+                                              ("gfx90a", None), (None, None)])
+def test_compute_capability_is_read_from_the_devices_string(text, capability):
+    from meshtrain.parallel.flash import parse_capability
+
+    assert parse_capability(text) == capability
+
+
 def test_asking_for_cudnn_on_packed_documents_below_hopper_names_the_fix():
     from meshtrain.errors import ConfigError
     from meshtrain.parallel.flash import flash_backend

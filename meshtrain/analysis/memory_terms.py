@@ -223,7 +223,7 @@ def runs_cudnn(plan) -> bool:
     documents) through cuDNN's ragged layout, which needs a Hopper or newer GPU (a plan whose mesh has GPU
     devices says which; an abstract one is taken as new enough); ring and all_gather run blockwise XLA on
     their offset blocks."""
-    from meshtrain.parallel.flash import PACKED_MIN_CAPABILITY  # the kernel's own bound
+    from meshtrain.parallel.flash import PACKED_MIN_CAPABILITY, parse_capability  # the kernel's own bound
 
     context = plan.recipe.dimension(Context)
     backend = context.flash_backend if context is not None else FlashBackend.AUTO
@@ -236,8 +236,8 @@ def runs_cudnn(plan) -> bool:
     half = np.dtype(layout_of(plan).compute_dtype).itemsize == 2
     mesh = plan.mesh
     device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
-    capability = getattr(device, "compute_capability", None)
-    new_enough = capability is None or tuple(int(x) for x in str(capability).split(".")[:2]) >= PACKED_MIN_CAPABILITY
+    capability = parse_capability(getattr(device, "compute_capability", None))
+    new_enough = capability is None or capability >= PACKED_MIN_CAPABILITY
     return wanted and half and (not segmented or new_enough)
 
 

@@ -346,8 +346,16 @@ def target_compute_capability() -> Optional[Tuple[int, int]]:
         device = jax.devices()[0]
     else:
         return None
-    text = getattr(device, "compute_capability", None)
-    return tuple(int(x) for x in str(text).split(".")[:2]) if text else None
+    return parse_capability(getattr(device, "compute_capability", None))
+
+
+def parse_capability(text) -> Optional[Tuple[int, int]]:
+    """``"9.0"`` → ``(9, 0)``; ``None`` for anything else (no attribute, a ROCm ``gfx90a``)."""
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
 
 
 def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, q_idx=None, k_idx=None,
