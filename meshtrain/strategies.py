@@ -62,7 +62,7 @@ class LoadBalance(str, enum.Enum):
 
 class FlashBackend(str, enum.Enum):
     """Which implementation ``flash`` attention uses; ``auto`` picks per platform and dtype (splash on
-    TPU, cuDNN on GPU for bf16/fp16 without packed documents, else blockwise XLA)."""
+    TPU, cuDNN on GPU for bf16/fp16, packed documents on Hopper or newer, else blockwise XLA)."""
 
     AUTO = "auto"
     XLA = "xla"

@@ -61,19 +61,39 @@ def test_without_the_plugin_the_check_names_the_extra(capsys, monkeypatch):
                    "install jax-cuda12-pjrt==<your jax version>); the analytic estimates need nothing\n")
 
 
+#: The built-in language-model batch: packed documents kept apart by segment ids.
+PACKED = ("inputs", "targets", "positions", "segment_ids")
+
+
 @needs_plugin
 @pytest.mark.parametrize("recipe, options", [("fsdp", {"local_attention": "flash"}),
                                              ("fsdp_tp", {"local_attention": "flash"}),
                                              ("fsdp_cp", {"flash_backend": "cudnn", "context_kind": "ulysses"})])
-def test_flash_compiles_for_8_h100s_with_cudnn_fused_attention(recipe, options):
+@pytest.mark.parametrize("keys, topology, per_layer", [(PACKED[:-1], "8xH100", 1), (PACKED, "8xH100", 1),
+                                                       (PACKED, "8xA100", 0)])
+def test_flash_compiles_for_8_h100s_with_cudnn_fused_attention(recipe, options, keys, topology, per_layer):
+    """With or without segment ids (packed documents: cuDNN's ragged layout, Hopper or newer; on A100s
+    the blockwise XLA kernel, or for a requested cudnn a one-line refusal)."""
+    from meshtrain.errors import ConfigError
+
     cfg = get_config("tiny", max_seq_len=1024, d_model=256, n_heads=4, n_kv_heads=2, head_dim=128, d_ff=512)
     abstract = mt.abstract_state(model_factory(cfg), default_optimizer(TrainConfig(), {}))
     recipe = mt.get_recipe(recipe).with_options(compute_dtype="bfloat16", **options)
-    batch = mt.BatchSpec(8, 1024, keys=("inputs", "targets", "positions"))
-    plan, compiled = gpu_aot.compile_gpu_topology(abstract, recipe, batch, gpu_aot.parse_topology("8xH100"))
-    assert plan.mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    batch = mt.BatchSpec(8, 1024, keys=keys)
+    if not per_layer and options.get("flash_backend") == "cudnn":
+        with pytest.raises(ConfigError, match=r"'cudnn' on packed documents .* this GPU is sm80: use flash_backend "
+                                              r"'auto' or 'xla'"):
+            gpu_aot.compile_gpu_topology(abstract, recipe, batch, gpu_aot.parse_topology(topology))
+        return
+    plan, compiled = gpu_aot.compile_gpu_topology(abstract, recipe, batch, gpu_aot.parse_topology(topology))
+    assert plan.mesh.devices.flat[0].device_kind == gpu_aot.ARCHS[topology[2:].lower()].description
     # one forward and one backward cuDNN kernel per layer (tiny's 2 layers are unrolled)
-    assert gpu_aot.cudnn_attention_calls(compiled.as_text()) == {"forward": cfg.n_layers, "backward": cfg.n_layers}
+    calls = cfg.n_layers * per_layer
+    assert gpu_aot.cudnn_attention_calls(compiled.as_text()) == {"forward": calls, "backward": calls}
+    assert (' "max_seg_per_batch": 32' in compiled.as_text()) is (per_layer == 1 and keys == PACKED)
+    from meshtrain.analysis.memory_terms import runs_cudnn
+
+    assert runs_cudnn(plan) is bool(per_layer)
 
 
 @needs_plugin
@@ -128,8 +148,8 @@ def test_compiler_check_lists_its_gpu_cases_and_needs_the_plugin_only_to_compile
 @pytest.mark.parametrize("keys, unpacked", [(("inputs", "targets", "positions"), True),
                                             (("inputs", "targets", "positions", "segment_ids"), False)])
 def test_ulysses_gives_its_local_kernel_segment_ids_only_when_the_batch_has_them(monkeypatch, keys, unpacked):
-    """cuDNN's fused attention takes no segment mask: under ulysses an unpacked batch must reach the
-    local kernel without one (before: an all-zero mask, so the blockwise XLA kernel ran on GPU)."""
+    """Under ulysses an unpacked batch must reach the local kernel without segment ids (before: an
+    all-zero mask, so cuDNN's packed path, then the blockwise XLA kernel, ran for one document)."""
     from meshtrain.analysis.compiled import step_inputs
     from meshtrain.parallel import context
 
@@ -144,14 +164,20 @@ def test_ulysses_gives_its_local_kernel_segment_ids_only_when_the_batch_has_them
     assert seen and all(s is unpacked for s in seen)
 
 
-@pytest.mark.parametrize("batch, line", [
-    (["--batch", UNPACKED], "attention kernel for gpu: cudnn: cuDNN fused attention via jax.nn.dot_product_attention; "
-                            "per device under shard_map over the batch and head split"),
-    ([], "attention kernel for gpu: xla: blockwise online softmax with recomputing backward (packed documents need a "
-         "segment mask cuDNN's path lacks here); partitioned by XLA"),
+@pytest.mark.parametrize("hardware, batch, line", [
+    ("h100", ["--batch", UNPACKED], "attention kernel for gpu: cudnn: cuDNN fused attention via "
+                                    "jax.nn.dot_product_attention; per device under shard_map over the batch and "
+                                    "head split"),
+    ("a100", ["--batch", UNPACKED], "attention kernel for gpu: cudnn: cuDNN fused attention via "
+                                    "jax.nn.dot_product_attention; per device"),
+    ("h100", [], "attention kernel for gpu: cudnn: cuDNN fused attention, packed documents as ragged segments (Hopper "
+                 "or newer; a step with a row of more than 32 documents, flash.CUDNN_MAX_SEGMENTS, runs blockwise "
+                 "XLA); per device under shard_map over the batch and head split"),
+    ("a100", [], "attention kernel for gpu: xla: blockwise online softmax with recomputing backward (packed documents "
+                 "need cuDNN's ragged layout, Hopper (sm90) or newer; this GPU is sm80); partitioned by XLA"),
 ])
-def test_the_plan_names_cudnn_for_a_batch_without_segment_ids(capsys, batch, line):
-    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--hardware", "h100", *batch)
+def test_the_plan_names_the_gpu_kernel_by_batch_and_chip(capsys, hardware, batch, line):
+    code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--hardware", hardware, *batch)
     assert code == 0, err
     assert line in out
 

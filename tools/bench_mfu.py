@@ -69,8 +69,8 @@ def _parse(argv):
                    help="meshtrain's step with its optimizer state in host memory (the hand-written step keeps it "
                         "on the device: the ratio is then offload's cost)")
     p.add_argument("--packing", default="packed", choices=("packed", "unpacked"),
-                   help="packed: batches carry segment ids (flash on a GPU then runs blockwise XLA, cuDNN's path "
-                        "takes no segment mask); unpacked: no segment ids (flash on a GPU runs cuDNN)")
+                   help="packed: batches carry segment ids (flash on a Hopper GPU runs cuDNN's ragged layout, on "
+                        "an older one blockwise XLA); unpacked: no segment ids (flash on a GPU runs cuDNN)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     from meshtrain.models import get_config, model_factory
     from meshtrain.models.decoder import DecoderConfig
     from meshtrain.models.flops import model_flops_per_token
-    from meshtrain.parallel.flash import flash_backend
+    from meshtrain.parallel.flash import flash_backend, target_compute_capability
     from meshtrain.recipes import AttentionKind
     from meshtrain.train.step import next_token_loss, step_context_for
 
@@ -150,8 +150,9 @@ def main(argv=None) -> int:
     segments = {"segment_ids": np.ones((batch, seq), np.int32)} if packed else {}
     batches = [jax.device_put({"inputs": t[:, :-1], "targets": t[:, 1:], "positions": positions, **segments},
                               plan.batch_shardings) for t in tokens]
-    # the kernel flash attention gets here (a GPU runs cuDNN only on a batch without segment ids)
-    kernel = (flash_backend(platform=platform, dtype=args.compute_dtype, segmented=packed)[0].value
+    # the kernel flash attention gets here (packed documents run cuDNN on Hopper or newer GPUs)
+    kernel = (flash_backend(platform=platform, dtype=args.compute_dtype, segmented=packed,
+                            compute_capability=target_compute_capability())[0].value
               if attention == "flash" else attention)
 
     mt_step = mt.make_train_step(plan)

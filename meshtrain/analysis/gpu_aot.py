@@ -197,21 +197,26 @@ def topology_devices(topology: GpuTopology):
 
 
 @contextlib.contextmanager
-def target_cudnn() -> Iterator[None]:
-    """JAX's cuDNN attention reads the version of the *local* cuDNN while tracing; a CPU host has none,
-    so for the duration of an AOT compile it reads the target's (:data:`TARGET_CUDNN`). A host with
-    cuDNN keeps its own."""
+def target_cudnn(compute_capability: Tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """JAX's cuDNN attention reads the version of the *local* cuDNN, and the local GPU's compute
+    capability (packed documents need 9.0), while tracing; a CPU host has neither, so for the duration
+    of an AOT compile it reads the target's (:data:`TARGET_CUDNN`, ``compute_capability``). A host
+    with cuDNN keeps its own."""
     from jax._src.cudnn import fused_attention_stablehlo as fused
 
     if fused.cuda_versions is not None:
         yield
         return
     major, minor, patch = TARGET_CUDNN
+    local_capability = fused.check_compute_capability
     fused.cuda_versions = types.SimpleNamespace(cudnn_get_version=lambda: major * 10000 + minor * 100 + patch)
+    fused.check_compute_capability = lambda at_least: tuple(compute_capability) >= tuple(
+        int(x) for x in at_least.split("."))
     try:
         yield
     finally:
         fused.cuda_versions = None
+        fused.check_compute_capability = local_capability
 
 
 def compile_gpu_topology(abstract, recipe, batch, topology: GpuTopology, loss_fn=None, *, flags: bool = True):
@@ -223,7 +228,7 @@ def compile_gpu_topology(abstract, recipe, batch, topology: GpuTopology, loss_fn
     mesh = recipe.mesh.build(topology_devices(topology))
     plan = mt.make_plan(abstract, recipe, mesh, batch=batch)
     state, batch_abs = step_inputs(plan)
-    with target_cudnn():
+    with target_cudnn(ARCHS[topology.hardware].compute_capability):
         lowered = mt.make_train_step(plan, loss_fn=loss_fn).lower(state, batch_abs)
     with _no_compilation_cache():
         return plan, lowered.compile(compiler_options=scheduling_options() if flags else None)

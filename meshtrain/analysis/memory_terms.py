@@ -247,8 +247,12 @@ def runs_splash(plan) -> bool:
 def runs_cudnn(plan) -> bool:
     """Whether the step's attention runs cuDNN's fused kernel when compiled for a GPU
     (:func:`meshtrain.parallel.flash.flash_attention`): local ``flash`` with ``flash_backend`` auto or cudnn, or
-    ``ulysses`` asking for cudnn, in a half-precision compute dtype, on a batch without segment ids (cuDNN's
-    path takes no segment mask); ring and all_gather run blockwise XLA on their offset blocks."""
+    ``ulysses`` asking for cudnn, in a half-precision compute dtype; on a batch with segment ids (packed
+    documents) through cuDNN's ragged layout, which needs a Hopper or newer GPU (a plan whose mesh has GPU
+    devices says which; an abstract one is taken as new enough); ring and all_gather run blockwise XLA on
+    their offset blocks."""
+    from meshtrain.parallel.flash import PACKED_MIN_CAPABILITY, parse_capability  # the kernel's own bound
+
     context = plan.recipe.dimension(Context)
     backend = context.flash_backend if context is not None else FlashBackend.AUTO
     kind = plan.recipe.attention
@@ -258,7 +262,11 @@ def runs_cudnn(plan) -> bool:
         wanted = kind is AttentionKind.ULYSSES and backend is FlashBackend.CUDNN
     segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
     half = np.dtype(layout_of(plan).compute_dtype).itemsize == 2
-    return wanted and half and not segmented
+    mesh = plan.mesh
+    device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
+    capability = parse_capability(getattr(device, "compute_capability", None))
+    new_enough = capability is None or capability >= PACKED_MIN_CAPABILITY
+    return wanted and half and (not segmented or new_enough)
 
 
 def _total(terms: Tuple[MemoryTerm, ...]) -> float:

@@ -266,8 +266,12 @@ def kernel_line(plan, hw) -> str:
         requested = FlashBackend.XLA  # the context kernels' local default (meshtrain.parallel.context)
     # packed documents (segment ids), as the built-in language-model data have, unless the batch has none
     segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+    from meshtrain.analysis.gpu_aot import ARCHS  # the GPU's compute capability: packed cuDNN needs Hopper
+
+    capability = ARCHS[hw.name].compute_capability if hw.name in ARCHS else None
     try:
-        backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=segmented)
+        backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=segmented,
+                                     compute_capability=capability)
     except ConfigError as exc:
         return f"attention kernel for {platform}: refused: {exc}"
     where = ("inside the ulysses all-to-all's shard_map" if kind is AttentionKind.ULYSSES else

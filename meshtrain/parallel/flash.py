@@ -9,9 +9,14 @@ Three backends behind :func:`flash_attention`, picked by :func:`flash_backend`:
   causal mask hides completely are skipped (``lax.cond``). The masks are tied to the layer's data
   (``_tie``) so that JAX cannot hoist them out of a differentiated layer scan, which would keep
   every block's mask (and, with the skipping ``cond``, its scores) at once: ``T × T`` memory.
-* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on NVIDIA GPUs, for bf16/fp16
-  without packed documents (cuDNN's fused kernel has no segment-id mask here; with segment ids the
-  ``xla`` path runs).
+* ``cudnn``: cuDNN's fused attention on NVIDIA GPUs, for bf16/fp16. Without segment ids through
+  ``jax.nn.dot_product_attention(implementation="cudnn")``; with packed documents through cuDNN's
+  ragged ("THD") layout (:func:`cudnn_segments`): each row's runs of equal segment ids become
+  ``(offset, length)`` pairs, at most :data:`CUDNN_MAX_SEGMENTS` per row, so nothing of size
+  ``T × S`` is built (a dense segment mask would be a ``(b, 1, T, S)`` bias per layer). The layout
+  needs a Hopper or newer GPU. A batch that does not fit it (a row with more segments than the
+  bound, or a segment id that recurs after another one) runs the ``xla`` kernel instead, chosen on
+  the device (``lax.cond``): the result is the same attention either way.
 * ``splash``: the Pallas TPU splash-attention kernel (causal and segment-id masks, GQA by repeating
   K/V heads).
 
@@ -45,6 +50,17 @@ DEFAULT_BLOCK = 512
 #: Elements of one f32 score block over all the rows × heads a device holds (2 MiB): the block edge
 #: shrinks with more heads per device so the backward's working set (4 such blocks) stays small.
 BLOCK_ELEMENTS = 2 ** 19
+#: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
+#: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
+#: memory: cuDNN keeps f32 softmax statistics of ``(b · CUDNN_MAX_SEGMENTS, n, T)`` per layer for the
+#: backward (at head dim 64 and 32 segments, as many bytes as the layer's queries), so the bound is
+#: a fixed count rather than a fraction of ``T``, which would make them grow as ``T²``. A row of
+#: ``T`` tokens holds about ``T / L + 1`` documents of mean length ``L``: at 32, the fallback stays rare
+#: for documents well above 64 tokens at ``T`` = 2,048 (256 at 8,192). Read when a step is traced;
+#: ``flash_attention(..., max_segments=)`` overrides it per call.
+CUDNN_MAX_SEGMENTS = 32
+#: cuDNN's ragged layout needs this compute capability or newer (Hopper; JAX refuses it below).
+PACKED_MIN_CAPABILITY = (9, 0)
 
 
 def pick_block(n: int, target: int = DEFAULT_BLOCK) -> int:
@@ -275,23 +291,31 @@ flash_xla.defvjp(flash_xla_fwd, flash_xla_bwd)
 
 
 def flash_backend(requested: "FlashBackend | str" = FlashBackend.AUTO, *, platform: Optional[str] = None,
-                  dtype=F32, segmented: bool = False) -> Tuple[FlashBackend, str]:
+                  dtype=F32, segmented: bool = False,
+                  compute_capability: Optional[Tuple[int, int]] = None) -> Tuple[FlashBackend, str]:
     """``(backend, reason)`` for flash attention on ``platform`` (default: JAX's default backend).
 
-    ``auto``: ``splash`` on TPU, ``cudnn`` on GPU for bf16/fp16 without packed documents, else
-    ``xla``. Asking for a backend the platform lacks (``cudnn`` off GPU, ``splash`` off TPU) raises a
-    ``ConfigError`` naming the fix. Example: ``flash_backend("auto", platform="cpu")`` →
-    ``(FlashBackend.XLA, "...")``.
+    ``auto``: ``splash`` on TPU, ``cudnn`` on GPU for bf16/fp16 (``segmented``, packed documents:
+    cuDNN's ragged layout, which needs ``compute_capability`` ≥ 9.0; ``None``, unknown, is taken as
+    new enough), else ``xla``. Asking for a backend the platform lacks (``cudnn`` off GPU, or for
+    packed documents below Hopper; ``splash`` off TPU) raises a ``ConfigError`` naming the fix.
+    Example: ``flash_backend("auto", platform="cpu")`` → ``(FlashBackend.XLA, "...")``.
     """
     try:
         requested = FlashBackend(requested)
     except ValueError:
         raise ConfigError(f"flash backend {requested!r}; use one of {[b.value for b in FlashBackend]}") from None
     platform = platform or jax.default_backend()
+    gpu = platform in ("gpu", "cuda")
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if requested is FlashBackend.CUDNN and platform not in ("gpu", "cuda"):
+    old_gpu = segmented and compute_capability is not None and tuple(compute_capability) < PACKED_MIN_CAPABILITY
+    sm = "sm{}{}".format(*compute_capability) if compute_capability is not None else ""
+    if requested is FlashBackend.CUDNN and not gpu:
         raise ConfigError(f"flash backend 'cudnn' needs an NVIDIA GPU; this platform is {platform!r}: use "
                           f"flash_backend 'auto' or 'xla'")
+    if requested is FlashBackend.CUDNN and old_gpu:
+        raise ConfigError(f"flash backend 'cudnn' on packed documents (segment ids) needs cuDNN's ragged layout, "
+                          f"Hopper (sm90) or newer; this GPU is {sm}: use flash_backend 'auto' or 'xla'")
     if requested is FlashBackend.SPLASH and platform != "tpu":
         raise ConfigError(f"flash backend 'splash' (Pallas TPU kernel) needs a TPU; this platform is {platform!r}: "
                           f"use flash_backend 'auto' or 'xla'")
@@ -299,36 +323,137 @@ def flash_backend(requested: "FlashBackend | str" = FlashBackend.AUTO, *, platfo
         return requested, f"{requested.value} (requested)"
     if platform == "tpu":
         return FlashBackend.SPLASH, "splash: Pallas TPU splash-attention kernel"
-    if platform in ("gpu", "cuda") and half and not segmented:
+    if gpu and half and not segmented:
         return FlashBackend.CUDNN, "cudnn: cuDNN fused attention via jax.nn.dot_product_attention"
-    why = ("packed documents need a segment mask cuDNN's path lacks here" if platform in ("gpu", "cuda") and half
+    if gpu and half and not old_gpu:
+        return FlashBackend.CUDNN, (f"cudnn: cuDNN fused attention, packed documents as ragged segments (Hopper or "
+                                    f"newer; a step with a row of more than {CUDNN_MAX_SEGMENTS} documents, "
+                                    f"flash.CUDNN_MAX_SEGMENTS, runs blockwise XLA)")
+    why = (f"packed documents need cuDNN's ragged layout, Hopper (sm90) or newer; this GPU is {sm}" if gpu and half
            else f"{jnp.dtype(dtype).name} on {platform}")
     return FlashBackend.XLA, f"xla: blockwise online softmax with recomputing backward ({why})"
 
 
+def target_compute_capability() -> Optional[Tuple[int, int]]:
+    """The compute capability of the GPU the active step is compiled for (its mesh's devices; a
+    compile-only XLA:GPU device reports its target's), else of this host's GPU; ``None`` when there is
+    no GPU device to ask (an abstract mesh, another platform)."""
+    ctx = current_step_context()
+    mesh = ctx.mesh if ctx is not None else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        device = mesh.devices.flat[0]
+    elif ctx is None and jax.default_backend() == "gpu":
+        device = jax.devices()[0]
+    else:
+        return None
+    return parse_capability(getattr(device, "compute_capability", None))
+
+
+def parse_capability(text) -> Optional[Tuple[int, int]]:
+    """``"9.0"`` → ``(9, 0)``; ``None`` for anything else (no attribute, a ROCm ``gfx90a``)."""
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
 def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, q_idx=None, k_idx=None,
                     backend: "FlashBackend | str" = FlashBackend.AUTO, block_q: Optional[int] = None,
-                    block_k: Optional[int] = None):
+                    block_k: Optional[int] = None, max_segments: Optional[int] = None):
     """Memory-efficient attention, ``(b, t, n, h)`` out in ``q``'s dtype.
 
     ``segment_ids`` (b, t) keeps packed documents apart (queries and keys share them when ``t ==
     s``). ``q_idx`` / ``k_idx`` (1-D) give each row's original sequence position for the causal mask
-    (default ``arange``). Example: ``flash_attention(q, k, v, seg, causal=True)``.
+    (default ``arange``). ``max_segments``: cuDNN's room for packed documents per row (default
+    :data:`CUDNN_MAX_SEGMENTS`). Example: ``flash_attention(q, k, v, seg, causal=True)``.
     """
     t, s = q.shape[1], k.shape[1]
-    chosen, _ = flash_backend(backend, platform=target_platform(), dtype=q.dtype, segmented=segment_ids is not None)
+    platform, segmented = target_platform(), segment_ids is not None
+    room = _max_segments(max_segments) if segmented else None
+    capability = target_compute_capability() if segmented and platform in ("gpu", "cuda") else None
+    chosen, _ = flash_backend(backend, platform=platform, dtype=q.dtype, segmented=segmented,
+                              compute_capability=capability)
     natural = q_idx is None and k_idx is None
+    rows_heads = q.shape[0] * q.shape[2]
+    block_q, block_k = block_q or block_for(t, rows_heads), block_k or block_for(s, rows_heads)
     if chosen is FlashBackend.CUDNN and natural and segment_ids is None:
         cudnn = lambda q_, k_, v_, _: jax.nn.dot_product_attention(q_, k_, v_, is_causal=causal,  # noqa: E731
                                                                     implementation="cudnn").astype(q_.dtype)
         return per_device(cudnn, q, k, v, None)
+    if chosen is FlashBackend.CUDNN and natural and t == s:
+        return per_device(lambda q_, k_, v_, seg: _cudnn_packed(q_, k_, v_, seg, causal, room), q, k, v,
+                          segment_ids)
     if chosen is FlashBackend.SPLASH and natural and t == s:
         return per_device(lambda q_, k_, v_, seg: _splash(q_, k_, v_, seg, causal), q, k, v, segment_ids)
     q_idx = jnp.arange(t, dtype=jnp.int32) if q_idx is None else q_idx
     k_idx = jnp.arange(s, dtype=jnp.int32) if k_idx is None else k_idx
-    rows_heads = q.shape[0] * q.shape[2]
-    return flash_xla(q, k, v, q_idx, k_idx, segment_ids, segment_ids if s == t else None, causal,
-                     block_q or block_for(t, rows_heads), block_k or block_for(s, rows_heads))
+    return flash_xla(q, k, v, q_idx, k_idx, segment_ids, segment_ids if s == t else None, causal, block_q, block_k)
+
+
+def _max_segments(given: Optional[int]) -> int:
+    room = CUDNN_MAX_SEGMENTS if given is None else given
+    if isinstance(room, bool) or not isinstance(room, int) or room < 1:
+        raise ConfigError(f"flash attention max_segments (flash.CUDNN_MAX_SEGMENTS) is {room!r}; give a whole "
+                          f"number ≥ 1 of packed documents per row")
+    return room
+
+
+def cudnn_segments(segment_ids, max_segments: int):
+    """cuDNN's ragged description of packed rows: ``(lengths, offsets, fits)``.
+
+    Each maximal run of equal ids in a row of ``segment_ids`` (b, t) is one segment. ``lengths``
+    (b, max_segments) holds the runs' lengths and ``offsets`` (b, max_segments + 1) their first
+    positions, both ``-1`` past a row's last run (the layout of
+    ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``'s ``q_seqlen``/``q_offsets``).
+    ``fits`` (a scalar bool) says whether the runs describe the rows exactly: every row has at most
+    ``max_segments`` runs and no id recurs after another (ids ``[1, 1, 2, 1]`` are two documents to the
+    segment mask but three runs). Every token lies in a run, so none is left to cuDNN's padding.
+    Example: ``[[7, 7, 7, 9]]`` with room 3 → lengths ``[[3, 1, -1]]``, offsets ``[[0, 3, -1, -1]]``.
+    """
+    b, t = segment_ids.shape
+    seg = segment_ids.astype(jnp.int32)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # each token's run in its row
+    runs = run[:, -1] + 1
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    # a run's first token writes its offset; runs past the room fall off (mode="drop")
+    slot = jnp.where(starts, run, max_segments)
+    offsets = jnp.full((b, max_segments), -1, jnp.int32).at[rows, slot].set(pos, mode="drop")
+    lengths = jnp.zeros((b, max_segments), jnp.int32).at[rows, run].add(1, mode="drop")
+    used = jnp.arange(max_segments, dtype=jnp.int32)[None] < runs[:, None]
+    lengths = jnp.where(used, lengths, -1)
+    offsets = jnp.concatenate([offsets, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    ordered = jnp.sort(seg, axis=1)
+    distinct = 1 + jnp.sum(ordered[:, 1:] != ordered[:, :-1], axis=1, dtype=jnp.int32)
+    fits = jnp.all((runs <= max_segments) & (distinct == runs))
+    return lengths, offsets, fits
+
+
+def _cudnn_packed(q, k, v, segment_ids, causal: bool, max_segments: int):
+    """cuDNN's fused attention over packed documents (ragged segments), per device; blockwise XLA on
+    a batch whose segments do not fit :func:`cudnn_segments`' description (same masks, same result)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    b, t, n, h = q.shape
+    lengths, offsets, fits = cudnn_segments(segment_ids, max_segments)
+    mask = MaskType.PADDING_CAUSAL if causal else MaskType.PADDING
+
+    def fused(q_, k_, v_):
+        # K/V at the query heads: JAX 0.10's ragged offsets count the key's stride with the query's heads
+        g = n // k_.shape[2]
+        k_, v_ = jnp.repeat(k_, g, axis=2), jnp.repeat(v_, g, axis=2)
+        return cudnn_attention(q_, k_, v_, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                               kv_offsets=offsets, scale=h ** -0.5, mask_type=mask).astype(q_.dtype)
+
+    def blockwise(q_, k_, v_):
+        idx = jnp.arange(t, dtype=jnp.int32)
+        block = block_for(t, b * n)
+        return flash_xla(q_, k_, v_, idx, idx, segment_ids, segment_ids, causal, block, block)
+
+    return jax.lax.cond(fits, fused, blockwise, q, k, v)
 
 
 def per_device(kernel, q, k, v, segment_ids):
