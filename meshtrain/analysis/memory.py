@@ -85,9 +85,10 @@ than the parameters'): the unrolled formulas above, with what XLA:GPU's fusions 
   (gate and up projections and the down projection's input; the activation's intermediates are recomputed);
 * the backward's first layer holds its largest cotangent in f32 and the compute dtype, ``(4 + c)·a_max`` (dense
   attention: the ``T²`` score gradient before and after the softmax) next to every layer's residuals;
-* cuDNN's fused attention (``--attention flash`` on a batch without segment ids, or ulysses asking for cudnn):
-  no score blocks in HBM, and K/V saved at the query heads (``L·2·b·T·(n − kv)·h·c`` more than the traced
-  blockwise kernel).
+* cuDNN's fused attention (``--attention flash``, or ulysses asking for cudnn; packed documents on Hopper or
+  newer): no score blocks in HBM, and K/V saved at the query heads (``L·2·b·T·(n − kv)·h·c`` more than the traced
+  blockwise kernel); on a packed batch also its f32 softmax statistics per document slot, ``4·b·M·n·T`` a
+  layer (``M`` = ``flash.CUDNN_MAX_SEGMENTS``).
 
 Against XLA:GPU at ``small`` 16 × 1024: BENCHMARKS.md, "Compiler check: the planner against XLA:GPU".
 

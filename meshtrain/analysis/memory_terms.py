@@ -244,6 +244,11 @@ def runs_splash(plan) -> bool:
     return kind is AttentionKind.ULYSSES and backend is FlashBackend.SPLASH
 
 
+def packed_batch(plan) -> bool:
+    """Whether the plan's batch carries segment ids (packed documents); a plan without a batch is taken as packed."""
+    return plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+
+
 def runs_cudnn(plan) -> bool:
     """Whether the step's attention runs cuDNN's fused kernel when compiled for a GPU
     (:func:`meshtrain.parallel.flash.flash_attention`): local ``flash`` with ``flash_backend`` auto or cudnn, or
@@ -260,7 +265,7 @@ def runs_cudnn(plan) -> bool:
         wanted = backend in (FlashBackend.AUTO, FlashBackend.CUDNN)
     else:
         wanted = kind is AttentionKind.ULYSSES and backend is FlashBackend.CUDNN
-    segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+    segmented = packed_batch(plan)
     half = np.dtype(layout_of(plan).compute_dtype).itemsize == 2
     mesh = plan.mesh
     device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
@@ -319,13 +324,13 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                                                                    "logits/probabilities"),
                 MemoryTerm(A, "less loop constants", -s.none.loop_constant_bytes_per_device(s.acfg, B, T, split),
                            "the T² loop constants (the dense mask, fused into each consumer)")
-                ) + _gpu_activation_terms(s)
+                ) + _gpu_activation_terms(s) + _cudnn_packed_terms(s)
     if s.pipe is None:
         saved = (MemoryTerm(A, "saved tensors", s.model.bytes_per_device(s.acfg, B, T, split),
                             f"the tensors remat={s.remat.value} saves, all layers"),
                  MemoryTerm(A, "MoE dispatch buffers", L * s.moe_saved, "L × dispatched rows, expert outputs, f32 "
                                                                         "router logits/probabilities"))
-        return saved + _tpu_activation_terms(s) + _gpu_scan_activation_terms(s) + (casts,)
+        return saved + _tpu_activation_terms(s) + _gpu_scan_activation_terms(s) + _cudnn_packed_terms(s) + (casts,)
     x, m, pipe = s.stage_input, s.pipe.micro_batches, s.pipe
     stack = MemoryTerm(A, "pipeline stack", pipe.stage_activation_bytes(L, s.layer_saved, x),
                        "2p stage inputs 2·p·x (stash)" if pipe.one_f_one_b else "ticks·L/(p·r)·a_layer")
@@ -365,6 +370,23 @@ def _gpu_scan_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
         return ()
     return (MemoryTerm(Component.ACTIVATIONS, "less f32 logits (XLA:GPU scan)", -s.f32_logits,
                        "the head's backward frees them before the layers' backward"),)
+
+
+def _cudnn_packed_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """cuDNN's fused attention on packed documents saves f32 softmax statistics of ``(b·M, n, T)`` per layer,
+    ``M`` = :data:`meshtrain.parallel.flash.CUDNN_MAX_SEGMENTS` (its room for documents a row): every layer's
+    when the layers' residuals are kept (unrolled, or remat none), one layer's when the backward recomputes
+    them."""
+    from meshtrain.parallel.flash import CUDNN_MAX_SEGMENTS  # lazy: the kernel's own bound, not the planner's
+
+    if not s.cudnn or not packed_batch(s.plan):
+        return ()
+    layers = s.L if s.straight or s.remat is Remat.NONE else 1
+    n = max(s.cfg.n_heads // s.lay.tensor, 1)
+    stats = 4 * s.b_loc * CUDNN_MAX_SEGMENTS * n * s.t_loc
+    return (MemoryTerm(Component.ACTIVATIONS, "softmax statistics per packed document (cuDNN)", layers * stats,
+                       f"{'L' if layers > 1 else '1'} × 4 B·b·M·n·T, M = {CUDNN_MAX_SEGMENTS} documents a row "
+                       f"(flash.CUDNN_MAX_SEGMENTS)"),)
 
 
 def _gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
