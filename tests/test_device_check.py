@@ -90,3 +90,12 @@ def test_a_failed_run_is_reported_by_its_exception_and_out_of_memory_line():
         "memory while trying to allocate 64.02GiB with allocator GPU_0_bfc on device 0.)")
     assert dc.failure_reason("Traceback\nValueError: bad shape\n", 1) == "ValueError: bad shape"
     assert dc.failure_reason("", 3) == "exit 3"
+
+
+def test_one_device_measures_remat_and_precision_instead_of_identical_recipes():
+    dc = _tool_module()
+    labels = [v.label for v in dc.variants_for(1)]
+    assert labels[0] == dc.BASELINE and len(labels) == len(dc.VARIANTS)
+    assert "dp flash" not in labels and "fsdp_tp flash" not in labels
+    assert {"fsdp flash, remat full", "fsdp flash, bf16 parameters"} <= set(labels)
+    assert [v.label for v in dc.variants_for(8)] == [v.label for v in dc.VARIANTS]
