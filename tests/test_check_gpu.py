@@ -199,6 +199,13 @@ GPU_SMALL_CASES = {
     # (before they were counted: -20.0 %); the later --batch replaces the unpacked one
     "fsdp_tp flash packed (cudnn)": (["--recipe", "fsdp_tp", "--attention", "flash", "--batch", ",".join(
         f"{k}=16x1024:int32@batch/seq" for k in ("inputs", "targets", "positions", "segment_ids"))], 149_657_537),
+    # the blockwise context kernels: every layer's f32 dq/dk/dv accumulators (a ring's two sets) and f32 output
+    # (before they were counted: -21.9, -22.2, -19.1, -23.8, -11.7 %)
+    "cp ring": (["--recipe", "cp", "--context-kind", "ring"], 192_557_257),
+    "fsdp_cp all_gather": (["--recipe", "fsdp_cp", "--context-kind", "all_gather"], 189_641_161),
+    "fsdp_cp ring": (["--recipe", "fsdp_cp"], 182_330_057),
+    "fsdp_cp_usp usp": (["--recipe", "fsdp_cp_usp"], 171_622_345),
+    "fsdp_tp_cp all_gather": (["--recipe", "fsdp_tp_cp"], 155_294_273),
 }
 
 
