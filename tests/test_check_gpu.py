@@ -244,6 +244,27 @@ def test_cudnn_attention_is_modelled_with_its_residuals_and_no_score_blocks(flag
     assert ("attention score blocks" in names) is (not cudnn and plan.recipe.attention.value != "dense")
 
 
+@pytest.mark.parametrize("flags, formula", [(["--recipe", "cp", "--context-kind", "ring"], "L × 2 × "),
+                                            (["--recipe", "fsdp_cp", "--context-kind", "all_gather"], "L × 1 × "),
+                                            (["--recipe", "fsdp_cp", "--context-kind", "ulysses",
+                                              "--flash-backend", "cudnn"], None),
+                                            (["--recipe", "fsdp_tp"], None)])
+def test_blockwise_context_kernels_keep_every_layers_f32_accumulators_on_xla_gpu(flags, formula):
+    """The blockwise context kernels' f32 dq/dk/dv of every layer (a ring's two sets: its own block's visit and
+    the ring loop's) and f32 outputs; none for cuDNN's fused kernel or without context parallelism."""
+    from meshtrain.analysis.memory import estimate_memory
+
+    plan, choice = _small_gpu_plan(flags)
+    terms = {t.name: t for t in estimate_memory(plan, choice.cfg, backend="gpu").terms}
+    accumulators = terms.get("context kernels' backward accumulators (XLA:GPU)")
+    assert (accumulators is None) is (formula is None)
+    assert ("context kernels' f32 outputs (XLA:GPU)" in terms) is (formula is not None)
+    if formula is not None:
+        assert accumulators.formula.startswith(formula) and accumulators.bytes > 0
+    cpu = {t.name for t in estimate_memory(plan, choice.cfg, backend="cpu").terms}
+    assert not any(name.startswith("context kernels'") for name in cpu)
+
+
 #: XLA:GPU's compiled collective bytes per step on an axis (tools/check_compilers.py --gpu, `small`, batch 16 × 1024,
 #: 8xH100, jax-cuda12-pjrt 0.10.2). Before: fsdp +7 % and fsdp_tp +11 % (the FSDP gradient reduce-scatter counted
 #: in f32; XLA:GPU reduces in bf16), fsdp_tp_cp tensor +266 % (counted as sequence-parallel gathers of all T).
