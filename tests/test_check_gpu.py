@@ -199,6 +199,13 @@ GPU_SMALL_CASES = {
     # (before they were counted: -20.0 %); the later --batch replaces the unpacked one
     "fsdp_tp flash packed (cudnn)": (["--recipe", "fsdp_tp", "--attention", "flash", "--batch", ",".join(
         f"{k}=16x1024:int32@batch/seq" for k in ("inputs", "targets", "positions", "segment_ids"))], 149_657_537),
+    # the blockwise context kernels: every layer's f32 dq/dk/dv accumulators (a ring's two sets) and f32 output
+    # (before they were counted: -21.9, -22.2, -19.1, -23.8, -11.7 %)
+    "cp ring": (["--recipe", "cp", "--context-kind", "ring"], 192_557_257),
+    "fsdp_cp all_gather": (["--recipe", "fsdp_cp", "--context-kind", "all_gather"], 189_641_161),
+    "fsdp_cp ring": (["--recipe", "fsdp_cp"], 182_330_057),
+    "fsdp_cp_usp usp": (["--recipe", "fsdp_cp_usp"], 171_622_345),
+    "fsdp_tp_cp all_gather": (["--recipe", "fsdp_tp_cp"], 155_294_273),
 }
 
 
@@ -235,6 +242,27 @@ def test_cudnn_attention_is_modelled_with_its_residuals_and_no_score_blocks(flag
     names = {t.name for t in estimate_memory(plan, choice.cfg, backend="gpu").terms}
     assert ("K/V repeated to the query heads (cuDNN)" in names) is cudnn
     assert ("attention score blocks" in names) is (not cudnn and plan.recipe.attention.value != "dense")
+
+
+@pytest.mark.parametrize("flags, formula", [(["--recipe", "cp", "--context-kind", "ring"], "L × 2 × "),
+                                            (["--recipe", "fsdp_cp", "--context-kind", "all_gather"], "L × 1 × "),
+                                            (["--recipe", "fsdp_cp", "--context-kind", "ulysses",
+                                              "--flash-backend", "cudnn"], None),
+                                            (["--recipe", "fsdp_tp"], None)])
+def test_blockwise_context_kernels_keep_every_layers_f32_accumulators_on_xla_gpu(flags, formula):
+    """The blockwise context kernels' f32 dq/dk/dv of every layer (a ring's two sets: its own block's visit and
+    the ring loop's) and f32 outputs; none for cuDNN's fused kernel or without context parallelism."""
+    from meshtrain.analysis.memory import estimate_memory
+
+    plan, choice = _small_gpu_plan(flags)
+    terms = {t.name: t for t in estimate_memory(plan, choice.cfg, backend="gpu").terms}
+    accumulators = terms.get("context kernels' backward accumulators (XLA:GPU)")
+    assert (accumulators is None) is (formula is None)
+    assert ("context kernels' f32 outputs (XLA:GPU)" in terms) is (formula is not None)
+    if formula is not None:
+        assert accumulators.formula.startswith(formula) and accumulators.bytes > 0
+    cpu = {t.name for t in estimate_memory(plan, choice.cfg, backend="cpu").terms}
+    assert not any(name.startswith("context kernels'") for name in cpu)
 
 
 #: XLA:GPU's compiled collective bytes per step on an axis (tools/check_compilers.py --gpu, `small`, batch 16 × 1024,

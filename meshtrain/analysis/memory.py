@@ -88,7 +88,15 @@ than the parameters'): the unrolled formulas above, with what XLA:GPU's fusions 
 * cuDNN's fused attention (``--attention flash``, or ulysses asking for cudnn; packed documents on Hopper or
   newer): no score blocks in HBM, and K/V saved at the query heads (``L·2·b·T·(n − kv)·h·c`` more than the traced
   blockwise kernel); on a packed batch also its f32 softmax statistics per document slot, ``4·b·M·n·T`` a
-  layer (``M`` = ``flash.CUDNN_MAX_SEGMENTS``).
+  layer (``M`` = ``flash.CUDNN_MAX_SEGMENTS``);
+* the blockwise context kernels (ring, all_gather, usp; ulysses without cuDNN), whose backward starts each layer's
+  f32 accumulators ``dq`` (``b·t·n·h``, the local queries) and ``dk``/``dv`` (``b·s·kv·h``, the keys the kernel
+  attends over: ``s = T`` all-gathered, ``t`` on a ring, ``u·t`` after Ulysses' all-to-all) from zeros: XLA:GPU
+  fuses every layer's zeros into one fusion at the step's start, so all ``L`` layers' sets are live at the first
+  layer's backward, ``L·k·4·(b·t·n·h + 2·b·s·kv·h)`` (``k = 2`` on a ring: its own block's visit and the ring
+  loop's, whose first iteration is peeled out of the ``ppermute`` loop; else 1); and each kernel's f32 output
+  stays saved next to its cast (the backward's ``delta`` reads it), ``(L − 1)·4·b·t·n·h`` (the first backward
+  layer's ``delta`` is made before the peak, inside its kernel's loop).
 
 Against XLA:GPU at ``small`` 16 × 1024: BENCHMARKS.md, "Compiler check: the planner against XLA:GPU".
 

@@ -27,7 +27,7 @@ from meshtrain.analysis.comms import batch_dims
 from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
-from meshtrain.parallel.context import attention_block_shape, plan_layout
+from meshtrain.parallel.context import CONTEXT_KINDS, attention_block_shape, plan_layout
 from meshtrain.plan import gradient_shardings
 from meshtrain.recipes import AttentionKind, Remat, resolve_layer_loop
 from meshtrain.strategies import Context, FlashBackend
@@ -324,7 +324,7 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                                                                    "logits/probabilities"),
                 MemoryTerm(A, "less loop constants", -s.none.loop_constant_bytes_per_device(s.acfg, B, T, split),
                            "the T² loop constants (the dense mask, fused into each consumer)")
-                ) + _gpu_activation_terms(s) + _cudnn_packed_terms(s)
+                ) + _gpu_activation_terms(s) + _cudnn_packed_terms(s) + _gpu_context_output_terms(s)
     if s.pipe is None:
         saved = (MemoryTerm(A, "saved tensors", s.model.bytes_per_device(s.acfg, B, T, split),
                             f"the tensors remat={s.remat.value} saves, all layers"),
@@ -422,6 +422,62 @@ def _gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     return terms
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextKernelShape:
+    """What one device's blockwise context kernel (ring, all_gather, usp; ulysses without cuDNN) works on:
+    the elements of its local queries ``b·t·n·h`` and of the keys it attends over ``b·s·kv·h`` (after the
+    all-gather or the Ulysses all-to-all), and how many sets of backward accumulators it makes (a ring: 2, the own
+    block's visit and the ring loop's)."""
+
+    q_elements: int
+    kv_elements: int
+    accumulator_copies: int
+
+
+def context_kernel_shape(s: StepShape) -> Optional[ContextKernelShape]:
+    """The blockwise context kernel's shape (:func:`meshtrain.parallel.context._local_kernel`), or ``None``
+    where the step runs none (no context kind, an unsharded sequence, or cuDNN's fused kernel)."""
+    layout = plan_layout(s.plan)
+    if s.cudnn or layout.kind not in CONTEXT_KINDS or not layout.sharded:
+        return None
+    cfg = s.cfg
+    n, kv = max(cfg.n_heads // s.lay.tensor, 1), max(cfg.n_kv_heads // s.lay.tensor, 1)
+    u = layout.ulysses  # the all-to-all gives each device n/u query heads over u·t rows
+    kv_u = kv // u if kv % u == 0 else 1  # (fewer K/V heads than u: repeated up to u, one each)
+    gathered = layout.ring if layout.kind is AttentionKind.ALL_GATHER else 1
+    rows = s.b_loc * s.t_loc
+    ring = layout.kind in (AttentionKind.RING, AttentionKind.USP) and layout.ring > 1
+    return ContextKernelShape(rows * n * cfg.head_dim, rows * u * gathered * kv_u * cfg.head_dim, 2 if ring else 1)
+
+
+def _gpu_context_output_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU with the layers unrolled: a blockwise context kernel's f32 output (before its cast to the compute
+    dtype) stays saved next to the cast, for the backward's ``delta = Σ do·o`` in f32; every layer's but the
+    first backward layer's, whose ``delta`` is made before its kernel's loop (where the peak is)."""
+    shape = context_kernel_shape(s) if s.gpu else None
+    if shape is None:
+        return ()
+    return (MemoryTerm(Component.ACTIVATIONS, "context kernels' f32 outputs (XLA:GPU)",
+                       (s.L - 1) * 4 * shape.q_elements, "(L − 1) × 4 B·b·t·n·h: each layer's attention output "
+                                                         "before its cast"),)
+
+
+def _gpu_context_accumulator_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU with the layers unrolled: the f32 gradient accumulators of every layer's blockwise context kernel
+    (``dq`` at the queries, ``dk``/``dv`` at the keys it attends over) are zeros that XLA:GPU fuses into one
+    multi-output fusion at the step's start, so all layers' are live at the first layer's backward. A ring makes
+    two sets: its own block's visit (before the loop) and the ring loop's, whose first iteration XLA:GPU peels out
+    of the ``ppermute`` loop to double-buffer it."""
+    shape = context_kernel_shape(s) if s.gpu else None
+    if shape is None:
+        return ()
+    k = shape.accumulator_copies
+    return (MemoryTerm(Component.TEMPORARIES, "context kernels' backward accumulators (XLA:GPU)",
+                       s.L * k * 4 * (shape.q_elements + 2 * shape.kv_elements),
+                       f"L × {k} × 4 B·(b·t·n·h + 2·b·s·kv·h): dq, dk, dv of every layer"
+                       + (" (ring: the own block's visit and the ring loop's)" if k > 1 else "")),)
+
+
 def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     """The backward's working set: one layer's (``scan_unroll`` layers'; unrolled: every layer's weights as
     multiplied), the f32 logits gradient, blockwise attention's score blocks and a pipeline's extras."""
@@ -431,7 +487,7 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     if s.straight:
         layer = (MemoryTerm(M, "layers' weights as multiplied", s.layer_weights, "L·W_layer·c"),)
         if s.gpu:  # XLA:GPU holds the last layer's residuals and the first of its backward's cotangents together
-            layer += (_largest_cotangent(s),)
+            layer += (_largest_cotangent(s),) + _gpu_context_accumulator_terms(s)
     elif s.tpu and s.remat is Remat.NONE and s.moe is None:  # nothing to recompute: the backward's own cotangents
         layer = (MemoryTerm(M, "one layer's largest cotangent (XLA:TPU)",
                             k * s.c * s.model.largest_layer_tensor_elements(s.acfg, B, T, split),
@@ -528,6 +584,11 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         "of the MLP only its matmuls' operands and results"
                         + (", cuDNN's K/V at the query heads" if s.cudnn else ""))
         temp_formula += " + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max (XLA:GPU)"
+        kernel = context_kernel_shape(s)
+        if kernel is not None:
+            act_formula += "; the blockwise context kernels' f32 outputs (L − 1)·4 B·b·t·n·h"
+            temp_formula += (f" + every layer's context-kernel f32 accumulators L·{kernel.accumulator_copies}·4 B·"
+                             f"(b·t·n·h + 2·b·s·kv·h) (XLA:GPU hoists their zeros)")
     if s.gpu_scan:
         grad_formula = ("elements per device × compute-dtype bytes (XLA:GPU scan: the backward scan stacks each "
                         "layer's gradient in the compute dtype, upcast in the optimizer update), less the untied "
