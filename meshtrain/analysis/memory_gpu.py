@@ -1,17 +1,19 @@
-"""XLA:GPU's buffer choices in the analytic memory model, as :class:`~meshtrain.analysis.memory_types.MemoryTerm` terms
-that :mod:`meshtrain.analysis.memory_terms` adds to a step's terms: which attention kernel the step runs
-(:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, and the
-blockwise context kernels' f32 outputs and accumulators. Each rule was read off XLA:GPU's buffer assignments
-(``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s docstring says which steps). Example::
+"""XLA:GPU's buffer choices in the analytic memory model, as :class:`~meshtrain.analysis.memory_types.MemoryTerm`
+terms that :mod:`meshtrain.analysis.memory_terms` adds to a step's terms: which attention kernel the step runs
+(:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, and
+the blockwise context kernels' f32 outputs and accumulators. The terms read a ``StepShape``
+(:func:`meshtrain.analysis.memory_terms.step_shape`, which imports this module: named here, not imported). Each
+rule was read off XLA:GPU's buffer assignments (``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s
+docstring says which steps). Example::
 
     shape = step_shape(plan, cfg, "gpu")          # meshtrain.analysis.memory_terms
-    gpu_activation_terms(shape)                   # (MemoryTerm(ACTIVATIONS, "less f32 residual stream (XLA:GPU)", ...), ...)
+    gpu_activation_terms(shape)   # (MemoryTerm(ACTIVATIONS, "less f32 residual stream (XLA:GPU)", ...), ...)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import jax
 import numpy as np
@@ -21,9 +23,6 @@ from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.parallel.context import CONTEXT_KINDS, plan_layout
 from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.strategies import Context, FlashBackend
-
-if TYPE_CHECKING:  # the terms read a StepShape; memory_terms imports this module
-    from meshtrain.analysis.memory_terms import StepShape
 
 
 def packed_batch(plan) -> bool:
@@ -56,7 +55,7 @@ def runs_cudnn(plan) -> bool:
     return wanted and half and (not segmented or new_enough)
 
 
-def gpu_scan_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+def gpu_scan_activation_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     """XLA:GPU with the layers scanned: the saved f32 logits are gone before the layers' backward starts (the
     head's backward runs first); :func:`temporary_terms` counts them with their gradient where that phase is the
     larger one."""
@@ -66,7 +65,7 @@ def gpu_scan_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                        "the head's backward frees them before the layers' backward"),)
 
 
-def cudnn_packed_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+def cudnn_packed_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     """cuDNN's fused attention on packed documents saves f32 softmax statistics of ``(b·M, n, T)`` per layer,
     ``M`` = :data:`meshtrain.parallel.flash.CUDNN_MAX_SEGMENTS` (its room for documents a row): every layer's
     when the layers' residuals are kept (unrolled, or remat none), one layer's when the backward recomputes
@@ -83,7 +82,7 @@ def cudnn_packed_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                        f"(flash.CUDNN_MAX_SEGMENTS)"),)
 
 
-def gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+def gpu_activation_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     """XLA:GPU's differences from the traced residuals of unrolled layers: its fusions read the f32 upcasts of
     the residual stream from the compute-dtype tensors they upcast, keep of the MLP only its matmuls' operands
     and results (one ``(b, T, f)`` tensor per MLP-width weight matrix: the gate and up projections and the
@@ -103,8 +102,8 @@ def gpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                         "no f32 copy of (b, T, d): the norms upcast inside their fusions"),
              MemoryTerm(A, "norm outputs in the compute dtype (XLA:GPU)",
                         norms * s.b_loc * s.t_loc * s.cfg.d_model * s.c,
-                        f"{none.layer_norms}·L + {none.outer_norms} norms × b·T·d·c: each norm's output is the next "
-                        f"matmul's operand"),
+                        f"{none.layer_norms}·L + {none.outer_norms} norms × b·T·d·c: each norm's output is the "
+                        "next matmul's operand"),
              MemoryTerm(A, "less recomputed MLP activations (XLA:GPU)", -recomputed,
                         f"(b, T, f) tensors: {traced} traced per layer, {kept} kept (one per MLP-width weight "
                         f"matrix: the matmuls' operands and results)"))
@@ -128,7 +127,7 @@ class ContextKernelShape:
     accumulator_copies: int
 
 
-def context_kernel_shape(s: StepShape) -> Optional[ContextKernelShape]:
+def context_kernel_shape(s: "StepShape") -> Optional[ContextKernelShape]:
     """The blockwise context kernel's shape (:func:`meshtrain.parallel.context._local_kernel`), or ``None``
     where the step runs none (no context kind, an unsharded sequence, or cuDNN's fused kernel)."""
     layout = plan_layout(s.plan)
@@ -144,7 +143,7 @@ def context_kernel_shape(s: StepShape) -> Optional[ContextKernelShape]:
     return ContextKernelShape(rows * n * cfg.head_dim, rows * u * gathered * kv_u * cfg.head_dim, 2 if ring else 1)
 
 
-def gpu_context_output_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+def gpu_context_output_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     """XLA:GPU with the layers unrolled: a blockwise context kernel's f32 output (before its cast to the compute
     dtype) stays saved next to the cast, for the backward's ``delta = Σ do·o`` in f32; every layer's but the
     first backward layer's, whose ``delta`` is made before its kernel's loop (where the peak is)."""
@@ -156,7 +155,7 @@ def gpu_context_output_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                                                          "before its cast"),)
 
 
-def gpu_context_accumulator_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+def gpu_context_accumulator_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     """XLA:GPU with the layers unrolled: the f32 gradient accumulators of every layer's blockwise context kernel
     (``dq`` at the queries, ``dk``/``dv`` at the keys it attends over) are zeros that XLA:GPU fuses into one
     multi-output fusion at the step's start, so all layers' are live at the first layer's backward. A ring makes
@@ -172,7 +171,7 @@ def gpu_context_accumulator_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                        + (" (ring: the own block's visit and the ring loop's)" if k > 1 else "")),)
 
 
-def largest_cotangent(s: StepShape, k: int = 1) -> MemoryTerm:
+def largest_cotangent(s: "StepShape", k: int = 1) -> MemoryTerm:
     """XLA:GPU: a layer's backward holds its largest cotangent in f32 and in the compute dtype (dense attention:
     the ``T²`` score gradient before and after the softmax), ``k`` layers' at once."""
     return MemoryTerm(Component.TEMPORARIES, "one layer's largest cotangent in f32 and the compute dtype (XLA:GPU)",
