@@ -179,3 +179,21 @@ def largest_cotangent(s: StepShape, k: int = 1) -> MemoryTerm:
                       k * (4 + s.c) * s.none.largest_layer_tensor_elements(s.acfg, s.B, s.T, s.split),
                       ("k × " if k > 1 else "") + "(4 + c) × the layer's largest saved tensor (dense: the T² score "
                       "gradient before and after the softmax)")
+
+
+def gpu_pipeline_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU with a gpipe or circular schedule: the tick loop stacks every tick's stage residuals, and its
+    while-loop double buffering peels the last tick, whose update of the largest stack (dense: the softmax's f32
+    ``T²`` exponentials, ``4·a_max`` a layer) writes a second copy of it, live next to the first at that update
+    (the peak); the dense mask is fused into each consumer, so no micro-batch keeps the ``T²`` loop constants.
+    1f1b (one stage's VJP a tick, no stack of ticks) keeps the XLA:CPU formulas."""
+    if not s.gpu_pipeline or s.pipe.one_f_one_b:
+        return ()
+    A, B, T, split, pipe = Component.ACTIVATIONS, s.B, s.T, s.split, s.pipe
+    runs = pipe.layer_runs(s.L)
+    largest = 4 * s.none.largest_layer_tensor_elements(s.acfg, B, T, split)
+    return (MemoryTerm(A, "largest stack double-buffered (XLA:GPU pipeline)", int(runs * largest),
+                       "ticks·L/(p·r) × 4 B·a_max: the peeled last tick copies the tick loop's largest stack"),
+            MemoryTerm(A, "less loop constants (XLA:GPU pipeline)",
+                       -pipe.micro_batches * s.model.loop_constant_bytes_per_device(s.acfg, B, T, split),
+                       "m × the T² loop constants (the dense mask, fused into each consumer)"))

@@ -26,7 +26,8 @@ from meshtrain.analysis.comms import batch_dims
 from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.memory_gpu import (context_kernel_shape, cudnn_packed_terms, gpu_activation_terms,
                                           gpu_context_accumulator_terms, gpu_context_output_terms,
-                                          gpu_scan_activation_terms, largest_cotangent, runs_cudnn)
+                                          gpu_pipeline_activation_terms, gpu_scan_activation_terms,
+                                          largest_cotangent, runs_cudnn)
 from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
@@ -86,6 +87,9 @@ class StepShape:
     #: backward scan stacks the layers' gradients in the compute dtype, and the head's backward (the f32 logits
     #: and their gradient) finishes before the layers' starts
     gpu_scan: bool = False
+    #: XLA:GPU with a pipeline schedule (no MoE, compute dtype narrower than the parameters'): the gpipe and
+    #: circular tick loops double-buffer their largest stack, and the dense mask keeps no buffer
+    gpu_pipeline: bool = False
 
     @property
     def split(self):
@@ -196,8 +200,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     lanes = TPU_LANES if tpu and runs_splash(plan) else 1
     loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
     straight = pipe is None and not tpu and unroll >= cfg.n_layers
-    narrow_gpu = (pipe is None and moe is None and backend_name(plan, backend) == "gpu"
-                  and c < np.dtype(lay.param_dtype).itemsize)
+    gpu_narrow = moe is None and backend_name(plan, backend) == "gpu" and c < np.dtype(lay.param_dtype).itemsize
+    narrow_gpu = pipe is None and gpu_narrow
     gpu = straight and narrow_gpu
     return StepShape(
         plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
@@ -208,7 +212,7 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
         loop, unroll, straight, gpu, narrow_gpu and runs_cudnn(plan),  # straight: unrolled (or unroll ≥ L)
-        narrow_gpu and not straight)
+        narrow_gpu and not straight, gpu_pipeline=pipe is not None and gpu_narrow)
 
 
 def runs_splash(plan) -> bool:
@@ -290,7 +294,7 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     return (stack, MemoryTerm(A, "outside the stack and stage outputs", m * (rest + x),
                               "m × (embedding output, norm, logits + the ring's stage output x)"), casts,
             MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
-                       "ticks·W_stage·c/r"))
+                       "ticks·W_stage·c/r")) + gpu_pipeline_activation_terms(s)
 
 
 def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
