@@ -1,8 +1,9 @@
 """XLA:GPU's buffer choices in the analytic memory model, as :class:`~meshtrain.analysis.memory_types.MemoryTerm` terms
 that :mod:`meshtrain.analysis.memory_terms` adds to a step's terms: which attention kernel the step runs
 (:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, the
-blockwise context kernels' f32 outputs and accumulators, and a pipeline tick loop's double-buffered stack. Each rule was read off XLA:GPU's buffer assignments
-(``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s docstring says which steps). Example::
+blockwise context kernels' f32 outputs and accumulators, and a pipeline tick loop's double-buffered stack. Each rule
+was read off XLA:GPU's buffer assignments (``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s
+docstring says which steps). Example::
 
     shape = step_shape(plan, cfg, "gpu")          # meshtrain.analysis.memory_terms
     gpu_activation_terms(shape)                   # (MemoryTerm(ACTIVATIONS, "less f32 residual stream (XLA:GPU)", ...), ...)
