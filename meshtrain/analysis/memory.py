@@ -113,11 +113,12 @@ formulas above, except that
 
 XLA:GPU with a gpipe or circular pipeline (no MoE, compute dtype narrower than the parameters'; read off the buffer
 assignments of ``small`` pp gpipe and pp_fsdp circular on 8xH100): the pipeline formulas above, except that the
-tick loop's while-loop double buffering peels its last tick, whose update of the largest stack (dense: every
-tick's layers' f32 softmax exponentials) writes a second copy of it, ``ticks·L/(p·r)·4·a_max``, live next to the
-first at that update (the peak); and the dense mask, fused into each consumer, keeps no buffer (less the ``m``
-micro-batches' ``T²`` loop constants). 1f1b keeps the XLA:CPU formulas (``small`` pp_fsdp 1f1b: −30 %; its peak,
-inside the stage's VJP, is 467 MiB of live buffers in a 626 MiB heap).
+forward tick loop writes its largest stack (dense: every tick's layers' f32 softmax exponentials) in another layout
+than the backward tick loop reads, and the transpose between them makes a second copy, ``ticks·L/(p·r)·4·a_max``,
+live next to the first at the transpose (the peak); and the dense mask, fused into each consumer, keeps no buffer
+(less the ``m`` micro-batches' ``T²`` loop constants). 1f1b keeps the XLA:CPU formulas (``small`` pp_fsdp 1f1b:
+−30 %: XLA:GPU's live ranges list at most 467 MiB live at any instruction, inside the stage's VJP, against a 626 MiB
+heap).
 
 The CPU formulas apply otherwise (``backend`` ``"cpu"``, or an ``AbstractMesh`` with no backend given).
 

@@ -1,7 +1,8 @@
 """XLA:GPU's buffer choices in the analytic memory model, as :class:`~meshtrain.analysis.memory_types.MemoryTerm` terms
 that :mod:`meshtrain.analysis.memory_terms` adds to a step's terms: which attention kernel the step runs
 (:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, the
-blockwise context kernels' f32 outputs and accumulators, and a pipeline tick loop's double-buffered stack. Each rule
+blockwise context kernels' f32 outputs and accumulators, and a pipeline's stack transposed between
+its forward and backward tick loops. Each rule
 was read off XLA:GPU's buffer assignments (``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s
 docstring says which steps). Example::
 
@@ -183,18 +184,19 @@ def largest_cotangent(s: StepShape, k: int = 1) -> MemoryTerm:
 
 
 def gpu_pipeline_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
-    """XLA:GPU with a gpipe or circular schedule: the tick loop stacks every tick's stage residuals, and its
-    while-loop double buffering peels the last tick, whose update of the largest stack (dense: the softmax's f32
-    ``T²`` exponentials, ``4·a_max`` a layer) writes a second copy of it, live next to the first at that update
-    (the peak); the dense mask is fused into each consumer, so no micro-batch keeps the ``T²`` loop constants.
-    1f1b (one stage's VJP a tick, no stack of ticks) keeps the XLA:CPU formulas."""
+    """XLA:GPU with a gpipe or circular schedule: the forward tick loop writes its largest stack of stage
+    residuals (dense: every tick's layers' f32 softmax exponentials, ``4·a_max`` a layer) in the layout its
+    update slices want, the backward tick loop reads it in another: the transpose between the two loops makes a
+    second copy, live next to the first at the transpose (the peak); and the dense mask, fused into each consumer,
+    keeps no buffer, so no micro-batch keeps the ``T²`` loop constants. 1f1b (one stage's VJP a tick, no stack of
+    ticks) keeps the XLA:CPU formulas."""
     if not s.gpu_pipeline or s.pipe.one_f_one_b:
         return ()
     A, B, T, split, pipe = Component.ACTIVATIONS, s.B, s.T, s.split, s.pipe
     runs = pipe.layer_runs(s.L)
     largest = 4 * s.none.largest_layer_tensor_elements(s.acfg, B, T, split)
-    return (MemoryTerm(A, "largest stack double-buffered (XLA:GPU pipeline)", int(runs * largest),
-                       "ticks·L/(p·r) × 4 B·a_max: the peeled last tick copies the tick loop's largest stack"),
+    return (MemoryTerm(A, "largest stack transposed for the backward (XLA:GPU pipeline)", int(runs * largest),
+                       "ticks·L/(p·r) × 4 B·a_max: the largest stack once more, in the backward loop's layout"),
             MemoryTerm(A, "less loop constants (XLA:GPU pipeline)",
                        -pipe.micro_batches * s.model.loop_constant_bytes_per_device(s.acfg, B, T, split),
                        "m × the T² loop constants (the dense mask, fused into each consumer)"))

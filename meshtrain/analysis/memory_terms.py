@@ -87,8 +87,8 @@ class StepShape:
     #: backward scan stacks the layers' gradients in the compute dtype, and the head's backward (the f32 logits
     #: and their gradient) finishes before the layers' starts
     gpu_scan: bool = False
-    #: XLA:GPU with a pipeline schedule (no MoE, compute dtype narrower than the parameters'): the gpipe and
-    #: circular tick loops double-buffer their largest stack, and the dense mask keeps no buffer
+    #: XLA:GPU with a pipeline schedule (no MoE, compute dtype narrower than the parameters'): gpipe and circular
+    #: transpose their largest stack between the forward and backward tick loops; the dense mask keeps no buffer
     gpu_pipeline: bool = False
 
     @property
