@@ -26,7 +26,8 @@ from meshtrain.analysis.comms import batch_dims
 from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.memory_gpu import (context_kernel_shape, cudnn_packed_terms, gpu_activation_terms,
                                           gpu_context_accumulator_terms, gpu_context_output_terms,
-                                          gpu_pipeline_activation_terms, gpu_scan_activation_terms,
+                                          gpu_one_f_one_b_terms, gpu_pipeline_activation_terms,
+                                          gpu_scan_activation_terms,
                                           largest_cotangent, runs_cudnn)
 from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.analysis.moe import moe_terms
@@ -290,7 +291,7 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     rest = s.tensors - L * s.layer_saved  # embedding output, final norm, logits: outside the stack
     if pipe.one_f_one_b:
         return (stack, MemoryTerm(A, "outside the stack", rest, "one micro-batch's embedding output, norm, logits"),
-                MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts)
+                MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts) + gpu_pipeline_activation_terms(s)
     return (stack, MemoryTerm(A, "outside the stack and stage outputs", m * (rest + x),
                               "m × (embedding output, norm, logits + the ring's stage output x)"), casts,
             MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
@@ -330,6 +331,8 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                             k * s.c * s.model.largest_layer_tensor_elements(s.acfg, B, T, split),
                             f"{times}the layer's largest saved tensor in the compute dtype (remat=none keeps the "
                             f"rest saved)"),)
+    elif s.gpu_pipeline and s.pipe.one_f_one_b:  # XLA:GPU: the peak is a layer's backward in the stage's VJP
+        layer = gpu_one_f_one_b_terms(s)
     else:
         layer = (MemoryTerm(M, "one layer's working set", k * s.none.layer_bytes_per_device(s.acfg, B, T, split),
                             f"{times}one layer with remat=none"),)
@@ -425,6 +428,14 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
         temp_formula += (" + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max; the saved f32 "
                          "logits and their gradient 4·b·T·V/t count where the head's phase outgrows the layers' "
                          "(XLA:GPU scan)")
+    if s.gpu_pipeline:
+        act_formula += ("; XLA:GPU: no T² loop constants (the dense mask is fused into each consumer)"
+                        + ("" if pipe.one_f_one_b else ", the tick loops' largest stack once more, transposed for "
+                                                       "the backward ticks·L/(p·r)·4 B·a_max"))
+        if pipe.one_f_one_b:
+            temp_formula = temp_formula.replace("one layer with remat=none (backward working set)",
+                                                "the layer's backward in the stage VJP (3·4 + c)·a_max and the "
+                                                "stage's largest stack transposed L/p·4 B·a_max (XLA:GPU)")
     if s.tpu:
         temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
                         "XLA:TPU finishes the head's backward before the layers'"
