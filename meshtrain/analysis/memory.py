@@ -111,6 +111,16 @@ formulas above, except that
   backward allocates the gradient stacks: the two phases are alternatives, the larger counts;
 * a layer's backward holds its largest cotangent in f32 and the compute dtype, ``(4 + c)·a_max``, as unrolled.
 
+XLA:GPU with a pipeline (no MoE, compute dtype narrower than the parameters'; read off the buffer assignments of
+``small`` pp gpipe, pp_fsdp circular and pp_fsdp 1f1b on 8xH100): the pipeline formulas above, except that the
+forward loop writes its largest stack (dense: the layers' f32 softmax exponentials) in another layout than the
+backward loop reads, and the transpose between them makes a second copy, live next to the first: gpipe and circular
+``ticks·L/(p·r)·4·a_max`` at the transpose after the forward tick loop (the peak), 1f1b ``L/p·4·a_max`` in a tick's
+stage VJP, whose layer backward (the peak) holds, instead of one layer's remat=none working set, the layer's
+largest tensor in f32 with its two f32 cotangents and one in the compute dtype, ``(3·4 + c)·a_max``; and the dense
+mask, fused into each consumer, keeps no buffer (less the ``T²`` loop constants of the micro-batches outside the
+stack: ``m``, 1f1b one).
+
 The CPU formulas apply otherwise (``backend`` ``"cpu"``, or an ``AbstractMesh`` with no backend given).
 
 How close these formulas come to XLA's own figures, recipe by recipe, and how that changed:

@@ -1,10 +1,10 @@
 """XLA:GPU's buffer choices in the analytic memory model, as :class:`~meshtrain.analysis.memory_types.MemoryTerm`
 terms that :mod:`meshtrain.analysis.memory_terms` adds to a step's terms: which attention kernel the step runs
-(:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, and
-the blockwise context kernels' f32 outputs and accumulators. The terms read a ``StepShape``
-(:func:`meshtrain.analysis.memory_terms.step_shape`, which imports this module: named here, not imported). Each
-rule was read off XLA:GPU's buffer assignments (``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s
-docstring says which steps). Example::
+(:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, the
+blockwise context kernels' f32 outputs and accumulators, and a pipeline's stack transposed between its forward and
+backward tick loops. The terms read a ``StepShape`` (:func:`meshtrain.analysis.memory_terms.step_shape`, which
+imports this module: named here, not imported). Each rule was read off XLA:GPU's buffer assignments
+(``XLA_FLAGS=--xla_dump_to=...``; :mod:`meshtrain.analysis.memory`'s docstring says which steps). Example::
 
     shape = step_shape(plan, cfg, "gpu")          # meshtrain.analysis.memory_terms
     gpu_activation_terms(shape)   # (MemoryTerm(ACTIVATIONS, "less f32 residual stream (XLA:GPU)", ...), ...)
@@ -178,3 +178,42 @@ def largest_cotangent(s: "StepShape", k: int = 1) -> MemoryTerm:
                       k * (4 + s.c) * s.none.largest_layer_tensor_elements(s.acfg, s.B, s.T, s.split),
                       ("k × " if k > 1 else "") + "(4 + c) × the layer's largest saved tensor (dense: the T² score "
                       "gradient before and after the softmax)")
+
+
+def gpu_pipeline_activation_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU with a pipeline: the layers' loop writes its largest stack of residuals (dense: the f32 softmax
+    exponentials, ``4·a_max`` a layer) in the layout its update slices want, and the backward loop reads it in
+    another: the transpose between them makes a second copy, live next to the first (gpipe and circular: every
+    tick's stack, ``ticks·L/(p·r)`` layers, at the transpose after the forward tick loop; 1f1b: one stage's VJP,
+    ``L/p`` layers, in :func:`gpu_one_f_one_b_terms`). The dense mask, fused into each consumer, keeps no buffer:
+    no micro-batch keeps the ``T²`` loop constants (1f1b: one micro-batch outside the stack, the others ``m``)."""
+    if not s.gpu_pipeline:
+        return ()
+    A, B, T, split, pipe = Component.ACTIVATIONS, s.B, s.T, s.split, s.pipe
+    kept = 1 if pipe.one_f_one_b else pipe.micro_batches
+    less = (MemoryTerm(A, "less loop constants (XLA:GPU pipeline)",
+                       -kept * s.model.loop_constant_bytes_per_device(s.acfg, B, T, split),
+                       f"{'' if kept == 1 else 'm × '}the T² loop constants (the dense mask, fused into each "
+                       f"consumer)"),)
+    if pipe.one_f_one_b:
+        return less
+    largest = 4 * s.none.largest_layer_tensor_elements(s.acfg, B, T, split)
+    transposed = MemoryTerm(A, "largest stack transposed for the backward (XLA:GPU pipeline)",
+                            int(pipe.layer_runs(s.L) * largest),
+                            "ticks·L/(p·r) × 4 B·a_max: the largest stack once more, in the backward loop's layout")
+    return (transposed,) + less
+
+
+def gpu_one_f_one_b_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
+    """XLA:GPU with 1f1b: the peak is a layer's backward inside a tick's stage VJP, which holds the stage's
+    largest stack transposed for its backward loop (``L/p·4·a_max``) and, instead of one layer's remat=none
+    working set, the layer's largest tensor sliced out of that stack in f32 with its two f32 cotangents and one in
+    the compute dtype, ``(3·4 + c)·a_max``."""
+    if not s.gpu_pipeline or not s.pipe.one_f_one_b:
+        return ()
+    M, elements = Component.TEMPORARIES, s.none.largest_layer_tensor_elements(s.acfg, s.B, s.T, s.split)
+    return (MemoryTerm(M, "stage VJP's largest stack transposed for the backward (XLA:GPU 1f1b)",
+                       (s.L // s.pipe.stages) * 4 * elements, "L/p × 4 B·a_max"),
+            MemoryTerm(M, "layer's backward in the stage VJP (XLA:GPU 1f1b)", (3 * 4 + s.c) * elements,
+                       "(3·4 + c)·a_max: the largest tensor in f32, its two f32 cotangents and one in the compute "
+                       "dtype"))

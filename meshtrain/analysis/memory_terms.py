@@ -26,7 +26,9 @@ from meshtrain.analysis.comms import batch_dims
 from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.memory_gpu import (context_kernel_shape, cudnn_packed_terms, gpu_activation_terms,
                                           gpu_context_accumulator_terms, gpu_context_output_terms,
-                                          gpu_scan_activation_terms, largest_cotangent, runs_cudnn)
+                                          gpu_one_f_one_b_terms, gpu_pipeline_activation_terms,
+                                          gpu_scan_activation_terms,
+                                          largest_cotangent, runs_cudnn)
 from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
@@ -86,6 +88,9 @@ class StepShape:
     #: backward scan stacks the layers' gradients in the compute dtype, and the head's backward (the f32 logits
     #: and their gradient) finishes before the layers' starts
     gpu_scan: bool = False
+    #: XLA:GPU with a pipeline schedule (no MoE, compute dtype narrower than the parameters'): gpipe and circular
+    #: transpose their largest stack between the forward and backward tick loops; the dense mask keeps no buffer
+    gpu_pipeline: bool = False
 
     @property
     def split(self):
@@ -196,8 +201,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     lanes = TPU_LANES if tpu and runs_splash(plan) else 1
     loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
     straight = pipe is None and not tpu and unroll >= cfg.n_layers
-    narrow_gpu = (pipe is None and moe is None and backend_name(plan, backend) == "gpu"
-                  and c < np.dtype(lay.param_dtype).itemsize)
+    gpu_narrow = moe is None and backend_name(plan, backend) == "gpu" and c < np.dtype(lay.param_dtype).itemsize
+    narrow_gpu = pipe is None and gpu_narrow
     gpu = straight and narrow_gpu
     return StepShape(
         plan, cfg, lay, B, T, per, elems, stage_w, pipe, moe,
@@ -208,7 +213,7 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
         loop, unroll, straight, gpu, narrow_gpu and runs_cudnn(plan),  # straight: unrolled (or unroll ≥ L)
-        narrow_gpu and not straight)
+        narrow_gpu and not straight, gpu_pipeline=pipe is not None and gpu_narrow)
 
 
 def runs_splash(plan) -> bool:
@@ -286,11 +291,11 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     rest = s.tensors - L * s.layer_saved  # embedding output, final norm, logits: outside the stack
     if pipe.one_f_one_b:
         return (stack, MemoryTerm(A, "outside the stack", rest, "one micro-batch's embedding output, norm, logits"),
-                MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts)
+                MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts) + gpu_pipeline_activation_terms(s)
     return (stack, MemoryTerm(A, "outside the stack and stage outputs", m * (rest + x),
                               "m × (embedding output, norm, logits + the ring's stage output x)"), casts,
             MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
-                       "ticks·W_stage·c/r"))
+                       "ticks·W_stage·c/r")) + gpu_pipeline_activation_terms(s)
 
 
 def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
@@ -326,6 +331,8 @@ def temporary_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                             k * s.c * s.model.largest_layer_tensor_elements(s.acfg, B, T, split),
                             f"{times}the layer's largest saved tensor in the compute dtype (remat=none keeps the "
                             f"rest saved)"),)
+    elif s.gpu_pipeline and s.pipe.one_f_one_b:  # XLA:GPU: the peak is a layer's backward in the stage's VJP
+        layer = gpu_one_f_one_b_terms(s)
     else:
         layer = (MemoryTerm(M, "one layer's working set", k * s.none.layer_bytes_per_device(s.acfg, B, T, split),
                             f"{times}one layer with remat=none"),)
@@ -421,6 +428,14 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
         temp_formula += (" + one layer's largest cotangent in f32 and the compute dtype (4 + c)·a_max; the saved f32 "
                          "logits and their gradient 4·b·T·V/t count where the head's phase outgrows the layers' "
                          "(XLA:GPU scan)")
+    if s.gpu_pipeline:
+        act_formula += ("; XLA:GPU: no T² loop constants (the dense mask is fused into each consumer)"
+                        + ("" if pipe.one_f_one_b else ", the tick loops' largest stack once more, transposed for "
+                                                       "the backward ticks·L/(p·r)·4 B·a_max"))
+        if pipe.one_f_one_b:
+            temp_formula = temp_formula.replace("one layer with remat=none (backward working set)",
+                                                "the layer's backward in the stage VJP (3·4 + c)·a_max and the "
+                                                "stage's largest stack transposed L/p·4 B·a_max (XLA:GPU)")
     if s.tpu:
         temp_formula = ("max(one layer with remat=none (backward working set), f32 logits gradient 4·b·T·V/t): "
                         "XLA:TPU finishes the head's backward before the layers'"
