@@ -227,8 +227,8 @@ def _ms(s: Optional[float]) -> str:
 
 
 def table(rows: List[Dict[str, object]]) -> List[str]:
-    header = ["section", "variant", "attention kernel", "meshtrain step ms", "hand-written ms", "meshtrain / hand", "MFU meshtrain",
-              "MFU hand-written", f"vs {BASELINE}", "planner ms", "planner / measured"]
+    header = ["section", "variant", "attention kernel", "meshtrain step ms", "hand-written ms", "meshtrain / hand",
+              "MFU meshtrain", "MFU hand-written", f"vs {BASELINE}", "planner ms", "planner / measured"]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = next((r for r in rows if r["variant"].label == BASELINE and "error" not in r), None)
     for r in rows:
@@ -240,7 +240,8 @@ def table(rows: List[Dict[str, object]]) -> List[str]:
         pred = r.get("predicted_step_s")
         vs = f"{mt_['step_s'] / base['results']['meshtrain']['step_s']:.3f}" if base else "—"
         out.append("| " + " | ".join([
-            v.section, v.label, r.get("attention_kernel", "—"), _ms(mt_["step_s"]), _ms(hand["step_s"]), f"{r['ratio_meshtrain_over_hand']:.3f}",
+            v.section, v.label, r.get("attention_kernel", "—"), _ms(mt_["step_s"]), _ms(hand["step_s"]),
+            f"{r['ratio_meshtrain_over_hand']:.3f}",
             f"{mt_['mfu']:.1%}", f"{hand['mfu']:.1%}", vs, _ms(pred) if pred else r.get("predicted_error", "—"),
             f"{pred / mt_['step_s']:.2f}" if pred else "—"]) + " |")
     return out

@@ -41,8 +41,8 @@ XLA:TPU and XLA:GPU all-reduce the gradient of a replicated (data-parallel) para
 counted in ``c`` bytes there.
 
 Backends: XLA:GPU/TPU emit the above, except that XLA:TPU (libtpu 0.0.42.1, measured) all-reduces the whole
-``X`` where sequence parallelism allows a reduce-scatter, as XLA:CPU does. XLA:CPU (measured, jax 0.10) has no reduce-scatter (it
-all-reduces the full tensor and slices) and does not reassociate all-reduces: the backward
+``X`` where sequence parallelism allows a reduce-scatter, as XLA:CPU does. XLA:CPU (measured, jax 0.10) has no
+reduce-scatter (it all-reduces the full tensor and slices) and does not reassociate all-reduces: the backward
 all-reduces q, k, v and gate, up input-gradient partials separately (5 per layer instead of 2).
 """
 
