@@ -21,6 +21,7 @@ import numpy as np
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.parallel.context import CONTEXT_KINDS, plan_layout
+from meshtrain.parallel import flash  # flash.CUDNN_MAX_SEGMENTS read at plan time: a user may change it
 from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.strategies import Context, FlashBackend
 
@@ -37,8 +38,6 @@ def runs_cudnn(plan) -> bool:
     documents) through cuDNN's ragged layout, which needs a Hopper or newer GPU (a plan whose mesh has GPU
     devices says which; an abstract one is taken as new enough); ring and all_gather run blockwise XLA on
     their offset blocks."""
-    from meshtrain.parallel.flash import PACKED_MIN_CAPABILITY, parse_capability  # the kernel's own bound
-
     context = plan.recipe.dimension(Context)
     backend = context.flash_backend if context is not None else FlashBackend.AUTO
     kind = plan.recipe.attention
@@ -50,8 +49,8 @@ def runs_cudnn(plan) -> bool:
     half = np.dtype(layout_of(plan).compute_dtype).itemsize == 2
     mesh = plan.mesh
     device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
-    capability = parse_capability(getattr(device, "compute_capability", None))
-    new_enough = capability is None or capability >= PACKED_MIN_CAPABILITY
+    capability = flash.parse_capability(getattr(device, "compute_capability", None))
+    new_enough = capability is None or capability >= flash.PACKED_MIN_CAPABILITY
     return wanted and half and (not segmented or new_enough)
 
 
@@ -70,15 +69,13 @@ def cudnn_packed_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     ``M`` = :data:`meshtrain.parallel.flash.CUDNN_MAX_SEGMENTS` (its room for documents a row): every layer's
     when the layers' residuals are kept (unrolled, or remat none), one layer's when the backward recomputes
     them."""
-    from meshtrain.parallel.flash import CUDNN_MAX_SEGMENTS  # lazy: the kernel's own bound, not the planner's
-
     if not s.cudnn or not packed_batch(s.plan):
         return ()
     layers = s.L if s.straight or s.remat is Remat.NONE else 1
     n = max(s.cfg.n_heads // s.lay.tensor, 1)
-    stats = 4 * s.b_loc * CUDNN_MAX_SEGMENTS * n * s.t_loc
+    stats = 4 * s.b_loc * flash.CUDNN_MAX_SEGMENTS * n * s.t_loc
     return (MemoryTerm(Component.ACTIVATIONS, "softmax statistics per packed document (cuDNN)", layers * stats,
-                       f"{'L' if layers > 1 else '1'} × 4 B·b·M·n·T, M = {CUDNN_MAX_SEGMENTS} documents a row "
+                       f"{'L' if layers > 1 else '1'} × 4 B·b·M·n·T, M = {flash.CUDNN_MAX_SEGMENTS} documents a row "
                        f"(flash.CUDNN_MAX_SEGMENTS)"),)
 
 

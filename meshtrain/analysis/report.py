@@ -266,9 +266,9 @@ def kernel_line(plan, hw) -> str:
         requested = FlashBackend.XLA  # the context kernels' local default (meshtrain.parallel.context)
     # packed documents (segment ids), as the built-in language-model data have, unless the batch has none
     segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
-    from meshtrain.analysis.gpu_aot import ARCHS  # the GPU's compute capability: packed cuDNN needs Hopper
-
-    capability = ARCHS[hw.name].compute_capability if hw.name in ARCHS else None
+    # the GPU's compute capability: packed cuDNN needs Hopper
+    archs = gpu_aot.ARCHS
+    capability = archs[hw.name].compute_capability if hw.name in archs else None
     try:
         backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=segmented,
                                      compute_capability=capability)
