@@ -25,6 +25,7 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, def
 from meshtrain.analysis.hardware import get_hardware
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import Component, estimate_memory, state_memory
+from meshtrain.analysis.memory_gpu import packed_batch
 from meshtrain.analysis.moe import moe_lines, moe_summary
 from meshtrain.analysis.pipeline import pipeline_lines, pipeline_shape, pipeline_summary
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
@@ -265,7 +266,7 @@ def kernel_line(plan, hw) -> str:
     if kind is AttentionKind.ULYSSES and requested is FlashBackend.AUTO:
         requested = FlashBackend.XLA  # the context kernels' local default (meshtrain.parallel.context)
     # packed documents (segment ids), as the built-in language-model data have, unless the batch has none
-    segmented = plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+    segmented = packed_batch(plan)
     # the GPU's compute capability: packed cuDNN needs Hopper
     archs = gpu_aot.ARCHS
     capability = archs[hw.name].compute_capability if hw.name in archs else None
