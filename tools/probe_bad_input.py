@@ -4,6 +4,15 @@ process, with its exit status, whether a traceback was printed, and the first li
     python tools/probe_bad_input.py                 # all cases (~5-10 min on 2 cores), a Markdown table
     python tools/probe_bad_input.py --only recipe   # the cases whose name contains 'recipe'
     python tools/probe_bad_input.py --json out.json
+    python tools/probe_bad_input.py --group data     # one group of tools/probe_groups/ (see GROUPS)
+
+Groups: the cases above (issue 18) are group ``cli``; each module of ``tools/probe_groups/`` adds a
+group (``cases(tmp) -> List[Case]``), and each group has a test (``tests/test_probe_<group>.py``).
+Every case runs in a fresh folder of its own (``{work}`` in its argv, shell or Python text; ``prepare``
+fills it first). Beyond the exit status and the traceback, a case is judged on what it left: no
+pre-existing file under its folder changed, nothing at its ``out`` when it failed, no process
+started by it alive (each carries ``MESHTRAIN_PROBE_CASE`` in its environment) and no new
+``/dev/shm/meshtrain-*`` entry.
 
 A case passes when its status is the expected one and no traceback was printed; a `warn` case must
 also print a `warning:` line, an `ok` case (valid input that used to be refused) must exit 0. The
@@ -15,16 +24,20 @@ covered by tests/test_faults.py and tests/test_checkpoint_safety.py instead.
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
+import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["train", "--model", "tiny", "--steps", "2", "--log-every", "1", "--progress", "none",
@@ -40,6 +53,17 @@ class Case:
     setup: Optional[str] = None    # name of a setup step (see Probe.setup)
     python: Optional[str] = None   # run this Python snippet instead of the CLI
     needs_root: bool = False
+    #: fills the case's fresh folder (its one argument) before the run; its files must not change
+    prepare: Optional[Callable[[str], None]] = None
+    #: a path (``{work}`` allowed) that must not exist after the run unless the case exits 0
+    out: Optional[str] = None
+    #: send SIGINT once this path (``{work}`` allowed; a glob) exists, then expect exit 130
+    interrupt_when: Optional[str] = None
+    #: a text the output must contain (e.g. the file the error names)
+    says: Optional[str] = None
+    #: extra environment for the run
+    env: Optional[dict] = None
+    group: str = "cli"
     result: dict = field(default_factory=dict)
 
 
@@ -128,6 +152,25 @@ def cases(tmp: str) -> List[Case]:
     return out
 
 
+#: The groups of tools/probe_groups/ (module names), each with its test tests/test_probe_<group>.py.
+GROUPS = tuple(sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "tools", "probe_groups"))
+                      if name.endswith(".py") and not name.startswith("_")))
+
+
+def all_cases(tmp: str, group: Optional[str] = None) -> List[Case]:
+    """The cases of ``group`` (``cli``: this file's; a module of tools/probe_groups/), or of all groups."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    found = []
+    for name in ([group] if group else ["cli", *GROUPS]):
+        if name == "cli":
+            found += cases(tmp)
+            continue
+        for case in importlib.import_module(f"probe_groups.{name}").cases(tmp):
+            case.group = name
+            found.append(case)
+    return found
+
+
 class Probe:
     def __init__(self, tmp: str, timeout: float):
         self.tmp, self.timeout = tmp, timeout
@@ -135,19 +178,31 @@ class Probe:
         self.env["JAX_PLATFORMS"] = "cpu"
         self._finished = None
 
-    def _exec(self, cmd: List[str], shell: Optional[str] = None):
+    def _exec(self, cmd: List[str], shell: Optional[str] = None, case: Optional[Case] = None,
+              work: Optional[str] = None):
         if shell:
             cmd = ["bash", "-c", f'{shell}; exec "$@"', "bash", *cmd]
+        env = dict(self.env, MESHTRAIN_PROBE_CASE=self.marker(case))
+        env.update((case.env or {}) if case else {})
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, env=self.env, cwd=self.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, env=env, cwd=work or self.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
+        if case is not None and case.interrupt_when:
+            pattern = _fill(case.interrupt_when, work)
+            while proc.poll() is None and time.monotonic() - t0 < self.timeout and not glob.glob(pattern):
+                time.sleep(0.02)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
         try:
-            out, err = proc.communicate(timeout=self.timeout)
+            out, err = proc.communicate(timeout=max(1.0, self.timeout - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             out, err = proc.communicate(timeout=30)
             return 124, out, err + f"\n(killed after {self.timeout:.0f} s)", time.monotonic() - t0
         return proc.returncode, out, err, time.monotonic() - t0
+
+    def marker(self, case: Optional[Case]) -> str:
+        return f"{os.getpid()}:{case.name if case else '-'}"
 
     def cli(self, argv, shell=None):
         return self._exec([sys.executable, "-m", "meshtrain", *map(str, argv)], shell)
@@ -162,12 +217,14 @@ class Probe:
                 raise SystemExit(f"probe setup failed (exit {code}): {err[-2000:]}")
         return self._finished
 
-    def run(self, case: Case):
+    def run(self, case: Case, work: str):
+        """Runs ``case`` in its folder ``work`` (made and prepared by :meth:`judged`)."""
         if case.python:
-            argv = [sys.executable, "-c", case.python, os.path.join(self.tmp, case.name.replace(" ", "_"))]
-            return self._exec(argv)
+            argv = [sys.executable, "-c", _fill(case.python, work), os.path.join(self.tmp, case.name.replace(" ", "_"))]
+            return self._exec(argv, _fill(case.shell, work) if case.shell else None, case, work)
         if case.setup is None:
-            return self.cli(case.argv)
+            return self._exec([sys.executable, "-m", "meshtrain", *(_fill(str(a), work) for a in case.argv)],
+                              _fill(case.shell, work) if case.shell else None, case, work)
         kind = case.setup
         folder = os.path.join(self.tmp, "run-" + "".join(c if c.isalnum() else "_" for c in case.name))
         shutil.rmtree(folder, ignore_errors=True)
@@ -216,6 +273,102 @@ class Probe:
         raise ValueError(kind)
 
 
+def _fill(text: str, work: Optional[str]) -> str:
+    return text.replace("{work}", work) if work else text
+
+
+def tree_digest(root: str, skip: Optional[str] = None) -> dict:
+    """``{relative path: sha256}`` of every file under ``root`` (not following links), less ``skip``."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        if skip and os.path.abspath(folder).startswith(os.path.abspath(skip)):
+            continue
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+            path = os.path.join(folder, name)
+            if skip and os.path.abspath(path) == os.path.abspath(skip):
+                continue
+            try:
+                if os.path.islink(path):
+                    digest = "link:" + os.readlink(path)
+                else:
+                    with open(path, "rb") as f:
+                        digest = hashlib.sha256(f.read()).hexdigest()
+            except OSError as exc:
+                digest = f"unreadable:{exc.errno}"
+            found[os.path.relpath(path, root)] = digest
+    return found
+
+
+def processes_marked(marker: str) -> List[int]:
+    """Pids of live processes whose environment carries ``MESHTRAIN_PROBE_CASE=marker``."""
+    want, pids = f"MESHTRAIN_PROBE_CASE={marker}".encode(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    with open(f"/proc/{pid}/stat") as st:
+                        if st.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def shm_entries() -> set:
+    return set(glob.glob("/dev/shm/meshtrain-*"))
+
+
+def judged(probe: Probe, case: Case) -> dict:
+    """Runs ``case`` in a fresh folder and judges it, also on what it left behind."""
+    if case.needs_root and os.geteuid() != 0:
+        return judge(case, None)
+    work = os.path.join(probe.tmp, "c-" + hashlib.sha1(case.name.encode()).hexdigest()[:12])
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    if case.prepare is not None:
+        case.prepare(work)
+    out = os.path.abspath(_fill(case.out, work)) if case.out else None
+    out_before = tree_digest(out) if out and os.path.isdir(out) else (
+        tree_digest(os.path.dirname(out)).get(os.path.basename(out)) if out and os.path.exists(out) else None)
+    before, shm_before = tree_digest(work, skip=out), shm_entries()
+    got = probe.run(case, work)
+    result = judge(case, got)
+    if got is None:
+        return result
+    problems = []
+    deadline = time.monotonic() + 10        # children of a killed supervisor get 10 s to notice and leave
+    while (alive := processes_marked(probe.marker(case))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive:
+        problems.append(f"{len(alive)} process(es) left alive")
+        for pid in alive:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+    new_shm = shm_entries() - shm_before
+    if new_shm:
+        problems.append(f"left {sorted(new_shm)}")
+        for path in new_shm:
+            shutil.rmtree(path, ignore_errors=True)
+    after = tree_digest(work, skip=out)
+    changed = sorted(p for p in before if after.get(p) != before[p])
+    if changed:
+        problems.append(f"changed or removed {changed[:3]}")
+    if out and result["code"] != 0:
+        now = tree_digest(out) if os.path.isdir(out) else (
+            tree_digest(os.path.dirname(out)).get(os.path.basename(out)) if os.path.exists(out) else None)
+        if now != out_before:
+            problems.append(f"left {os.path.relpath(out, work)} " + ("changed" if out_before else "behind"))
+    if case.says and case.says not in got[1] + got[2]:
+        problems.append(f"did not say {case.says!r}")
+    if problems:
+        result.update(ok=False, status="FAIL", said=(result["said"] + " [" + "; ".join(problems) + "]")[:400])
+    return result
+
+
 def judge(case: Case, got) -> dict:
     if got is None:
         return {"status": "skipped", "ok": True, "code": None, "traceback": False, "said": "(not root: no tmpfs)"}
@@ -227,6 +380,8 @@ def judge(case: Case, got) -> dict:
             [l for l in err.splitlines() if l.strip()][-1:] or [""]
     if case.expect == "warn":
         ok = code == 0 and any(l.startswith("warning:") for l in err.splitlines())
+    elif case.interrupt_when:
+        ok = code == 130
     else:
         ok = code == int(case.expect)
     if case.setup == "dtype":
@@ -239,16 +394,18 @@ def judge(case: Case, got) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="run the cases whose name contains this text")
+    p.add_argument("--group", default=None, choices=["cli", *GROUPS],
+                   help="run one group's cases (default: every group)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per case before it is killed")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="meshtrain-probe-")
     try:
         probe = Probe(tmp, args.timeout)
-        selected = [c for c in cases(tmp) if args.only in c.name]
+        selected = [c for c in all_cases(tmp, args.group) if args.only in c.name]
         print("| case | expected | exit | traceback | first line | |\n|---|---|---|---|---|---|", flush=True)
         for case in selected:
-            case.result = judge(case, None if (case.needs_root and os.geteuid() != 0) else probe.run(case))
+            case.result = judged(probe, case)
             r = case.result
             said = r["said"].replace("|", "\\|")
             print(f"| {case.name} | {case.expect} | {r['code']} | {'yes' if r['traceback'] else 'no'} | `{said}` | "
@@ -259,7 +416,8 @@ def main(argv=None) -> int:
               + (f"; failed: {failed}" if failed else ""))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump([{"case": c.name, "expect": c.expect, **c.result} for c in selected], f, indent=1)
+                json.dump([{"case": c.name, "group": c.group, "expect": c.expect, **c.result} for c in selected], f,
+                          indent=1)
         return 1 if failed else 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
