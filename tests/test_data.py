@@ -1,5 +1,6 @@
 """Data: sources, packing with document boundaries, determinism, resumable and per-process loading."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import meshtrain as mt
 from meshtrain.data import BatchIterator, load_source, pack_window, token_file_source
 from meshtrain.data.sources import TokenSource
+from meshtrain.errors import ConfigError
 
 from helpers import mesh_for, tiny_abstract
 
@@ -23,6 +25,30 @@ def test_default_corpus_is_python_stdlib():
     src = load_source(None)
     assert src.vocab_size == 256 and src.num_docs > 100 and len(src) > 1_000_000
     assert b"def " in bytes(np.asarray(src.tokens[:200_000], np.uint8))
+
+
+def test_default_corpus_is_the_same_bytes_on_every_python():
+    """The shipped archive, not the running interpreter's library: the same tokens (and the
+    fingerprint earlier runs recorded on 3.11.7) whatever Python reads it."""
+    src = load_source(None)
+    assert (len(src), src.num_docs, src.fingerprint) == (11_002_708, 577, "stdlib:text:4e22418b64b4fd22")
+    digest = hashlib.sha256(np.asarray(src.tokens, np.uint8).tobytes()).hexdigest()
+    assert digest == "a5ff2876c2ba0bceeb2ccd9ee9b088d5760320f29e3df39367b15774d4b6a805"
+
+
+def test_a_damaged_default_corpus_is_refused_by_name(tmp_path, monkeypatch):
+    from meshtrain.data import corpus
+    damaged = tmp_path / "python-stdlib.tar.xz"
+    blob = bytearray(open(corpus.CORPUS_PATH, "rb").read())
+    blob[len(blob) // 2] ^= 1
+    damaged.write_bytes(bytes(blob))
+    monkeypatch.setattr(corpus, "CORPUS_PATH", str(damaged))
+    corpus.corpus_documents.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="python-stdlib.tar.xz.*not the pinned.*reinstall"):
+            load_source(None)
+    finally:
+        corpus.corpus_documents.cache_clear()
 
 
 def test_packing_keeps_documents_apart():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from meshtrain.data.prepare import documents, input_files, prepare_tokens
-from meshtrain.data.sources import default_corpus_files
+from meshtrain.data.corpus import corpus_texts
 from meshtrain.data.tokenizer import load_tokenizer, train_bpe
 
 #: The vocabulary of `meshtrain data tokenizer` by default: small enough for the `small` model's
@@ -47,9 +47,10 @@ def add_parser(sub):
 def run_tokenizer(args) -> int:
     if args.input:
         files = input_files(args.input)
+        texts = (doc for f in files for doc in documents(f, args.text_field))
     else:
-        files = default_corpus_files()
-    texts = (doc for f in files for doc in documents(f, args.text_field))
+        files = corpus_texts()   # the embedded corpus's documents (one per file)
+        texts = iter(files)
     tok = train_bpe(texts, args.vocab_size, args.out)
     print(f"wrote {args.out}: byte-level BPE, {tok.vocab_size:,} ids (eos {tok.eos_id}), learned from "
           f"{len(files):,} files")

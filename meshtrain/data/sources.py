@@ -1,7 +1,7 @@
 """Token sources: one flat token stream plus the offsets where documents start.
 
-* :func:`default_corpus`: the Python standard library's own ``.py`` files (present wherever Python
-  is; no download), byte-level (vocabulary 256), tests and vendored packages left out.
+* :func:`default_corpus`: CPython 3.11.7's standard library ``.py`` files, shipped with meshtrain and
+  checked against a pinned hash (:mod:`meshtrain.data.corpus`), byte-level (vocabulary 256).
 * :func:`text_source`: byte-level tokens of any text files or folders.
 * :func:`token_file_source`: pre-tokenized ids in a ``.npy`` (uint16/uint32) or raw ``.bin`` file,
   memory-mapped, for users with their own tokenizer; documents split at ``eos_id`` if given.
@@ -16,11 +16,11 @@ import glob
 import hashlib
 import json
 import os
-import sysconfig
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from meshtrain.data.corpus import corpus_documents
 from meshtrain.errors import ConfigError
 
 BYTE_VOCAB = 256
@@ -115,24 +115,16 @@ def text_source(paths: "str | Sequence[str]", *, pattern: str = "*", name: Optio
     return _from_docs(name or ",".join(paths), docs, "text:" + digest.hexdigest()[:16])
 
 
-def default_corpus_files(max_bytes: int = 16 << 20) -> List[str]:
-    """The files of the embedded default corpus: this Python's standard library ``.py`` sources,
-    sorted by path, without tests and vendored packages, up to ``max_bytes`` in all."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    picked, total = [], 0
-    for f in _files_under([stdlib], "*.py"):
-        size = os.path.getsize(f)
-        if total + size > max_bytes:
-            break
-        picked.append(f)
-        total += size
-    return picked
+def default_corpus() -> TokenSource:
+    """The embedded default corpus (:mod:`meshtrain.data.corpus`: 580 files, 11.0 MB), byte-level.
 
-
-def default_corpus(max_bytes: int = 16 << 20) -> TokenSource:
-    """The embedded default corpus (:func:`default_corpus_files`, ~11 MB on 3.11), byte-level."""
-    picked = default_corpus_files(max_bytes)
-    source = text_source(picked, name=f"python-stdlib ({len(picked)} files)")
+    The same bytes on every Python and machine; its fingerprint (file names and lengths) is the one
+    runs of earlier versions recorded on Python 3.11.7, so their checkpoints resume on it."""
+    names, docs = corpus_documents()
+    digest = hashlib.sha256()
+    for name, data in zip(names, docs):
+        digest.update(os.path.basename(name).encode() + len(data).to_bytes(8, "little"))
+    source = _from_docs(f"python-stdlib ({len(names)} files)", docs, "text:" + digest.hexdigest()[:16])
     return dataclasses.replace(source, fingerprint="stdlib:" + source.fingerprint)
 
 
