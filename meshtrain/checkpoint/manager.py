@@ -66,6 +66,8 @@ class Checkpointer:
         0: off): :meth:`latest_valid_step` and :meth:`restore` then take the newest step that every
         process can rebuild from them when it is newer than the newest valid disk step. Every process
         must make the same calls (they hold collectives).
+      reader: open another run's folder to restore only (:meth:`read_params`): no writer lock is
+        taken, so the folder's files stay as they were.
 
     Next: :meth:`require_resumable` (or :meth:`inventory`) and :meth:`restore` on start,
     :meth:`maybe_save` each step, :meth:`close` at the end.
@@ -73,7 +75,7 @@ class Checkpointer:
 
     def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
                  async_save: bool = True, compression: Compression = Compression.NONE,
-                 background_start: bool = False, peer_every: int = 0):
+                 background_start: bool = False, peer_every: int = 0, reader: bool = False):
         if not isinstance(save_every, int) or save_every < 1:
             raise CheckpointError(f"save_every={save_every!r}: give an integer >= 1")
         self._retention = RetentionPolicy(keep_last, keep_every)
@@ -97,8 +99,9 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {exc}") from exc
-        # process 0 writes manifests, cleans and deletes; it must be the folder's only writer
-        self._lock = WriterLock(self.directory) if jax.process_index() == 0 else None
+        # process 0 writes manifests, cleans and deletes; it must be the folder's only writer. A reader
+        # (read_params: export, generate) takes no lock: it leaves another run's folder as it was.
+        self._lock = WriterLock(self.directory) if jax.process_index() == 0 and not reader else None
         if self._lock is not None and not self._lock.acquired:
             warn(f"{self.directory} is being written by {self._lock.holder()}; this Checkpointer can restore "
                  f"but not save, clean or delete there")
@@ -309,7 +312,7 @@ class Checkpointer:
     def read_params(cls, directory, plan, step: Optional[int] = None):
         """``(step, params)`` of checkpoint folder ``directory`` (another run's) on ``plan``, opened
         and closed here: :meth:`restore_params` for a caller that only reads."""
-        ckpt = cls(directory, save_every=1)
+        ckpt = cls(directory, save_every=1, reader=True)
         try:
             return ckpt.restore_params(plan, step)
         finally:
