@@ -110,6 +110,14 @@ def _tied_head_equal(folder: str) -> None:
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
+def _tied_head_different(folder: str) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
 def _bad_tokenizer(folder: str) -> None:
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
         f.write('{"version": "1.0", "model": {"type": "Nonsense"}')
@@ -214,35 +222,37 @@ def cases(tmp: str) -> List[Case]:
         ("hidden_size a string", dict(hidden_size="32"), "hidden_size='32'"),
         ("max_position_embeddings 0", dict(max_position_embeddings=0), "max_position_embeddings=0"),
     ]
-    found = [Case(f"import: config.json {label}", IMPORT, "2", prepare=_src(cfg(**change)), out=out, says=says)
+    found = [Case(f"import (config): config.json {label}", IMPORT, "2", prepare=_src(cfg(**change)), out=out, says=says)
              for label, change, says in bad_config]
     found += [
-        Case("import: mixtral config without num_local_experts", IMPORT, "2", out=out, says="num_local_experts",
+        Case("import (config): mixtral config without num_local_experts", IMPORT, "2", out=out, says="num_local_experts",
              prepare=_src(cfg(num_local_experts=_DROP), kind="mixtral")),
-        Case("import: index with weight_map null", IMPORT, "2", out=out, says="weight_map=",
+        Case("import (config): index with weight_map null", IMPORT, "2", out=out, says="weight_map=",
              prepare=_src(_index_null)),
-        Case("import: 4 query heads over 3 kv heads", IMPORT, "2", out=out, says="num_key_value_heads=3",
+        Case("import (config): 4 query heads over 3 kv heads", IMPORT, "2", out=out, says="num_key_value_heads=3",
              prepare=_src(kv=3, width=36)),
     ]
     for label, damage in [("zero bytes", lambda b: b""), ("garbage", lambda b: bytes(range(256)) * 8),
                           ("truncated", lambda b: b[:len(b) // 2]),
                           ("garbage header", lambda b: b[:8] + b"{not json" + b[17:])]:
-        found.append(Case(f"import: safetensors {label}", IMPORT, "2", out=out, says="model.safetensors",
+        found.append(Case(f"import (weights): safetensors {label}", IMPORT, "2", out=out, says="model.safetensors",
                           prepare=_src(_weights(damage))))
     found += [
-        Case("import: int32 weights", IMPORT, "2", out=out, says="stored as I32", prepare=_src(dtype=np.int32)),
-        Case("import: bool weights", IMPORT, "2", out=out, says="stored as BOOL", prepare=_src(dtype=np.bool_)),
-        Case("import: corrupt tokenizer.json", IMPORT, "2", out=out, says="tokenizer.json",
+        Case("import (weights): int32 weights", IMPORT, "2", out=out, says="stored as I32", prepare=_src(dtype=np.int32)),
+        Case("import (weights): bool weights", IMPORT, "2", out=out, says="stored as BOOL", prepare=_src(dtype=np.bool_)),
+        Case("import (weights): corrupt tokenizer.json", IMPORT, "2", out=out, says="tokenizer.json",
              prepare=_src(_bad_tokenizer)),
-        Case("import: an extra layer's tensors (config says 2 layers)", IMPORT, "2", out=out,
+        Case("import (weights): an extra layer's tensors (config says 2 layers)", IMPORT, "2", out=out,
              says="num_hidden_layers=2", prepare=_src(extra_layers=1)),
-        Case("import: lm_head.weight equal to the embedding in a tied config", IMPORT, "warn", out=out,
+        Case("import (weights): lm_head.weight equal to the embedding in a tied config", IMPORT, "warn", out=out,
              says="lm_head.weight", prepare=_src(_tied_head_equal, tied=True)),
-        Case("import: read-only --out folder", [], "2", needs_root=True, says="Read-only file system",
+        Case("import (weights): lm_head.weight unlike the embedding in a tied config", IMPORT, "2", out=out,
+             says="differs from model.embed_tokens.weight", prepare=_src(_tied_head_different, tied=True)),
+        Case("import (output): read-only --out folder", [], "2", needs_root=True, says="Read-only file system",
              prepare=_src(), python=_mounted("ro,size=1m", ["import", "{work}/src", "--out", "{work}/mnt/run"])),
-        Case("import: full disk (64 KiB tmpfs)", [], "74", needs_root=True, prepare=_src(),
+        Case("import (output): full disk (64 KiB tmpfs)", [], "74", needs_root=True, prepare=_src(),
              python=_mounted("size=64k", ["import", "{work}/src", "--out", "{work}/mnt/run"])),
-        Case("import: Ctrl-C while writing the run", [], "130", python=CTRL_C,
+        Case("import (output): Ctrl-C while writing the run", [], "130", python=CTRL_C,
              prepare=_src(vocab=8192, width=128)),
         Case("export: a vit-tiny run (not a decoder)", EXPORT, "2", out="{work}/hf", says="needs a decoder run",
              prepare=_run(tmp, "vit")),
