@@ -158,3 +158,20 @@ def test_export_carries_the_special_token_ids(tmp_path):
     export_hf(str(tmp_path / "run2"), str(tmp_path / "hf2"), devices=1)
     assert json.load(open(tmp_path / "hf2" / "generation_config.json")) == \
         {"bos_token_id": 5, "eos_token_id": 6, "_from_model_config": True}
+
+
+def test_a_ctrl_c_inside_a_deferred_block_waits_for_its_end(tmp_path):
+    """The import's checkpoint save runs deferred: a Ctrl-C inside Orbax would leave its threads
+    writing into the partial folder being removed."""
+    from meshtrain.hf.output import Interrupts
+
+    guard, finished = Interrupts(), []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with output_folder(str(tmp_path / "out"), guard=guard) as partial:
+                with guard.deferred():
+                    signal.raise_signal(signal.SIGINT)
+                    finished.append(partial)  # reached: the interrupt waited
+    finally:
+        guard.restore()
+    assert finished and os.listdir(tmp_path) == []

@@ -19,12 +19,34 @@ from meshtrain.folders import new_folder
 from meshtrain.train.loop import InterruptGuard
 
 
+class Interrupts(InterruptGuard):
+    """The command's Ctrl-C: raised where it lands, except inside :meth:`deferred` (a checkpoint save:
+    a KeyboardInterrupt inside Orbax leaves its threads writing into a folder being removed, and
+    their tracebacks), where it is recorded and raised when the block ends."""
+
+    deferring = 0
+
+    def _interrupt(self, signum, frame):
+        self.interrupted = True
+        if not self.deferring:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.deferring += 1
+        try:
+            yield
+        finally:
+            self.deferring -= 1
+        self.check()
+
+
 @contextlib.contextmanager
 def output_folder(out: str, flag: str = "--out", guard: Optional[InterruptGuard] = None) -> Iterator[str]:
     """``new_folder(out)`` with typed write errors and Ctrl-C honoured (see the module docstring);
     ``guard``: the caller's, when it installed one for the whole command (else one for the writing)."""
     own = guard is None
-    guard = guard or InterruptGuard()
+    guard = guard or Interrupts()
     try:
         with new_folder(out, flag) as partial:
             yield partial

@@ -22,7 +22,7 @@ from meshtrain import hf
 from meshtrain.abstract import abstract_state, tree_paths
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
-from meshtrain.hf.output import output_folder
+from meshtrain.hf.output import Interrupts, output_folder
 from meshtrain.hf.run_config import run_decoder_config
 from meshtrain.hf.validate import check_tokenizer, special_token_ids
 from meshtrain.mesh import select_devices
@@ -32,7 +32,6 @@ from meshtrain.recipes import get_recipe
 from meshtrain.settings import plain_settings
 from meshtrain.state import init_state
 from meshtrain.train.config import TrainConfig, default_optimizer
-from meshtrain.train.loop import InterruptGuard
 from meshtrain.train.metrics import open_outputs
 from meshtrain.train.rundir import copy_tokenizer
 from meshtrain.train.sources import run_header
@@ -52,7 +51,7 @@ def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[
     dtype, special token ids), the tokenizer files. Every input is checked before anything is written
     (:mod:`meshtrain.hf.validate`, :mod:`meshtrain.hf.audit`); written beside ``out`` and renamed at
     the end: on any error or Ctrl-C nothing is left at ``out``."""
-    guard = InterruptGuard()
+    guard = Interrupts()
     try:
         return _import(source, out, recipe, devices, guard)
     except Exception:
@@ -63,7 +62,7 @@ def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[
         guard.restore()
 
 
-def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: InterruptGuard) -> Dict[str, Any]:
+def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: Interrupts) -> Dict[str, Any]:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before reading any weight
         raise ConfigError(f"--out {out!r} already exists and is not an empty folder; pass a new folder")
     cfg = hf.model_config(source)
@@ -74,13 +73,14 @@ def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: I
     state = init_state(plan, params=hf.load_params(source, plan, cfg))
     guard.check()
     with output_folder(out, guard=guard) as partial:
-        ckpt = Checkpointer(os.path.join(partial, "checkpoints"), save_every=1, async_save=False)
-        try:
-            ckpt.maybe_save(0, state, data_state={}, force=True,
-                            metadata={"imported_from": os.path.abspath(source), "model": out,
-                                      "recipe": plan.recipe.to_dict(), "num_params": plan.abstract.num_params})
-        finally:
-            ckpt.close()
+        with guard.deferred():  # a Ctrl-C waits for the save to end, then the partial folder is removed
+            ckpt = Checkpointer(os.path.join(partial, "checkpoints"), save_every=1, async_save=False)
+            try:
+                ckpt.maybe_save(0, state, data_state={}, force=True,
+                                metadata={"imported_from": os.path.abspath(source), "model": out,
+                                          "recipe": plan.recipe.to_dict(), "num_params": plan.abstract.num_params})
+            finally:
+                ckpt.close()
         header = {"run_settings": plain_settings(train, skip=("recipe_options",)),
                   "model_config": dataclasses.asdict(cfg), "imported_from": os.path.abspath(source),
                   "source_dtype": dtype, "special_token_ids": special_token_ids(hf.read_hf_config(source))}
@@ -95,7 +95,7 @@ def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional
     HuggingFace folder ``out`` in ``dtype`` (default: the imported source's, else float32), with the
     special token ids the import recorded (else the run's tokenizer's) in config.json and
     generation_config.json."""
-    guard = InterruptGuard()
+    guard = Interrupts()
     try:
         cfg = run_decoder_config(run, "export")
         header = run_header(run)
