@@ -32,6 +32,7 @@ GOOD = {"model_type": "llama", "vocab_size": 260, "hidden_size": 32, "intermedia
     ("head_dim", "8", "head_dim='8'"),
     ("num_key_value_heads", 0, "num_key_value_heads=0"),
     ("intermediate_size", 2.5, "intermediate_size=2.5"),
+    ("hidden_size", "32", "hidden_size='32'"),
     ("vocab_size", True, "vocab_size=True"),
     ("rms_norm_eps", float("nan"), "rms_norm_eps=nan"),
     ("rope_theta", -1, "rope_theta=-1"),
@@ -48,7 +49,11 @@ def test_every_field_read_is_checked_by_type_and_range(field, value, says):
 
 
 def test_nulls_that_mean_the_default_pass_and_mixtral_counts_are_checked():
+    from meshtrain.hf import decoder_config
+
     check_config(GOOD, "x")
+    with pytest.raises(ConfigError, match="model_type \\['llama'\\] is not supported"):
+        decoder_config({**GOOD, "model_type": ["llama"]}, folder="x")
     mixtral = {**GOOD, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5}
     with pytest.raises(ConfigError, match="num_experts_per_tok=5 .* at most num_local_experts=4"):
         check_config(mixtral, "x")

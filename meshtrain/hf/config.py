@@ -56,7 +56,7 @@ def decoder_config(hf: Dict[str, Any], name: str = "hf", folder: str = "") -> De
     """The :class:`DecoderConfig` computing what HuggingFace's model of ``hf`` computes."""
     where = folder or name
     kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         raise ConfigError(f"{where}/{CONFIG_FILE}: model_type {kind!r} is not supported; meshtrain imports "
                           f"{sorted(ARCHITECTURES)}")
     check_config(hf, where)  # every field read below: its type and range, named with its value
