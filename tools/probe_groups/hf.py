@@ -44,14 +44,16 @@ def tiny_hf(path: str, kind: str = "llama", layers: int = 2, heads: int = 4, kv:
         shapes["lm_head.weight"] = (vocab, width)
     for layer in range(layers + extra_layers):
         p = f"model.layers.{layer}."
-        shapes.update({p + "self_attn.q_proj.weight": (heads * hd, width), p + "self_attn.k_proj.weight": (kv * hd, width),
-                       p + "self_attn.v_proj.weight": (kv * hd, width), p + "self_attn.o_proj.weight": (width, heads * hd),
-                       p + "input_layernorm.weight": (width,), p + "post_attention_layernorm.weight": (width,)})
+        shapes.update({p + "self_attn.q_proj.weight": (heads * hd, width),
+                       p + "self_attn.k_proj.weight": (kv * hd, width), p + "self_attn.v_proj.weight": (kv * hd, width),
+                       p + "self_attn.o_proj.weight": (width, heads * hd), p + "input_layernorm.weight": (width,),
+                       p + "post_attention_layernorm.weight": (width,)})
         if kind == "mixtral":
             shapes[p + "block_sparse_moe.gate.weight"] = (experts, width)
             for e in range(experts):
                 q = p + f"block_sparse_moe.experts.{e}."
-                shapes.update({q + "w1.weight": (ff, width), q + "w3.weight": (ff, width), q + "w2.weight": (width, ff)})
+                shapes.update({q + "w1.weight": (ff, width), q + "w3.weight": (ff, width),
+                               q + "w2.weight": (width, ff)})
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ff, width), p + "mlp.up_proj.weight": (ff, width),
                            p + "mlp.down_proj.weight": (width, ff)})
@@ -225,8 +227,8 @@ def cases(tmp: str) -> List[Case]:
     found = [Case(f"import (config): config.json {label}", IMPORT, "2", prepare=_src(cfg(**change)), out=out, says=says)
              for label, change, says in bad_config]
     found += [
-        Case("import (config): mixtral config without num_local_experts", IMPORT, "2", out=out, says="num_local_experts",
-             prepare=_src(cfg(num_local_experts=_DROP), kind="mixtral")),
+        Case("import (config): mixtral config without num_local_experts", IMPORT, "2", out=out,
+             says="num_local_experts", prepare=_src(cfg(num_local_experts=_DROP), kind="mixtral")),
         Case("import (config): index with weight_map null", IMPORT, "2", out=out, says="weight_map=",
              prepare=_src(_index_null)),
         Case("import (config): 4 query heads over 3 kv heads", IMPORT, "2", out=out, says="num_key_value_heads=3",
@@ -238,8 +240,10 @@ def cases(tmp: str) -> List[Case]:
         found.append(Case(f"import (weights): safetensors {label}", IMPORT, "2", out=out, says="model.safetensors",
                           prepare=_src(_weights(damage))))
     found += [
-        Case("import (weights): int32 weights", IMPORT, "2", out=out, says="stored as I32", prepare=_src(dtype=np.int32)),
-        Case("import (weights): bool weights", IMPORT, "2", out=out, says="stored as BOOL", prepare=_src(dtype=np.bool_)),
+        Case("import (weights): int32 weights", IMPORT, "2", out=out, says="stored as I32",
+             prepare=_src(dtype=np.int32)),
+        Case("import (weights): bool weights", IMPORT, "2", out=out, says="stored as BOOL",
+             prepare=_src(dtype=np.bool_)),
         Case("import (weights): corrupt tokenizer.json", IMPORT, "2", out=out, says="tokenizer.json",
              prepare=_src(_bad_tokenizer)),
         Case("import (weights): an extra layer's tensors (config says 2 layers)", IMPORT, "2", out=out,
