@@ -180,3 +180,17 @@ def test_a_ctrl_c_inside_a_deferred_block_waits_for_its_end(tmp_path):
     finally:
         guard.restore()
     assert finished and os.listdir(tmp_path) == []
+
+
+def test_export_leaves_the_run_as_it_was(tmp_path):
+    """Export reads the checkpoint as a reader: the run's lock file keeps its bytes and a save in
+    flight (a live run's temporary step folder) is not cleaned away."""
+    src = str(tmp_path / "src")
+    tiny_hf(src)
+    import_hf(src, str(tmp_path / "run"), devices=1)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    lock = checkpoints / ".meshtrain-writer.lock"
+    before = lock.read_bytes()
+    (checkpoints / "5.orbax-checkpoint-tmp").mkdir()
+    export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), devices=1)
+    assert lock.read_bytes() == before and (checkpoints / "5.orbax-checkpoint-tmp").is_dir()
