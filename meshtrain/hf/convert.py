@@ -20,7 +20,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.hf.audit import audit
 from meshtrain.hf.config import CONFIG_FILE, decoder_config, hf_config, read_hf_config
 from meshtrain.hf.weights import (INDEX_FILE, SINGLE_FILE, SafetensorsFolder, block_reader, check_coverage,
-                                  hf_tensors, mappings, unused_tensors)
+                                  hf_tensors, mappings)
 from meshtrain.models import DecoderConfig
 
 #: Largest safetensors file :func:`write_folder` writes before starting another (HF's own default: 5 GB).
@@ -54,11 +54,6 @@ def load_params(folder: str, plan, cfg: Optional[DecoderConfig] = None):
         return jax.make_array_from_callback(sds.shape, sharding, lambda index: read(index).astype(sds.dtype))
 
     return jax.tree.map(one, paths, abstract, plan.param_shardings)
-
-
-def unread(folder: str, cfg: DecoderConfig):
-    """Tensors of ``folder`` that the import leaves out (none for the supported architectures)."""
-    return unused_tensors(SafetensorsFolder(folder), cfg)
 
 
 def source_dtype(folder: str) -> str:

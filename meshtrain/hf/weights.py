@@ -271,14 +271,3 @@ def check_coverage(cfg: DecoderConfig, param_paths: Sequence[str], where: str) -
     if missing:
         raise ConfigError(f"{where}: parameters {missing} have no HuggingFace counterpart in the "
                           f"{'mixtral' if cfg.n_experts else 'llama'} layout")
-
-
-def unused_tensors(folder: SafetensorsFolder, cfg: DecoderConfig) -> List[str]:
-    """HF tensors that no mapping reads (e.g. rotary caches some exporters write): reported, not loaded."""
-    names = set()
-    for m in mappings(cfg):
-        layers = range(cfg.n_layers) if m.per_layer else [0]
-        experts = range(cfg.n_experts) if m.per_expert else [0]
-        names |= {m.name.format(l=l, e=e) for l in layers for e in experts}
-    return sorted(set(folder.where) - names)
-
