@@ -41,6 +41,20 @@ from meshtrain.checkpoint.types import (CheckpointError, Compression, NoValidChe
 log = logging.getLogger("meshtrain.checkpoint")
 
 
+class _ReadOnly:
+    """The writer lock of a reader (``Checkpointer(..., reader=True)``): never acquired, so the reader
+    neither saves, nor cleans temporary folders (a live writer's save in flight), nor applies
+    retention, and the folder's lock file stays as it was."""
+
+    acquired = False
+
+    def holder(self) -> str:
+        return "no one: this Checkpointer was opened to read only"
+
+    def release(self) -> None:
+        pass
+
+
 class Checkpointer:
     """Sharded, asynchronous, verified checkpoints of a :class:`~meshtrain.TrainState` in one folder.
 
@@ -66,6 +80,8 @@ class Checkpointer:
         0: off): :meth:`latest_valid_step` and :meth:`restore` then take the newest step that every
         process can rebuild from them when it is newer than the newest valid disk step. Every process
         must make the same calls (they hold collectives).
+      reader: open another run's folder to restore only (:meth:`read_params`): it never becomes the
+        writer (no save, no cleaning, no retention) and leaves the lock file as it was.
 
     Next: :meth:`require_resumable` (or :meth:`inventory`) and :meth:`restore` on start,
     :meth:`maybe_save` each step, :meth:`close` at the end.
@@ -73,7 +89,7 @@ class Checkpointer:
 
     def __init__(self, directory, *, save_every: int, keep_last: int = 3, keep_every: Optional[int] = None,
                  async_save: bool = True, compression: Compression = Compression.NONE,
-                 background_start: bool = False, peer_every: int = 0):
+                 background_start: bool = False, peer_every: int = 0, reader: bool = False):
         if not isinstance(save_every, int) or save_every < 1:
             raise CheckpointError(f"save_every={save_every!r}: give an integer >= 1")
         self._retention = RetentionPolicy(keep_last, keep_every)
@@ -97,9 +113,10 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {exc}") from exc
-        # process 0 writes manifests, cleans and deletes; it must be the folder's only writer
-        self._lock = WriterLock(self.directory) if jax.process_index() == 0 else None
-        if self._lock is not None and not self._lock.acquired:
+        # process 0 writes manifests, cleans and deletes; it must be the folder's only writer. A reader
+        # (read_params: export, generate) is never the writer and does not touch the lock file either.
+        self._lock = (_ReadOnly() if reader else WriterLock(self.directory)) if jax.process_index() == 0 else None
+        if self._lock is not None and not self._lock.acquired and not reader:
             warn(f"{self.directory} is being written by {self._lock.holder()}; this Checkpointer can restore "
                  f"but not save, clean or delete there")
         self._saver = Saver(self.directory, self._checks, self._retention, save_every=save_every,
@@ -309,7 +326,7 @@ class Checkpointer:
     def read_params(cls, directory, plan, step: Optional[int] = None):
         """``(step, params)`` of checkpoint folder ``directory`` (another run's) on ``plan``, opened
         and closed here: :meth:`restore_params` for a caller that only reads."""
-        ckpt = cls(directory, save_every=1)
+        ckpt = cls(directory, save_every=1, reader=True)
         try:
             return ckpt.restore_params(plan, step)
         finally:

@@ -17,6 +17,7 @@ import os
 from typing import Any, Dict
 
 from meshtrain.errors import ConfigError
+from meshtrain.hf.validate import check_config
 from meshtrain.models import DecoderConfig
 
 CONFIG_FILE = "config.json"
@@ -55,9 +56,10 @@ def decoder_config(hf: Dict[str, Any], name: str = "hf", folder: str = "") -> De
     """The :class:`DecoderConfig` computing what HuggingFace's model of ``hf`` computes."""
     where = folder or name
     kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         raise ConfigError(f"{where}/{CONFIG_FILE}: model_type {kind!r} is not supported; meshtrain imports "
                           f"{sorted(ARCHITECTURES)}")
+    check_config(hf, where)  # every field read below: its type and range, named with its value
     try:
         d, n = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         fields = dict(vocab_size=int(hf["vocab_size"]), d_model=d, n_layers=int(hf["num_hidden_layers"]),

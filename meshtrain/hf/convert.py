@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Dict, Optional
 
 import jax
@@ -16,14 +17,16 @@ import numpy as np
 from meshtrain.abstract import tree_paths
 from meshtrain.data.tokenizer import copy_tokenizer_files
 from meshtrain.errors import ConfigError
-from meshtrain.folders import new_folder
+from meshtrain.hf.audit import audit
 from meshtrain.hf.config import CONFIG_FILE, decoder_config, hf_config, read_hf_config
 from meshtrain.hf.weights import (INDEX_FILE, SINGLE_FILE, SafetensorsFolder, block_reader, check_coverage,
-                                  hf_tensors, mappings, unused_tensors)
+                                  hf_tensors, mappings)
 from meshtrain.models import DecoderConfig
 
 #: Largest safetensors file :func:`write_folder` writes before starting another (HF's own default: 5 GB).
 MAX_SHARD_BYTES = 5 * 10 ** 9
+#: transformers' generation defaults (the special token ids ``generate()`` starts and stops with).
+GENERATION_FILE = "generation_config.json"
 DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
 
 
@@ -42,6 +45,9 @@ def load_params(folder: str, plan, cfg: Optional[DecoderConfig] = None):
     paths = tree_paths(abstract)
     check_coverage(cfg, jax.tree.leaves(paths), folder)
     by_path = {m.path: m for m in mappings(cfg)}
+    # every tensor's presence, shape and dtype before any is read; unread ones refused or reported
+    for note in audit(files, cfg, {p: s.shape for p, s in zip(jax.tree.leaves(paths), jax.tree.leaves(abstract))}):
+        warnings.warn(note, stacklevel=2)
 
     def one(path, sds, sharding):
         read = block_reader(files, by_path[path], sds.shape)
@@ -50,30 +56,34 @@ def load_params(folder: str, plan, cfg: Optional[DecoderConfig] = None):
     return jax.tree.map(one, paths, abstract, plan.param_shardings)
 
 
-def unread(folder: str, cfg: DecoderConfig):
-    """Tensors of ``folder`` that the import leaves out (none for the supported architectures)."""
-    return unused_tensors(SafetensorsFolder(folder), cfg)
-
-
 def source_dtype(folder: str) -> str:
     """The dtype the HF folder stores (``torch_dtype`` of its config, else its first tensor's)."""
     config = read_hf_config(folder)
     declared = config.get("torch_dtype") or config.get("dtype")
-    return declared if declared in DTYPES else SafetensorsFolder(folder).dtype()
+    if declared in DTYPES:
+        return declared
+    stored = SafetensorsFolder(folder).dtype()
+    return stored if stored in DTYPES else "float32"  # e.g. float64 weights: exported as float32
 
 
 def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *, dtype: str = "float32",
-                 tokenizer_from: Optional[str] = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, Any]:
+                 tokenizer_from: Optional[str] = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                 special_ids: Optional[Dict[str, Any]] = None, guard=None) -> Dict[str, Any]:
     """Write ``params`` (``{path: whole host array}``) as a HuggingFace folder ``out`` (config.json,
     safetensors in PyTorch naming, an index when there are several files, the tokenizer files of
-    ``tokenizer_from`` when it has them). Written beside ``out`` and renamed at the end: on any error
-    nothing is left at ``out``."""
+    ``tokenizer_from`` when it has them, generation_config.json). ``special_ids``: the bos / eos /
+    pad ids to declare (default: those of ``tokenizer_from``'s tokenizer). Written beside ``out``
+    and renamed at the end: on any error (a full disk: ``DiskError``) nothing is left at ``out``."""
     from safetensors.numpy import save_file  # lazy: only exports write safetensors
+
+    from meshtrain.hf.output import output_folder  # lazy: it imports meshtrain.train, which imports this package
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     config = hf_config(cfg, dtype)
-    with new_folder(out) as partial:
+    ids = special_ids if special_ids is not None else tokenizer_special_ids(tokenizer_from, cfg.vocab_size)
+    config.update(ids)
+    with output_folder(out, guard=guard) as partial:
         shards, current, size = [], {}, 0
         for name, tensor in hf_tensors(cfg, params):
             tensor = tensor.astype(DTYPES[dtype])
@@ -94,5 +104,33 @@ def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *,
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(partial, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=1)
+        with open(os.path.join(partial, GENERATION_FILE), "w") as f:  # transformers' generate() reads the ids here
+            json.dump({**ids, "_from_model_config": True}, f, indent=1)
         copy_tokenizer_files(tokenizer_from, partial)
     return {"files": len(shards), "tensors": len(weight_map), "bytes": total, "dtype": dtype}
+
+
+def tokenizer_special_ids(folder: Optional[str], vocab_size: int) -> Dict[str, Any]:
+    """The bos / eos / pad ids named by ``folder``'s ``tokenizer_config.json`` (``bos_token`` etc.,
+    looked up in its ``tokenizer.json``); none when it has no such files or they do not say."""
+    if not folder:
+        return {}
+    paths = [os.path.join(folder, n) for n in ("tokenizer_config.json", "tokenizer.json")]
+    if not all(os.path.isfile(p) for p in paths):
+        return {}
+    try:
+        from tokenizers import Tokenizer  # lazy: only exports of runs with a tokenizer pay its import
+
+        with open(paths[0], "rb") as f:
+            config = json.loads(f.read().decode("utf-8"))
+        tokenizer = Tokenizer.from_file(paths[1])
+    except Exception:  # a damaged tokenizer only loses its ids in the export's metadata
+        return {}
+    ids = {}
+    for key in ("bos", "eos", "pad"):
+        token = config.get(f"{key}_token") if isinstance(config, dict) else None
+        token = token.get("content") if isinstance(token, dict) else token
+        found = tokenizer.token_to_id(token) if isinstance(token, str) else None
+        if found is not None and 0 <= found < vocab_size:
+            ids[f"{key}_token_id"] = found
+    return ids

@@ -149,48 +149,79 @@ class SafetensorsFolder:
         index = os.path.join(folder, INDEX_FILE)
         if os.path.isfile(index):
             try:
-                with open(index) as f:
-                    self.where: Dict[str, str] = dict(json.load(f)["weight_map"])
-            except (OSError, ValueError, KeyError) as exc:
-                raise ConfigError(f"cannot read {index!r} ({exc}); it must hold a weight_map") from None
+                with open(index, "rb") as f:
+                    weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"cannot read {index!r} ({type(exc).__name__}: {exc}); it must be a JSON object "
+                                  f"with a weight_map: use the index published with the weights") from None
+            if not (isinstance(weight_map, dict) and weight_map and all(
+                    isinstance(k, str) and isinstance(v, str) and v and os.path.basename(v) == v
+                    for k, v in weight_map.items())):
+                raise ConfigError(f"{index}: weight_map={str(weight_map)[:80]!r} is not valid: it must map each tensor "
+                                  f"name to the file (in this folder) holding it; use the index published with the "
+                                  f"weights")
+            self.where: Dict[str, str] = dict(weight_map)
         elif os.path.isfile(os.path.join(folder, SINGLE_FILE)):
             self.where = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
+            if not self.where:
+                raise ConfigError(f"{os.path.join(folder, SINGLE_FILE)} holds no tensors; download the model's "
+                                  f"weights again")
         else:
             raise ConfigError(f"{folder!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}: pass a HuggingFace model "
                               f"folder with safetensors weights")
 
     def _open(self, file: str):
-        from safetensors import safe_open  # lazy: only imports and exports read safetensors
+        from safetensors import SafetensorError, safe_open  # lazy: only imports and exports read safetensors
 
         path = os.path.join(self.folder, file)
         if not os.path.isfile(path):
             raise ConfigError(f"{path!r} is missing (named by {INDEX_FILE}); download every shard of the model")
-        handle = safe_open(path, framework="np")
+        try:
+            handle = safe_open(path, framework="np")
+        except SafetensorError as exc:  # empty, truncated, or not safetensors at all
+            raise ConfigError(f"{path} is not a readable safetensors file ({exc}); it is damaged or incomplete: "
+                              f"download it again") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
         self._files[file] = handle
         return handle
 
     def slice(self, name: str, expected: Tuple[int, ...]):
+        """A sliceable view of tensor ``name``, refused unless it has shape ``expected``."""
+        return self._checked(name, expected)
+
+    def stored_dtype(self, name: str, expected: Tuple[int, ...]) -> str:
+        """The safetensors dtype (``F32``, ``BF16``, ``I32``...) of tensor ``name`` of shape ``expected``;
+        reads the header only."""
+        return self._checked(name, expected).get_dtype()
+
+    def _checked(self, name: str, expected: Tuple[int, ...]):
         if name not in self.where:
             raise ConfigError(f"{self.folder}: tensor {name!r} is missing from the checkpoint (expected shape "
                               f"{expected}); is config.json the right one for these weights?")
-        file = self.where[name]
-        handle = self._files.get(file) or self._open(file)
-        view = handle.get_slice(name)
+        view = self._view(name)
         shape = tuple(view.get_shape())
         if shape != tuple(expected):
             raise ConfigError(f"{self.folder}: tensor {name!r} has shape {shape}; config.json implies {expected}")
         return view
 
-    def dtype(self) -> str:
-        """The dtype of the first tensor, as config.json's ``torch_dtype`` names it."""
-        name = next(iter(self.where))
-        dtype = self.slice(name, tuple(self._first_shape(name))).get_dtype()
-        return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(dtype, dtype.lower())
-
-    def _first_shape(self, name: str):
+    def _view(self, name: str):
         file = self.where[name]
         handle = self._files.get(file) or self._open(file)
-        return handle.get_slice(name).get_shape()
+        try:
+            return handle.get_slice(name)
+        except Exception as exc:  # SafetensorError: the index names a tensor its file does not hold
+            raise ConfigError(f"{os.path.join(self.folder, file)} holds no tensor {name!r} ({INDEX_FILE} says it "
+                              f"does: {exc}); download the model's files again") from None
+
+    def dtype(self) -> str:
+        """The dtype of the first tensor, as config.json's ``torch_dtype`` names it."""
+        dtype = self._view(next(iter(self.where))).get_dtype()
+        return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(dtype, dtype.lower())
+
+    def file_of(self, name: str) -> str:
+        """The path of the file holding tensor ``name``."""
+        return os.path.join(self.folder, self.where[name])
 
 
 def block_reader(folder: SafetensorsFolder, m: Mapping, shape: Sequence[int]) -> Callable[[Tuple[slice, ...]], np.ndarray]:
@@ -240,14 +271,3 @@ def check_coverage(cfg: DecoderConfig, param_paths: Sequence[str], where: str) -
     if missing:
         raise ConfigError(f"{where}: parameters {missing} have no HuggingFace counterpart in the "
                           f"{'mixtral' if cfg.n_experts else 'llama'} layout")
-
-
-def unused_tensors(folder: SafetensorsFolder, cfg: DecoderConfig) -> List[str]:
-    """HF tensors that no mapping reads (e.g. rotary caches some exporters write): reported, not loaded."""
-    names = set()
-    for m in mappings(cfg):
-        layers = range(cfg.n_layers) if m.per_layer else [0]
-        experts = range(cfg.n_experts) if m.per_expert else [0]
-        names |= {m.name.format(l=l, e=e) for l in layers for e in experts}
-    return sorted(set(folder.where) - names)
-

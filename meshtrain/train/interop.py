@@ -22,7 +22,9 @@ from meshtrain import hf
 from meshtrain.abstract import abstract_state, tree_paths
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
-from meshtrain.folders import new_folder
+from meshtrain.hf.output import Interrupts, output_folder
+from meshtrain.hf.run_config import run_decoder_config
+from meshtrain.hf.validate import check_tokenizer, special_token_ids
 from meshtrain.mesh import select_devices
 from meshtrain.models import DecoderConfig, model_factory
 from meshtrain.plan import make_plan
@@ -32,7 +34,7 @@ from meshtrain.state import init_state
 from meshtrain.train.config import TrainConfig, default_optimizer
 from meshtrain.train.metrics import open_outputs
 from meshtrain.train.rundir import copy_tokenizer
-from meshtrain.train.sources import model_config_for, run_header
+from meshtrain.train.sources import run_header
 
 
 def _plan(cfg: DecoderConfig, recipe: str, devices: Optional[int], train: TrainConfig):
@@ -46,25 +48,42 @@ def _plan(cfg: DecoderConfig, recipe: str, devices: Optional[int], train: TrainC
 def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[int] = None) -> Dict[str, Any]:
     """Turn HuggingFace folder ``source`` into run folder ``out`` (which must not exist, or be empty):
     a step-0 checkpoint (the weights; a fresh optimizer), the run header (model config, source and
-    dtype), the tokenizer files. Written beside ``out`` and renamed at the end."""
+    dtype, special token ids), the tokenizer files. Every input is checked before anything is written
+    (:mod:`meshtrain.hf.validate`, :mod:`meshtrain.hf.audit`); written beside ``out`` and renamed at
+    the end: on any error or Ctrl-C nothing is left at ``out``."""
+    guard = Interrupts()
+    try:
+        return _import(source, out, recipe, devices, guard)
+    except Exception:
+        if guard.interrupted:  # a Ctrl-C that a library swallowed or turned into its own error
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        guard.restore()
+
+
+def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: Interrupts) -> Dict[str, Any]:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):  # before reading any weight
         raise ConfigError(f"--out {out!r} already exists and is not an empty folder; pass a new folder")
     cfg = hf.model_config(source)
+    check_tokenizer(source)  # copied into the run: a broken one would fail only at `meshtrain generate`
     dtype = hf.source_dtype(source)
     train = TrainConfig(model=out, init_from=out)
     plan = _plan(cfg, recipe, devices, train)
     state = init_state(plan, params=hf.load_params(source, plan, cfg))
-    with new_folder(out) as partial:
-        ckpt = Checkpointer(os.path.join(partial, "checkpoints"), save_every=1, async_save=False)
-        try:
-            ckpt.maybe_save(0, state, data_state={}, force=True,
-                            metadata={"imported_from": os.path.abspath(source), "model": out,
-                                      "recipe": plan.recipe.to_dict(), "num_params": plan.abstract.num_params})
-        finally:
-            ckpt.close()
+    guard.check()
+    with output_folder(out, guard=guard) as partial:
+        with guard.deferred():  # a Ctrl-C waits for the save to end, then the partial folder is removed
+            ckpt = Checkpointer(os.path.join(partial, "checkpoints"), save_every=1, async_save=False)
+            try:
+                ckpt.maybe_save(0, state, data_state={}, force=True,
+                                metadata={"imported_from": os.path.abspath(source), "model": out,
+                                          "recipe": plan.recipe.to_dict(), "num_params": plan.abstract.num_params})
+            finally:
+                ckpt.close()
         header = {"run_settings": plain_settings(train, skip=("recipe_options",)),
                   "model_config": dataclasses.asdict(cfg), "imported_from": os.path.abspath(source),
-                  "source_dtype": dtype}
+                  "source_dtype": dtype, "special_token_ids": special_token_ids(hf.read_hf_config(source))}
         open_outputs(partial, plan, None, True, header).close()
         copy_tokenizer(source, partial)
     return {"model_config": cfg, "dtype": dtype, "num_params": plan.abstract.num_params, "recipe": recipe}
@@ -73,18 +92,29 @@ def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[
 def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional[str] = None,
               devices: Optional[int] = None) -> Dict[str, Any]:
     """Write the parameters of run folder ``run`` (``step``, default the latest valid one) as a
-    HuggingFace folder ``out`` in ``dtype`` (default: the imported source's, else float32)."""
-    header = run_header(run)
-    if header is None:
-        raise ConfigError(f"{run!r} is not a run folder (no metrics.jsonl run header); pass a folder `meshtrain "
-                          f"train` or `meshtrain import` wrote")
-    cfg = model_config_for(run)
-    if not isinstance(cfg, DecoderConfig):
-        raise ConfigError(f"{run!r} trained {type(cfg).__name__}; only decoders export to HuggingFace")
-    plan = _plan(cfg, "fsdp", devices, TrainConfig())
-    step, params = Checkpointer.read_params(os.path.join(run, "checkpoints"), plan, step)
-    host = {path: np.asarray(jax.device_get(x)) for path, x in zip(jax.tree.leaves(tree_paths(params)),
-                                                                   jax.tree.leaves(params))}
-    summary = hf.write_folder(cfg, host, out, dtype=dtype or header.get("source_dtype") or "float32",
-                              tokenizer_from=run)
+    HuggingFace folder ``out`` in ``dtype`` (default: the imported source's, else float32), with the
+    special token ids the import recorded (else the run's tokenizer's) in config.json and
+    generation_config.json."""
+    guard = Interrupts()
+    try:
+        cfg = run_decoder_config(run, "export")
+        header = run_header(run)
+        if not os.path.isdir(os.path.join(run, "checkpoints")):
+            raise ConfigError(f"run {run!r} has no checkpoints/ folder; export a run trained with checkpoints "
+                              f"(--ckpt-every N) or made by `meshtrain import`")
+        plan = _plan(cfg, "fsdp", devices, TrainConfig())
+        step, params = Checkpointer.read_params(os.path.join(run, "checkpoints"), plan, step)
+        host = {path: np.asarray(jax.device_get(x)) for path, x in zip(jax.tree.leaves(tree_paths(params)),
+                                                                       jax.tree.leaves(params))}
+        guard.check()
+        ids = header.get("special_token_ids")
+        summary = hf.write_folder(cfg, host, out, dtype=dtype or header.get("source_dtype") or "float32",
+                                  tokenizer_from=run, special_ids=ids if isinstance(ids, dict) and ids else None,
+                                  guard=guard)
+    except Exception:
+        if guard.interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        guard.restore()
     return {**summary, "step": step}
