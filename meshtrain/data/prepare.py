@@ -41,7 +41,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TransferSpeedColumn
 
 from meshtrain.data.sources import PREPARED_FORMAT, PREPARED_META
-from meshtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, write_error
+from meshtrain.data.tokenizer import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, missing_folders, remove_empty,
+                                       write_error)
 from meshtrain.errors import ConfigError
 from meshtrain.folders import new_folder
 
@@ -188,6 +189,7 @@ def prepare_tokens(tokenizer, inputs: Sequence[str], out: str, *, text_field: st
                           f"told apart: use a tokenizer with one")
     files = input_files(inputs)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    made = missing_folders(out)
     try:
         with new_folder(out) as partial:
             num_tokens, starts = _write_tokens(tokenizer, files, text_field, os.path.join(partial, "tokens.bin"),
@@ -204,8 +206,11 @@ def prepare_tokens(tokenizer, inputs: Sequence[str], out: str, *, text_field: st
                     "num_tokens": num_tokens, "num_docs": len(starts), "text_field": text_field, "inputs": files}
             with open(os.path.join(partial, PREPARED_META), "w") as f:
                 json.dump(meta, f, indent=1)
-    except OSError as exc:  # the inputs' errors are ConfigErrors already: this is --out's folder
-        raise write_error(out, exc) from None
+    except BaseException as exc:
+        remove_empty(made)  # new_folder removed its partial folder; these are the ones above it
+        if isinstance(exc, OSError):  # the inputs' errors are ConfigErrors already: this is --out's
+            raise write_error(out, exc) from None
+        raise
     return meta
 
 

@@ -198,8 +198,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str, *, text_bytes: Op
     :func:`tokenizer_out`). Any text encodes (no unknown token) and decodes back exactly.
 
     ``text_bytes`` (an upper bound on the UTF-8 size of ``texts``) caps the vocabulary at what that
-    text can make, with a warning: each merge shortens the text by at least one byte, and the
-    trainer reserves memory for every id asked for. ``source`` names the text in errors."""
+    text can make (each merge shortens the text by at least one byte; the trainer reserves memory
+    for every id asked for); fewer ids than asked are learned with a warning. ``source`` names the
+    text in errors and warnings."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazy: see load_tokenizer
 
     if not isinstance(vocab_size, int) or vocab_size < 258:
@@ -208,11 +209,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str, *, text_bytes: Op
     if vocab_size > MAX_VOCAB:
         raise ConfigError(f"--vocab-size {vocab_size}: must be at most {MAX_VOCAB:,} (2^32: prepared ids are stored "
                           f"as uint32)")
-    if text_bytes is not None and vocab_size > 257 + text_bytes:
-        warnings.warn(f"--vocab-size {vocab_size:,} is more than {text_bytes:,} bytes of text can make (each merge "
-                      f"shortens the text by a byte): learning at most {257 + text_bytes:,} ids")
-        vocab_size = 257 + text_bytes
     out = tokenizer_out(out)
+    if text_bytes == 0:
+        raise ConfigError(f"{source}: no text to learn from (empty files); pass files that hold text")
+    asked = vocab_size
+    if text_bytes is not None:  # each merge shortens the text by a byte: more ids cannot be made, and the
+        vocab_size = min(vocab_size, 257 + text_bytes)  # trainer reserves memory for every id asked for
     with _reserved(out) as partial:  # before learning: a read-only folder fails now, not after minutes
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -224,6 +226,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str, *, text_bytes: Op
         if not seen[0]:
             raise ConfigError(f"{source}: no text to learn from (empty files, blank lines or empty text fields); "
                               f"pass files that hold text")
+        if tokenizer.get_vocab_size() < asked:
+            warnings.warn(f"--vocab-size {asked:,}: {source} made only {tokenizer.get_vocab_size():,} ids (no pair of "
+                          f"symbols left to merge); learn from more text for more")
         with open(partial, "w", encoding="utf-8") as f:
             f.write(tokenizer.to_str(pretty=True))
         os.replace(partial, out)  # never a half-written tokenizer.json at `out`
@@ -252,11 +257,7 @@ def _reserved(out: str) -> Iterator[str]:
     """An empty ``out.partial-<pid>`` (and any missing parent folders) for the block to fill and rename;
     removed, with the folders it made, on any error or Ctrl-C. Write errors name ``out``."""
     parent = os.path.dirname(os.path.abspath(out))
-    made = []  # the folders this call makes, innermost first
-    folder = parent
-    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
-        made.append(folder)
-        folder = os.path.dirname(folder)
+    made = missing_folders(out)
     partial = out + f".partial-{os.getpid()}"
     try:
         try:
@@ -273,15 +274,24 @@ def _reserved(out: str) -> Iterator[str]:
     except BaseException:
         if os.path.exists(partial):
             os.remove(partial)
-        for folder in made:  # only while empty: nothing of anyone else's goes
-            if not _rmdir(folder):
-                break
+        remove_empty(made)
         raise
 
 
-def _rmdir(folder: str) -> bool:
-    try:
-        os.rmdir(folder)
-        return True
-    except OSError:
-        return False
+def missing_folders(path: str) -> List[str]:
+    """The folders above ``path`` that do not exist yet, innermost first: what writing it makes, and
+    what :func:`remove_empty` takes away again when the write fails."""
+    made, folder = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    return made
+
+
+def remove_empty(folders: Sequence[str]) -> None:
+    """Remove ``folders`` (innermost first) while they are empty: nothing of anyone else's goes."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
