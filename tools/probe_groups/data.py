@@ -38,22 +38,22 @@ def _tokenizer(tmp: str) -> str:
 
 
 def _files(**named):
-    """A ``prepare`` that writes ``name: content`` files (``tok``: the probe's tokenizer)."""
+    """A ``prepare`` that writes ``name__ext: content`` files (content: text, bytes, or a function
+    that makes it, called when the case runs)."""
     def prepare(work: str) -> None:
         for name, content in named.items():
-            _write(os.path.join(work, name.replace("__", ".")), content)
+            _write(os.path.join(work, name.replace("__", ".")), content() if callable(content) else content)
     return prepare
 
 
-def _prose(chars: int) -> str:
+def _prose(chars: int):
+    """Words and spaces, ``chars`` characters (made when the case runs)."""
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
-    rng = random.Random(0)
-    out, size = [], 0
-    while size < chars:
-        w = rng.choice(words)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out) + "\n"
+    return lambda: " ".join(random.Random(0).choices(words, k=chars // 6))[:chars] + "\n"
+
+
+def _dna(chars: int):
+    return lambda: "".join(random.Random(1).choices("ACGT", k=chars))
 
 
 def _mounted(options: str, argv: List[str]) -> str:
@@ -117,7 +117,7 @@ def cases(tmp: str) -> List[Case]:
              says="line 1"),
         Case("tokenizer: a 300 kB line without a space (DNA-like) finishes",
              [*tokenize, "{work}/dna.txt", "--out", "{work}/o/t.json", "--vocab-size", "1000"], "0",
-             prepare=_files(dna__txt="".join(random.Random(1).choice("ACGT") for _ in range(300_000)))),
+             prepare=_files(dna__txt=_dna(300_000))),
         Case("prepare: 'docs/*' with a symlink to a file already matched (read once)",
              [*prepare, "{work}/docs/*", "--out", "{work}/o/p", "--progress", "none"], "0",
              prepare=links, says="in 2 documents from 2 files"),
