@@ -61,21 +61,36 @@ def add_parser(sub):
 def run_tokenizer(args) -> int:
     if args.max_text_mb < 1:
         raise ConfigError(f"--max-text-mb {args.max_text_mb}: give at least 1 (MiB of text to learn from)")
-    files = input_files(args.input) if args.input else default_corpus_files()
-    source = f"--input {' '.join(args.input)}" if args.input else "the embedded corpus"
-    sizes = [os.path.getsize(f) for f in files]
-    total, budget = sum(sizes), args.max_text_mb << 20
-    limits = [None] * len(files)
-    if total > budget:  # the same share of each file's beginning: every file is represented
-        limits = [size * budget // total for size in sizes]
-        warnings.warn(f"{source} holds {total / 2**20:,.1f} MiB; learning from {args.max_text_mb:,} MiB (the first "
-                      f"{budget / total:.1%} of each file); --max-text-mb raises it")
-    texts = (text for f, limit in zip(files, limits) for text, _ in pieces(f, args.text_field, limit))
-    learned = sum(size if limit is None else limit for size, limit in zip(sizes, limits))
+    if not args.input:
+        texts, count, learned = _embedded_corpus()
+        source = "the embedded corpus"
+    else:
+        texts, count, learned = _sampled(input_files(args.input), args.text_field, args.max_text_mb << 20,
+                                         source := f"--input {' '.join(args.input)}")
     tok = train_bpe(texts, args.vocab_size, args.out, text_bytes=learned, source=source)
     print(f"wrote {tok.path}: byte-level BPE, {tok.vocab_size:,} ids (eos {tok.eos_id}), learned from "
-          f"{len(files):,} files")
+          f"{count:,} files")
     return 0
+
+
+def _embedded_corpus():
+    """The embedded corpus's texts, its file count and UTF-8 size (under ``--max-text-mb``'s default)."""
+    files = default_corpus_files()
+    return (text for f in files for text, _ in pieces(f)), len(files), sum(os.path.getsize(f) for f in files)
+
+
+def _sampled(files, text_field: str, budget: int, source: str):
+    """The texts of ``files``, at most ``budget`` bytes of them (the same share of each file's start:
+    every file is represented), the file count and the bytes to be read."""
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    limits = [None] * len(files)
+    if total > budget:
+        limits = [size * budget // total for size in sizes]
+        warnings.warn(f"{source} holds {total / 2**20:,.1f} MiB; learning from {budget / 2**20:,.0f} MiB (the first "
+                      f"{budget / total:.1%} of each file); --max-text-mb raises it")
+    texts = (text for f, limit in zip(files, limits) for text, _ in pieces(f, text_field, limit))
+    return texts, len(files), sum(size if limit is None else limit for size, limit in zip(sizes, limits))
 
 
 def run_prepare(args) -> int:
