@@ -23,8 +23,8 @@ from meshtrain.errors import ConfigError
 #: embedding (4,096 × 256), large enough to cut the embedded corpus's length by about 3x (README).
 DEFAULT_VOCAB = 4096
 #: `data tokenizer` learns from at most this many MiB of text by default: the trainer's memory grows
-#: with the distinct words it has seen (~0.4 GB for 32 MiB of prose or code, ~4 GB for 32 MiB of
-#: random or DNA-like text), its time with the text.
+#: with the distinct words it has seen (~0.3-0.4 GB for 32 MiB of prose or code, 2.6 GB for 32 MiB
+#: of random base64: tools/bench_data_memory.py), its time with the text.
 DEFAULT_MAX_TEXT_MB = 32
 
 
