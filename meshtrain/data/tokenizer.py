@@ -3,7 +3,9 @@ one of the embedded corpus and of plain text files (ids 0..255, the UTF-8 bytes)
 
 Pass :func:`load_tokenizer` a ``tokenizer.json`` file or a folder holding one (a HuggingFace model
 folder, a prepared token folder, a run folder); :func:`train_bpe` builds a small byte-level BPE
-tokenizer offline from text (``meshtrain data tokenizer``). Example::
+tokenizer offline from text (``meshtrain data tokenizer``): nothing is written until it has learned,
+then the file is written beside ``out`` and renamed (a full disk: a :class:`DiskError`, nothing left).
+Example::
 
     tok = load_tokenizer("runs/small-fsdp")          # the tokenizer the run trained with
     ids = tok.encode("def main():")
@@ -12,14 +14,17 @@ tokenizer offline from text (``meshtrain data tokenizer``). Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
-from typing import Iterable, List, Optional, Sequence
+import warnings
+from typing import Iterable, Iterator, List, Optional, Sequence
 
-from meshtrain.errors import ConfigError
+from meshtrain.errors import ConfigError, DiskError, MeshtrainError, disk_hint, is_disk_full
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HuggingFace's: names the eos token
@@ -141,24 +146,152 @@ def _eos_id(tokenizer, folder: str) -> Optional[int]:
     return None
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out: str) -> HFTokenizer:
+#: The largest vocabulary :func:`train_bpe` builds: prepared ids are stored as uint32.
+MAX_VOCAB = 1 << 32
+#: Runs of non-space characters longer than this are learned from in slices of this length: the
+#: trainer's work grows with (longest word x text), so one 40 MB "word" (a DNA sequence, base64)
+#: would take hours. Only learning is affected: such a run still encodes whole.
+LONGEST_WORD = 128
+_LONG_RUN = re.compile(r"\S{%d,}" % (LONGEST_WORD + 1))
+
+
+def write_error(path: str, exc: OSError) -> MeshtrainError:
+    """The error for an output that could not be written: a :class:`DiskError` (exit 74) for a full
+    disk or file-size limit, else a ``ConfigError`` (a read-only or missing folder) naming ``path``."""
+    reason = exc.strerror or str(exc)
+    if is_disk_full(exc):
+        return DiskError(f"cannot write {path!r}: {reason}; {disk_hint(exc)} (nothing was written)")
+    return ConfigError(f"cannot write {path!r}: {reason}; pass an --out in a folder you can write (nothing was "
+                       f"written)")
+
+
+def tokenizer_out(out: str) -> str:
+    """Where ``meshtrain data tokenizer --out out`` writes: ``out/tokenizer.json`` for a folder (or a
+    path ending in a separator), else ``out``. An existing file there is replaced only when it is a
+    tokenizer.json (a retrain): any other file is refused, so a typo cannot overwrite a user's text."""
+    if os.path.isdir(out) or out.endswith((os.sep, "/")):
+        out = os.path.join(out, TOKENIZER_FILE)
+    if os.path.isdir(out):
+        raise ConfigError(f"--out {out!r} is a folder; pass a file path such as {os.path.join(out, 'new.json')!r}")
+    if os.path.lexists(out) and not _is_tokenizer_file(out):
+        raise ConfigError(f"--out {out!r} already exists and is not a tokenizer.json; pass a new path (an "
+                          f"existing tokenizer.json is replaced, any other file is left alone)")
+    return out
+
+
+def _is_tokenizer_file(path: str) -> bool:
+    from tokenizers import Tokenizer  # lazy: see load_tokenizer
+
+    if not os.path.isfile(path) or os.path.getsize(path) > 1 << 30:
+        return False
+    try:
+        Tokenizer.from_file(path)
+    except Exception:  # noqa: BLE001 - the library raises its own Exception type for any bad file
+        return False
+    return True
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out: str, *, text_bytes: Optional[int] = None,
+              source: str = "the text") -> HFTokenizer:
     """A byte-level BPE tokenizer of ``vocab_size`` ids (256 byte symbols, ``<|endoftext|>`` and the
-    merges learned from ``texts``), written to ``out`` (a ``tokenizer.json``). Any text encodes (no
-    unknown token) and decodes back exactly."""
+    merges learned from ``texts``), written to ``out`` (a ``tokenizer.json``, or a folder to hold one;
+    :func:`tokenizer_out`). Any text encodes (no unknown token) and decodes back exactly.
+
+    ``text_bytes`` (an upper bound on the UTF-8 size of ``texts``) caps the vocabulary at what that
+    text can make (each merge shortens the text by at least one byte; the trainer reserves memory
+    for every id asked for); fewer ids than asked are learned with a warning. ``source`` names the
+    text in errors and warnings."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # lazy: see load_tokenizer
 
     if not isinstance(vocab_size, int) or vocab_size < 258:
         raise ConfigError(f"--vocab-size {vocab_size}: must be at least 258 (256 bytes, the end-of-text token "
                           f"and one merge)")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    partial = out + f".partial-{os.getpid()}"
-    tokenizer.save(partial)
-    os.replace(partial, out)  # never a half-written tokenizer.json at `out`
+    if vocab_size > MAX_VOCAB:
+        raise ConfigError(f"--vocab-size {vocab_size}: must be at most {MAX_VOCAB:,} (2^32: prepared ids are stored "
+                          f"as uint32)")
+    out = tokenizer_out(out)
+    if text_bytes == 0:
+        raise ConfigError(f"{source}: no text to learn from (empty files); pass files that hold text")
+    asked = vocab_size
+    if text_bytes is not None:  # each merge shortens the text by a byte: more ids cannot be made, and the
+        vocab_size = min(vocab_size, 257 + text_bytes)  # trainer reserves memory for every id asked for
+    with _reserved(out) as partial:  # before learning: a read-only folder fails now, not after minutes
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        seen = [False]
+        tokenizer.train_from_iterator(_learnable(texts, seen), trainer=trainer)
+        if not seen[0]:
+            raise ConfigError(f"{source}: no text to learn from (empty files, blank lines or empty text fields); "
+                              f"pass files that hold text")
+        if tokenizer.get_vocab_size() < asked:
+            warnings.warn(f"--vocab-size {asked:,}: {source} made only {tokenizer.get_vocab_size():,} ids (no pair of "
+                          f"symbols left to merge); learn from more text for more")
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(tokenizer.to_str(pretty=True))
+        os.replace(partial, out)  # never a half-written tokenizer.json at `out`
     return load_tokenizer(out)
+
+
+def _learnable(texts: Iterable[str], seen: List[bool]) -> Iterator[str]:
+    """``texts`` for the trainer, long non-space runs sliced (:data:`LONGEST_WORD`); ``seen[0]`` turns
+    True at the first text that is not blank."""
+    for text in texts:
+        if not seen[0] and text and not text.isspace():
+            seen[0] = True
+        if not _LONG_RUN.search(text):
+            yield text
+            continue
+        start = 0
+        for run in _LONG_RUN.finditer(text):
+            yield text[start:run.start()]
+            yield from (text[i:i + LONGEST_WORD] for i in range(run.start(), run.end(), LONGEST_WORD))
+            start = run.end()
+        yield text[start:]
+
+
+@contextlib.contextmanager
+def _reserved(out: str) -> Iterator[str]:
+    """An empty ``out.partial-<pid>`` (and any missing parent folders) for the block to fill and rename;
+    removed, with the folders it made, on any error or Ctrl-C. Write errors name ``out``."""
+    parent = os.path.dirname(os.path.abspath(out))
+    made = missing_folders(out)
+    partial = out + f".partial-{os.getpid()}"
+    try:
+        try:
+            os.makedirs(parent, exist_ok=True)
+            open(partial, "w").close()
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"--out {out!r}: a parent is a file, not a folder; pass a path in a folder") from None
+        except OSError as exc:
+            raise write_error(out, exc) from None
+        try:
+            yield partial
+        except OSError as exc:
+            raise write_error(out, exc) from None
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        remove_empty(made)
+        raise
+
+
+def missing_folders(path: str) -> List[str]:
+    """The folders above ``path`` that do not exist yet, innermost first: what writing it makes, and
+    what :func:`remove_empty` takes away again when the write fails."""
+    made, folder = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    return made
+
+
+def remove_empty(folders: Sequence[str]) -> None:
+    """Remove ``folders`` (innermost first) while they are empty: nothing of anyone else's goes."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
