@@ -29,7 +29,7 @@ import jax
 
 from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
-from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
+from meshtrain.recipes import AttentionKind, LayerLoop, Remat, load_yaml, resolve_layer_loop
 from meshtrain.rules import AxisRules
 from meshtrain.strategies import Strategy
 
@@ -292,12 +292,8 @@ class ModelRules:
 
 
 def _read_yaml(path: str):
-    import yaml  # lazy: only a rules file needs it
-
+    """The rules file's YAML (UTF-8, no key given twice: a second ``logical:`` would silently replace the
+    first), through the loader recipe files use."""
     if not os.path.isfile(path):
         raise RulesError(f"rules file {path!r} does not exist; give a YAML file with sections paths: and logical:")
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        raise RulesError(f"rules {path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    return load_yaml(path, what="rules file", error=RulesError) or {}

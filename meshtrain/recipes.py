@@ -484,29 +484,29 @@ def _unique_key_loader():
     return UniqueKeyLoader
 
 
-def load_yaml(path: str, *, what: str) -> Any:
+def load_yaml(path: str, *, what: str, error: type = RecipeError) -> Any:
     """The YAML document in ``path``: UTF-8 text, no key given twice in one mapping; anything else raises
-    :class:`RecipeError` naming the file (``what`` says what it is, e.g. ``"recipe file"``)."""
+    ``error`` (:class:`RecipeError`) naming the file (``what`` says what it is, e.g. ``"recipe file"``)."""
     import yaml
 
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise RecipeError(f"{what} {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
-                          f"{exc.start}); save it as UTF-8 YAML") from None
+        raise error(f"{what} {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                    f"{exc.start}); save it as UTF-8 YAML") from None
     except OSError as exc:
-        raise RecipeError(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
+        raise error(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
     try:
         return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as dup:
-        raise RecipeError(f"{what} {path!r}: key {dup.key!r} is given twice in one mapping (lines {dup.first_line} "
-                          f"and {dup.second_line}); keep one") from None
+        raise error(f"{what} {path!r}: key {dup.key!r} is given twice in one mapping (lines {dup.first_line} "
+                    f"and {dup.second_line}); keep one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"{what} {path!r} is not valid YAML: {problem}{where}") from None
+        raise error(f"{what} {path!r} is not valid YAML: {problem}{where}") from None
 
 
 def _builtin(name, description, strategies, ici, **knobs) -> Recipe:

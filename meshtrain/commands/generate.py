@@ -4,7 +4,8 @@ or score them (``--max-new-tokens 0 --prompt-logprobs``).
 The checkpoint is restored onto the generation recipe's plan: ``--recipe`` (no pipeline), else the
 run's own recipe unless it has a pipeline, else ``fsdp``. Prompts of different lengths are
 left-padded into one batch. Bad input (an empty prompt, one longer than the model's ``max_seq_len``,
-``--max-new-tokens`` past it, ``--prompt`` text for a run trained on token ids, an unknown ``--step``)
+``--max-new-tokens`` past it, ``--prompt`` text for a run trained on token ids, an unknown ``--step``,
+``--stop-ids`` outside the vocabulary, a run that is not a decoder's or whose header is damaged)
 prints one ``error:`` line and exits 2, before anything is restored.
 """
 
@@ -17,7 +18,7 @@ from typing import List, Union
 from meshtrain.cli import add_device_args
 from meshtrain.errors import ConfigError
 from meshtrain.generation.api import Loaded, load
-from meshtrain.generation.engine import check_prompts
+from meshtrain.generation.engine import check_prompts, check_stop_ids
 from meshtrain.generation.runs import read_run
 from meshtrain.generation.sampling import Sampling
 from meshtrain.generation.weights import WeightFormat, WeightMemory
@@ -99,7 +100,7 @@ def run(args) -> int:
     info = read_run(args.run_dir, args.step)  # unknown step, not a decoder: before anything is restored
     prompts = read_prompts(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    stop_ids = _ids(args.stop_ids, "--stop-ids") if args.stop_ids else []
+    stop_ids = check_stop_ids(info.cfg, _ids(args.stop_ids, "--stop-ids") if args.stop_ids else [])
     check_prompts(info.cfg, Loaded(None, info.tokenizer, info).encode(prompts), args.max_new_tokens)
     loaded = load(args.run_dir, step=info.step, recipe=args.recipe, mesh=args.mesh, devices=args.devices,
                   quantize=args.quantize, weight_memory=args.weight_memory)

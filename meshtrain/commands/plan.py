@@ -34,11 +34,13 @@ More devices than this machine has are planned on an ``AbstractMesh`` (no device
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -55,6 +57,7 @@ from meshtrain.data.mlm import KEYS
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
 from meshtrain.models import BertConfig, DecoderConfig, ViTConfig, get_config, model_factory
+from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import check_recipe_overrides
@@ -99,6 +102,9 @@ def add_parser(sub):
                    help="with --check tpu: fake TPU topology, e.g. v5e:4x4 or v5p:2x2x2 (default: from "
                         "--hardware and --devices); with --check gpu: N GPUs of one kind, 8xH100, 8xH200 or 8xA100 "
                         "(sets --hardware and --devices)")
+    # `train --dcn` has no meaning for a plan (no processes): refused with a pointer to --slices, not
+    # argparse's bare "unrecognized arguments"
+    p.add_argument("--dcn", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--generate", action="store_true",
                    help="a built-in decoder: also the generation memory per device (weights as trained, bf16, int8; "
@@ -144,6 +150,43 @@ _COUNTS = {"batch_size": "the global batch; omit it for one sequence per data-pa
            "slices": "TPU slices or GPU nodes the devices span; 1 for one"}
 
 
+def check_flags(args) -> None:
+    """Flags that would be silently ignored: ``--topology`` without a compile check, ``--batch`` under
+    ``--recipe auto`` (the search plans from ``--batch-size``/``--seq-len``), ``--dcn`` (a run's flag)."""
+    if getattr(args, "topology", None) is not None and args.check not in ("tpu", "gpu"):
+        raise ConfigError(f"--topology {args.topology} needs --check gpu or --check tpu (it names the devices those "
+                          f"checks compile for); add one, or drop --topology and give --hardware and --devices")
+    if getattr(args, "batch", None) and args.recipe == "auto":
+        raise ConfigError("--batch does not apply with --recipe auto (the search plans a built-in decoder's batch "
+                          "from --batch-size and --seq-len); give those instead, or name a recipe")
+    if getattr(args, "dcn", None):
+        raise ConfigError(f"--dcn {args.dcn}: `meshtrain plan` has no processes to split; plan slow links with "
+                          f"--slices N (the devices span N slices/nodes) or a recipe file's mesh dcn: sizes "
+                          f"(`meshtrain train --dcn` applies to a run)")
+
+
+def warn_dcn(plan, args) -> None:
+    """A recipe's ``mesh: dcn:`` sizes put axes across slices/nodes: warn when the plan's devices are
+    fewer slices/nodes (fast-link domains of ``--hardware`` with ``--slices``) than those sizes need,
+    as ``meshtrain train --dcn`` warns in a single process: the estimates then price the axes on slow
+    links the planned devices do not have."""
+    from meshtrain.analysis.planner import PlanRequest  # lazy: analysis (~50 ms) off the CLI's path
+
+    dcn = {a: s for a, s in plan.recipe.mesh.dcn if s > 1}
+    if not dcn:
+        return
+    n = math.prod(plan.mesh_sizes.values())
+    hw = PlanRequest(None, n, getattr(args, "hardware", "cpu") or "cpu", slices=getattr(args, "slices", None) or 1).hw()
+    domains = max(1, n // min(hw.fast_domain, n))
+    groups = math.prod(dcn.values())
+    if groups > domains:
+        sizes = ",".join(f"{a}={s}" for a, s in dcn.items())
+        warnings.warn(f"recipe {plan.recipe.name!r} puts {sizes} across slices/nodes (mesh dcn:), but the {n} "
+                      f"{hw.name} devices planned form {domains} fast-link domain{'s' if domains > 1 else ''}: the "
+                      f"estimates price those axes on slow links; pass --slices {groups} (with --devices and "
+                      f"--hardware of that many slices/nodes), or drop the recipe's dcn:")
+
+
 def check_counts(args) -> None:
     """``--batch-size``, ``--seq-len``, ``--top`` and ``--slices`` must be at least 1."""
     for name, meaning in _COUNTS.items():
@@ -163,13 +206,28 @@ def check_seq_len(choice: "ModelChoice", args) -> None:
     if isinstance(cfg, ViTConfig):
         raise ConfigError(f"--seq-len does not apply to {cfg.name} (an image model); use --batch-size, or "
                           f"--batch for other image shapes")
+    _check_length(cfg, T, f"--seq-len {T}", f"--seq-len <= {getattr(cfg, 'max_positions', 0)}")
+
+
+def _check_length(cfg, T: int, what: str, fix: str) -> None:
+    """A sequence of ``T`` tokens against a built-in decoder's or BERT's maximum (see :func:`check_seq_len`)."""
     if isinstance(cfg, BertConfig) and T > cfg.max_positions:
-        raise ConfigError(f"--seq-len {T} is longer than model {cfg.name!r} has positions (max_positions "
-                          f"{cfg.max_positions}, a learned table); use --seq-len <= {cfg.max_positions}")
+        raise ConfigError(f"{what} is longer than model {cfg.name!r} has positions (max_positions "
+                          f"{cfg.max_positions}, a learned table); use {fix}")
     if isinstance(cfg, DecoderConfig) and T > cfg.max_seq_len:
-        warnings.warn(f"--seq-len {T} is longer than model {cfg.name!r} supports (max_seq_len {cfg.max_seq_len}): "
+        warnings.warn(f"{what} is longer than model {cfg.name!r} supports (max_seq_len {cfg.max_seq_len}): "
                       f"planned as a long-context variant; `meshtrain train` refuses it (a config with a larger "
                       f"max_seq_len trains it)")
+
+
+def check_batch_seq_len(choice: "ModelChoice", layout: BatchLayout) -> None:
+    """The sequence length of a ``--batch`` layout (its ``seq`` dimensions) against a built-in model's
+    maximum, as :func:`check_seq_len` checks ``--seq-len``."""
+    lengths = {leaf.shape[leaf.seq_dim] for _, leaf in layout.leaves() if leaf.seq_dim is not None}
+    if choice.cfg is not None and lengths:
+        T = max(lengths)
+        _check_length(choice.cfg, T, f"--batch's sequence length {T}",
+                      f"a 'seq' dimension <= {getattr(choice.cfg, 'max_positions', 0)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +415,7 @@ def _batch_layout(choice: ModelChoice, args, dp: int):
         raise ConfigError("--seq-len does not apply with --batch; give the sequence length in the shapes")
     example, axes = parse_batch(args.batch)
     layout = BatchLayout.from_example(example, axes or None)
+    check_batch_seq_len(choice, layout)
     sizes = {p: leaf.shape[leaf.batch_dim] for p, leaf in layout.leaves() if leaf.batch_dim is not None}
     if args.batch_size is not None and any(v != args.batch_size for v in sizes.values()):
         raise ConfigError(f"--batch-size {args.batch_size} disagrees with --batch (batch dimensions {sizes}); "
@@ -391,7 +450,16 @@ def build(args, choice: Optional[ModelChoice] = None):
                           f"{FACTORY_CONTRACT}") from None
     probe = make_plan(abstract, recipe, mesh, check=False)
     dp = probe.data_parallel_size * recipe.micro_batches
-    return make_plan(abstract, recipe, mesh, batch=_batch_layout(choice, args, dp)), choice
+    batch = _batch_layout(choice, args, dp)
+    for T in _seq_lengths(batch):  # before the batch is resolved: name --seq-len, not a leaf's dimension
+        check_context_seq_len(probe.recipe, probe.rules, probe.mesh_sizes, T)
+    return make_plan(abstract, recipe, mesh, batch=batch), choice
+
+
+def _seq_lengths(batch) -> set:
+    if isinstance(batch, BatchSpec):
+        return {batch.seq_len}
+    return {leaf.shape[leaf.seq_dim] for _, leaf in batch.leaves() if leaf.seq_dim is not None}
 
 
 def build_plan(args):
@@ -441,6 +509,7 @@ def run(args) -> int:
     from meshtrain.analysis import report  # lazy: analysis (~50 ms) off the CLI's path
 
     check_counts(args)
+    check_flags(args)
     if args.check == "gpu":
         _gpu_target(args)
     _setup(args)
@@ -461,6 +530,7 @@ def run(args) -> int:
         out = report.auto_dict(result, args) if args.json else report.auto_text(result, args)
     else:
         plan, _ = build(args, choice)
+        warn_dcn(plan, args)
         extra = {} if choice.analytic else {"loss_fn": choice.loss_fn, "model_name": choice.name}
         try:
             out = (report.single_dict(plan, choice.cfg, args, **extra) if args.json

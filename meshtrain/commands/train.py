@@ -8,7 +8,8 @@ from meshtrain.cli import add_device_args
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
 from meshtrain.errors import ConfigError
 from meshtrain.settings import add_flags, given_flags, settings_of
-from meshtrain.models import DecoderConfig, ViTConfig
+from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
+from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.sources import model_config_for
 from meshtrain.train.trainer import Trainer
@@ -87,10 +88,20 @@ def check_flags(args) -> None:
                       f"launch`, srun or mpirun")
 
 
+def check_context(trainer: Trainer, config: TrainConfig) -> None:
+    """A language model's ``--seq-len`` must split over the recipe's context axes (zig-zag: twice
+    over): refused here, before the run folder is made, naming the lengths that work."""
+    if not isinstance(model_config_for(config.model), (DecoderConfig, BertConfig)):
+        return  # an image model's sequence is its patches, fixed by the config
+    recipe, mesh = trainer._recipe_and_mesh()
+    check_context_seq_len(recipe, recipe.axis_rules(), dict(mesh.shape), config.seq_len)
+
+
 def run(args) -> int:
     check_flags(args)
     config = config_from_args(args)
     trainer = Trainer(config, memory_estimate=decoder_memory_estimate(config.model))
+    check_context(trainer, config)
     if args.batch_size is None:
         multiple = trainer.batch_multiple()
         if config.batch_size % multiple:

@@ -195,33 +195,93 @@ def is_prepared(path: Optional[str]) -> bool:
 
 
 def prepared_meta(path: str) -> dict:
-    """The description (``tokens.json``) of prepared token folder ``path``."""
+    """The description (``tokens.json``) of prepared token folder ``path``, the whole folder checked
+    (its fields, the size of ``tokens.bin``, ``doc_starts.npy``): called before a run starts, so a
+    damaged folder is refused before anything is made."""
+    return _checked_folder(path)[0]
+
+
+def _checked_folder(path: str):
+    """``(meta, starts)`` of a prepared folder, or a ``ConfigError`` naming the damaged file and field."""
     meta_path = os.path.join(path, PREPARED_META)
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
         raise ConfigError(f"cannot read {meta_path!r} ({exc}); prepare the folder again with `meshtrain data "
                           f"prepare`") from None
     if not isinstance(meta, dict) or meta.get("format") != PREPARED_FORMAT:
         raise ConfigError(f"{meta_path!r} is not a {PREPARED_FORMAT} description; prepare the folder again with "
                           f"`meshtrain data prepare`")
-    return meta
-
-
-def prepared_source(path: str) -> TokenSource:
-    """The token stream of a prepared folder: ``tokens.bin`` memory-mapped (nothing is read until a
-    batch needs it), ``doc_starts.npy``, the vocabulary of the tokenizer that wrote them."""
-    meta = prepared_meta(path)
-    dtype, count = np.dtype(meta["dtype"]), int(meta["num_tokens"])
+    for field, ok, want in _META_FIELDS:
+        value = meta.get(field)
+        if field not in meta or not ok(value):
+            found = "is missing" if field not in meta else f"is {value!r}"
+            raise ConfigError(f"{meta_path!r}: field {field!r} {found}, expected {want}; the folder is damaged: "
+                              f"prepare it again with `meshtrain data prepare`")
+    dtype, count = np.dtype(meta["dtype"]), meta["num_tokens"]
     tokens_path = os.path.join(path, "tokens.bin")
     if not os.path.isfile(tokens_path) or os.path.getsize(tokens_path) != count * dtype.itemsize:
         raise ConfigError(f"{tokens_path!r} is missing or not {count} {dtype} tokens as {PREPARED_META} says; "
                           f"prepare the folder again with `meshtrain data prepare`")
-    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(count,))
-    starts = np.load(os.path.join(path, "doc_starts.npy"))
-    return TokenSource(os.path.basename(os.path.normpath(path)), tokens, starts.astype(np.int64),
-                       int(meta["vocab_size"]), f"prepared:{meta['tokenizer']}:{count}:{int(starts.shape[0])}")
+    return meta, _doc_starts(os.path.join(path, "doc_starts.npy"), count)
+
+
+def _count(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+#: The fields of ``tokens.json`` the reader needs: (name, check, what it must be). The dtypes are
+#: those ``meshtrain data prepare`` writes.
+_META_FIELDS = (
+    ("dtype", lambda v: v in ("uint16", "uint32"), "'uint16' or 'uint32'"),
+    ("num_tokens", lambda v: _count(v, 2), "an integer >= 2"),
+    ("vocab_size", lambda v: _count(v, 1), "an integer >= 1"),
+    ("tokenizer", lambda v: isinstance(v, str) and bool(v), "the tokenizer's fingerprint (a string)"),
+)
+
+
+def prepared_source(path: str) -> TokenSource:
+    """The token stream of a prepared folder: ``tokens.bin`` memory-mapped (nothing is read until a
+    batch needs it), ``doc_starts.npy``, the vocabulary of the tokenizer that wrote them. A damaged
+    folder (a field of ``tokens.json``, a missing or malformed file) is a ``ConfigError`` naming it."""
+    meta, starts = _checked_folder(path)
+    count = meta["num_tokens"]
+    tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=np.dtype(meta["dtype"]), mode="r", shape=(count,))
+    return TokenSource(os.path.basename(os.path.normpath(path)), tokens, starts, meta["vocab_size"],
+                       f"prepared:{meta['tokenizer']}:{count}:{int(starts.shape[0])}")
+
+
+def _doc_starts(starts_path: str, count: int) -> np.ndarray:
+    """``doc_starts.npy`` of a prepared folder of ``count`` tokens: a 1-D integer array starting at 0,
+    strictly increasing, below ``count`` (packing looks documents up by binary search: an unsorted or
+    out-of-range start would silently mislabel segments). Never unpickles (``allow_pickle=False``)."""
+    again = "prepare the folder again with `meshtrain data prepare`"
+    try:
+        starts = np.load(starts_path, allow_pickle=False)
+    except FileNotFoundError:
+        raise ConfigError(f"{starts_path!r} is missing (where each document starts); {again}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {starts_path!r}: {exc.strerror or exc}; {again}") from None
+    except (ValueError, EOFError) as exc:  # a pickled (object) array, a truncated or foreign file
+        raise ConfigError(f"{starts_path!r} is not a .npy array of integers ({exc}); {again}") from None
+    if not isinstance(starts, np.ndarray) or starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer):
+        what = (f"{starts.dtype} of shape {starts.shape}" if isinstance(starts, np.ndarray)
+                else type(starts).__name__)
+        raise ConfigError(f"{starts_path!r} holds {what}, not a 1-D integer array of document starts; {again}")
+    starts = starts.astype(np.int64)  # (an unsigned array's differences would wrap around)
+    if starts.shape[0] == 0 or starts[0] != 0:
+        raise ConfigError(f"{starts_path!r}: the first document must start at 0 (it holds "
+                          f"{starts[:3].tolist()}...); {again}")
+    steps = np.diff(starts)
+    if steps.size and steps.min() <= 0:
+        i = int(np.argmax(steps <= 0)) + 1
+        raise ConfigError(f"{starts_path!r}: document starts are not strictly increasing (entry {i} is "
+                          f"{int(starts[i])} after {int(starts[i - 1])}); {again}")
+    if int(starts[-1]) >= count:
+        raise ConfigError(f"{starts_path!r}: document start {int(starts[-1])} is past the end of the {count} tokens "
+                          f"of tokens.bin; {again}")
+    return starts
 
 
 def load_source(path: Optional[str] = None, **kwargs) -> TokenSource:

@@ -102,6 +102,22 @@ def check_prompts(cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_
     return out
 
 
+def check_stop_ids(cfg: DecoderConfig, stop_ids: Sequence[int]) -> List[int]:
+    """``stop_ids`` as ints, or a ``ConfigError``: an id outside the vocabulary can never be emitted, so a
+    row would silently run to ``max_new_tokens`` (and a negative one is no token at all)."""
+    out = []
+    for t in stop_ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ConfigError(f"stop id {t!r} (--stop-ids / stop_ids=) is not an integer token id; give ids such "
+                              f"as 0,2")
+        if not 0 <= t < cfg.vocab_size:
+            raise ConfigError(f"stop id {int(t)} (--stop-ids / stop_ids=) is outside the vocabulary of model "
+                              f"{cfg.name!r} (ids 0..{cfg.vocab_size - 1}); give ids the model can emit, e.g. its "
+                              f"end-of-text id")
+        out.append(int(t))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """One prompt's result. ``new_logprobs[i]``: log p(new_ids[i]) under the model (before temperature,
@@ -235,6 +251,7 @@ class Engine:
             stop_ids: Sequence[int] = (), prompt_logprobs: bool = False, decode=None) -> Output:
         """Generate up to ``max_new_tokens`` for each prompt (token id lists). ``decode``: ids -> text."""
         prompts = self.check(prompts, max_new_tokens)
+        stop_ids = check_stop_ids(self.cfg, stop_ids)
         n = len(prompts)
         batch = self.padded_batch(n)
         rows = prompts + [[0]] * (batch - n)

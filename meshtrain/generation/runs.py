@@ -22,11 +22,13 @@ from meshtrain.generation.engine import generation_config
 from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_run
 from meshtrain.mesh import MeshSpec, select_devices
 from meshtrain.models import DecoderConfig, get_config, model_factory
+from meshtrain.models.configs import config_from_fields
 from meshtrain.plan import make_plan
 from meshtrain.recipes import Recipe, get_recipe
 from meshtrain.strategies import Pipeline
 from meshtrain.train.config import TrainConfig, default_optimizer
-from meshtrain.train.sources import model_config_for, run_header
+from meshtrain.train.rundir import METRICS_FILE
+from meshtrain.train.sources import run_header
 
 #: the generation recipe of a run trained with a pipeline, or of a model given without a recipe
 FALLBACK_RECIPE = "fsdp"
@@ -62,16 +64,24 @@ def read_run(run: str, step: Optional[int] = None) -> RunInfo:
         raise CheckpointError(f"checkpoint step {step} in {directory} does not name its model (trained without "
                               f"the Trainer?); generate with mt.generate(model, ...) instead")
     run_dir = directory.parent if directory.name == "checkpoints" else directory
-    # the model config the run trained (its header: an imported or token-data run's vocabulary differs
-    # from the built-in name's), else the built-in config of that name
-    cfg = model_config_for(str(run_dir)) if run_header(str(run_dir)) else get_config(name)
+    cfg = trained_config(run_dir, name)
     if not isinstance(cfg, DecoderConfig):
-        raise ConfigError(f"run {run!r} trained model {name!r}, not a decoder: generation needs a language model "
-                          f"(tiny, small, tiny-moe, ...)")
+        raise ConfigError(f"run {run!r} trained model {name!r} ({type(cfg).__name__}), not a decoder: generation "
+                          f"needs a decoder run (a language model: tiny, small, tiny-moe, ...)")
     saved = meta.get("recipe")
     recipe = Recipe.from_dict(saved, source=f"{directory}/{step}") if isinstance(saved, dict) else None
     return RunInfo(directory, step, name, cfg, recipe, tokenizer_for_run(str(run_dir), meta.get("data"),
                                                                          cfg.vocab_size), meta)
+
+
+def trained_config(run_dir: Path, name: str):
+    """The model config the run trained: its header's (an imported or token-data run's vocabulary
+    differs from the built-in name's), checked field by field (a damaged header names the file and the
+    field), else the built-in config of that name."""
+    header = run_header(str(run_dir))
+    if header is None or header.get("model_config") is None:
+        return get_config(name)
+    return config_from_fields(header["model_config"], f"run header {str(run_dir / METRICS_FILE)!r}")
 
 
 def generation_recipe(requested: "str | Recipe | None", trained: Optional[Recipe] = None,

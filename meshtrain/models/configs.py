@@ -16,6 +16,8 @@ recipe (sequence parallelism included) fits them on 8 devices.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import typing
 from typing import Dict, Union
 
 from meshtrain.errors import ConfigError
@@ -96,3 +98,78 @@ def model_factory(cfg: "ModelConfig | str"):
     except KeyError:
         raise ConfigError(f"no model class for config {cfg!r}; use one of {', '.join(CONFIGS)}") from None
     return lambda rngs: cls(cfg, rngs=rngs)
+
+
+#: Integer fields that are sizes or counts of at least one (the configs' other integers may be 0).
+_POSITIVE = frozenset({"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                       "max_seq_len", "image_size", "patch_size", "channels", "num_classes", "max_positions",
+                       "num_labels"})
+
+
+def config_from_fields(fields, where: str) -> ModelConfig:
+    """The config a saved mapping of fields describes (a run header's ``model_config``): the class whose
+    fields it has (decoder, ViT or BERT), every value of the field's type, or a ``ConfigError`` that
+    names ``where`` (the file) and the field. A run's header is data: a damaged one must not surface as
+    a ``TypeError`` deep in a constructor."""
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{where}: model_config is a {type(fields).__name__}, not a mapping of config fields; "
+                          f"the run header is damaged: train the run again or restore the file")
+    cls, problem = _config_class(fields)
+    if problem:
+        raise ConfigError(f"{where}: model_config {problem}; the run header is damaged: train the run again or "
+                          f"restore the file")
+    hints = typing.get_type_hints(cls)
+    for name, value in fields.items():
+        if not _has_type(value, hints[name]) or (name in _POSITIVE and value < 1):
+            want = "an integer >= 1" if name in _POSITIVE else _type_text(hints[name])
+            raise ConfigError(f"{where}: model_config field {name!r} is {value!r}, expected {want} "
+                              f"({cls.__name__}.{name}); the run header is damaged: train the run again or restore "
+                              f"the file")
+    try:
+        return cls(**fields)
+    except ConfigError as exc:  # a value of the right type out of its range (e.g. capacity_factor inf)
+        raise ConfigError(f"{where}: model_config: {exc}") from None
+
+
+def _config_class(fields: dict):
+    """``(class, None)`` for the config class ``fields`` fit, else ``(closest class, what is wrong)``."""
+    best = None
+    for cls in (DecoderConfig, ViTConfig, BertConfig):
+        known = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        unknown, missing = sorted(set(fields) - known, key=str), sorted(required - set(fields))
+        if not unknown and not missing:
+            return cls, None
+        score = len(set(fields) & known)
+        if best is None or score > best[0]:
+            what = (f"has field {unknown[0]!r}, which {cls.__name__} does not" if unknown
+                    else f"lacks the field {missing[0]!r} of {cls.__name__}")
+            best = (score, cls, what)
+    return best[1], best[2]
+
+
+def _has_type(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union:
+        return any(_has_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and (len(args) == len(value) or not args) and all(
+            _has_type(v, a) for v, a in zip(value, args))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _type_text(hint) -> str:
+    if typing.get_origin(hint) is Union:
+        return " or ".join(_type_text(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {len(typing.get_args(hint))} values"
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))

@@ -81,16 +81,29 @@ class ContextLayout:
         """Whether the sequence is out of natural order (zig-zag over a ring of more than one)."""
         return self.sharded and self.zigzag and self.ring > 1
 
-    def check_length(self, seq_len: int) -> None:
-        ways = self.ring * self.ulysses
-        if self.zigzag and seq_len % (2 * ways):
+    def check_length(self, seq_len: int, sizes: Optional[dict] = None) -> None:
+        """A ``ConfigError`` unless ``seq_len`` splits over the layout: a multiple of :meth:`multiple`. It
+        names the length, the context axes (with their sizes from ``sizes``, the mesh's) and the nearest
+        lengths that work."""
+        ways, multiple = self.ring * self.ulysses, self.multiple()
+        if seq_len % multiple == 0:
+            return
+        axes = "×".join(f"{a}={sizes[a]}" if sizes and a in sizes else a for a in self.seq_axes)
+        below = seq_len // multiple * multiple
+        near = f"{below} or {below + multiple}" if below else f"{multiple}"
+        if multiple != ways:
             raise ConfigError(
-                f"sequence length {seq_len} is not divisible by 2 × context ways = {2 * ways} ({self.kind.value} "
-                f"with zig-zag load balancing cuts the sequence into 2 × {self.ring} ring chunks, each split "
-                f"{self.ulysses} ways): use --seq-len a multiple of {2 * ways}, or smaller context axes")
-        if seq_len % ways:
-            raise ConfigError(f"sequence length {seq_len} is not divisible by the context axes "
-                              f"{'×'.join(self.seq_axes)} = {ways}: use --seq-len a multiple of {ways}")
+                f"sequence length {seq_len} is not divisible by 2 × context ways = {multiple} ({self.kind.value} "
+                f"with zig-zag load balancing over {axes} cuts the sequence into 2 × {self.ring} ring chunks, each "
+                f"split {self.ulysses} ways): use --seq-len a multiple of {multiple} (e.g. {near}), or smaller "
+                f"context axes")
+        raise ConfigError(f"sequence length {seq_len} is not divisible by the context axes {axes} = {ways}: use "
+                          f"--seq-len a multiple of {ways} (e.g. {near}), or smaller context axes")
+
+    def multiple(self) -> int:
+        """What every sequence length must be a multiple of: the context ways, twice under zig-zag."""
+        ways = self.ring * self.ulysses
+        return 2 * ways if self.zigzag else ways
 
     def permutation(self, seq_len: int) -> np.ndarray:
         """``perm[j]``: the original position of the token at layout position ``j`` (identity
@@ -141,6 +154,15 @@ def context_layout(kind: AttentionKind, rules, mesh_sizes, load_balance=LoadBala
 def plan_layout(plan) -> ContextLayout:
     """The :class:`ContextLayout` a plan's step uses (recipe attention kind, rules, mesh)."""
     return context_layout(plan.recipe.attention, plan.rules, plan.mesh_sizes, _load_balance(plan.recipe))
+
+
+def check_seq_len(recipe, rules, mesh_sizes, seq_len: int) -> None:
+    """Before anything is built (``meshtrain plan`` and ``train``): ``seq_len`` splits over the context
+    layout of ``recipe`` under activation ``rules`` on a mesh of ``mesh_sizes`` (see
+    :meth:`ContextLayout.check_length`); nothing to check without a context-parallel attention kind."""
+    layout = context_layout(recipe.attention, rules, dict(mesh_sizes), _load_balance(recipe))
+    if layout.sharded:
+        layout.check_length(seq_len, dict(mesh_sizes))
 
 
 def _load_balance(holder) -> LoadBalance:
@@ -361,7 +383,7 @@ def context_attention(q, k, v, segment_ids, causal: bool, layout: ContextLayout,
     """Run ``layout.kind`` under ``shard_map`` on the step's mesh. Specs come from the activation
     rules (``batch``, ``seq``, ``heads`` / ``kv_heads``), so batch / FSDP / TP sharding passes through."""
     b, t, n, h = q.shape
-    layout.check_length(t)
+    layout.check_length(t, dict(ctx.mesh.shape))
     seen = _CAUSALITY.get()
     if seen is not None:
         seen.add(bool(causal))
