@@ -3,6 +3,7 @@ by type and range, the tensors audited, run headers read as a decoder's or refus
 folder's failures typed, the special token ids carried to the export. The CLI's side of the same
 cases (exit codes, no traceback, nothing left behind) is tests/test_probe_hf.py."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ from meshtrain.errors import ConfigError, DiskError
 from meshtrain.hf import model_config
 from meshtrain.hf.output import output_folder
 from meshtrain.hf.run_config import run_decoder_config
+from meshtrain.models import get_config
 from meshtrain.hf.validate import check_config, special_token_ids
 from meshtrain.train.interop import export_hf, import_hf
 
@@ -105,12 +107,14 @@ def test_run_decoder_config_names_the_file_and_field(tmp_path):
     decoder = {"name": "d", "vocab_size": 16, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
                "head_dim": 4, "d_ff": 16, "max_seq_len": 8, "rope_scaling": [8.0, 1.0, 4.0, 8]}
     assert run_decoder_config(_run_header(tmp_path, decoder), "export").rope_scaling == (8.0, 1.0, 4.0, 8)
-    for broken, says in [({**decoder, "n_kv_heads": None}, "model_config.n_kv_heads=None"),
-                         ({**decoder, "rope_theta": "big"}, "model_config.rope_theta='big'"),
-                         ({**decoder, "n_heads": 3, "n_kv_heads": 2}, "n_heads=3 is not a multiple of n_kv_heads=2"),
-                         ({k: v for k, v in decoder.items() if k != "d_ff"}, "lacks ['d_ff']"),
-                         ({"image_size": 32, "patch_size": 4}, "not a decoder"),
-                         (None, "model_config is None")]:
+    for broken, says in [({**decoder, "n_kv_heads": None}, "field 'n_kv_heads' is None"),
+                         ({**decoder, "rope_theta": "big"}, "field 'rope_theta' is 'big'"),
+                         ({**decoder, "n_heads": 3, "n_kv_heads": 2}, "n_heads=3 of model 'd' is not a multiple of "
+                                                                      "n_kv_heads=2"),
+                         ({k: v for k, v in decoder.items() if k != "d_ff"}, "lacks the field 'd_ff'"),
+                         (dataclasses.asdict(get_config("vit-tiny")), "not a decoder"),
+                         ({"image_size": 32, "patch_size": 4}, "lacks the field"),
+                         (None, "model_config is a NoneType")]:
         with pytest.raises(ConfigError) as err:
             run_decoder_config(_run_header(tmp_path, broken), "generate")
         assert says in str(err.value), str(err.value)

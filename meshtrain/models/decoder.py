@@ -79,6 +79,10 @@ class DecoderConfig:
         if self.mlp_activation not in ACTIVATIONS:
             raise ConfigError(f"mlp_activation={self.mlp_activation!r} of model {self.name!r}: use one of "
                               f"{sorted(ACTIVATIONS)}")
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            # grouped-query attention shares each KV head among n_heads / n_kv_heads query heads
+            raise ConfigError(f"n_heads={self.n_heads} of model {self.name!r} is not a multiple of "
+                              f"n_kv_heads={self.n_kv_heads}: give a number of KV heads that divides the query heads")
         if self.n_experts:
             self.moe()  # validates top-k, capacity and widths with errors naming the field
 

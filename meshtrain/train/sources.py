@@ -18,6 +18,7 @@ from meshtrain import hf
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
 from meshtrain.models import DecoderConfig, get_config
+from meshtrain.models.configs import config_from_fields
 from meshtrain.train.rundir import METRICS_FILE
 
 
@@ -47,7 +48,7 @@ def model_config_for(name: str):
             raise ConfigError(f"--model {name!r} is a folder with neither a HuggingFace config.json nor a run "
                               f"header naming a built-in decoder (metrics.jsonl); pass a model name, a HuggingFace "
                               f"folder or a run folder")
-        return DecoderConfig(**header["model_config"])
+        return config_from_fields(header["model_config"], os.path.join(name, METRICS_FILE))
     return get_config(name)
 
 
