@@ -24,7 +24,11 @@ The coordinator (process 0) binds only the coordinator address itself unless
 ``MESHTRAIN_COORDINATOR_BIND`` (``--coordinator-bind``) names another, e.g. ``0.0.0.0:12355``.
 ``MESHTRAIN_INIT_TIMEOUT`` (``--init-timeout``, seconds, default 300) bounds the wait for the
 coordinator and for all processes to join; past it the process fails with a message naming the
-address and the timeout.
+address and the timeout. On CPU (gloo collectives) the same bound covers the processes' first
+meeting in their collectives (:func:`_meet`): XLA's own wait there is a fixed 30 s.
+
+When another process dies mid-run, the collective waiting for it fails in this one;
+:func:`peer_failure` turns that error into one line naming the process that stopped answering.
 """
 
 from __future__ import annotations
@@ -34,10 +38,13 @@ import dataclasses
 import enum
 import math
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from meshtrain.errors import MeshtrainError
@@ -382,7 +389,105 @@ def initialize(config: Optional[DistributedConfig] = None, *, environ: Optional[
     finally:
         done.set()
     _current = dataclasses.replace(cluster, bind=bind)
+    _meet(who, timeout_s)
     return _current
+
+
+#: The coordination-service barrier before the first collectives (one per job: each attempt of a
+#: supervised run has a coordinator of its own).
+_MEET_BARRIER = "meshtrain-first-collectives"
+
+
+def _meet(who: str, timeout_s: float) -> None:
+    """Connect the cross-process CPU collectives now, with every process present.
+
+    XLA:CPU connects the processes of a device group (gloo) at the group's first collective and
+    waits a fixed 30 s there for the others (``GetKeyValue() timed out``; no setting changes it): on
+    a loaded host, a process that reaches that collective after a slower restore or compilation
+    than its peers' fails the run (``Gloo context initialization failed: DEADLINE_EXCEEDED``), and
+    every restart the same way. So: compile two tiny programs, wait at a coordination-service
+    barrier bounded by the init timeout, then run them while the processes are milliseconds apart.
+    They connect the groups a run's collectives use: all devices (FSDP, data parallel,
+    ``broadcast_one_to_all``) and each local device across the processes (``process_allgather``,
+    Orbax's barriers, replicas of HSDP); later collectives in a connected group wait as long as
+    XLA's collective timeout and the hang watchdog allow.
+    """
+    import jax
+    import numpy as np
+    from jax._src import distributed as jax_distributed
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if (jax.process_count() < 2 or jax.default_backend() != "cpu"
+            or getattr(jax.config, "jax_cpu_collectives_implementation", None) != "gloo"):
+        return
+    devices = np.array(jax.devices())
+    n = jax.process_count()
+    groups = ((Mesh(devices, ("all",)), PartitionSpec("all"), (devices.size,)),
+              (Mesh(devices.reshape(n, -1), ("processes", "local")), PartitionSpec("processes"), (n,)))
+    try:
+        programs = []
+        for mesh, spec, shape in groups:
+            x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec),
+                                             lambda index, shape=shape: np.zeros(shape, np.int32)[index])
+            gather = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+            programs.append((gather.lower(x).compile(), x))
+        jax_distributed.global_state.client.wait_at_barrier(_MEET_BARRIER, int(math.ceil(timeout_s * 1000)))
+        for program, x in programs:
+            program(x).block_until_ready()
+    except jax.errors.JaxRuntimeError as exc:
+        raise DistributedError(f"{who}: the processes did not all reach their first collectives within "
+                               f"{timeout_s:g} s ({_first_line(exc)}); raise {ENV_TIMEOUT} / --init-timeout on a "
+                               f"busy host, or check that every process is still running") from exc
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """The gist of a runtime error: its first line, without source locations like ``[pair.cc:534]``."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"\[[^\]]*\.(?:cc|h|cpp):\d+\]\s*", "", text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+#: Set by ``meshtrain launch --max-restarts`` (the watchdog's ``ENV_ATTEMPT``): a supervisor restarts the job.
+_ENV_ATTEMPT = "MESHTRAIN_ATTEMPT"
+#: What a collective or the coordination service says when a peer process died, was killed or hangs.
+_PEER_GONE = re.compile(r"Gloo .*failed|Connection (?:reset|closed|refused)|Broken pipe|Socket closed|"
+                        r"coordination service|heartbeat|task .*(?:died|disconnected|unavailable)|"
+                        r"UNAVAILABLE|barrier timed out|GetKeyValue\(\) timed out", re.IGNORECASE)
+
+
+def peer_failure(exc: BaseException, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """One line for an error that says another process of this run stopped answering (killed, dead,
+    unreachable), e.g. ``[process 0] process 1 stopped answering (Gloo AllGather failed: Connection
+    reset by peer); the launcher restarts the job from its last checkpoint``; ``None`` for any other
+    error, or outside a multi-process run."""
+    if not is_multiprocess() or not _PEER_GONE.search(f"{type(exc).__name__}: {exc}"):
+        return None
+    env = os.environ if environ is None else environ
+    me, n = _current.process_id, _current.num_processes
+    who = f"process {1 - me}" if n == 2 else f"another process (of {', '.join(str(i) for i in range(n) if i != me)})"
+    then = ("the launcher restarts the job from its last checkpoint if it has restarts left"
+            if env.get(_ENV_ATTEMPT) is not None else
+            "the run stops; continue it with --resume (meshtrain launch --max-restarts K restarts it by itself)")
+    return f"[process {me}] {who} stopped answering ({_first_line(exc)}); {then}"
+
+
+def keep_traceback(exc: BaseException, run_dir: Optional[str]) -> Optional[str]:
+    """Write ``exc``'s traceback to ``<run_dir>/error-<process>.txt`` (an existing run folder), else
+    to a file in the temporary folder; returns the path, or None when nothing could be written."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    me = _current.process_id if _current is not None else 0
+    try:
+        if run_dir and os.path.isdir(run_dir):
+            path = os.path.join(run_dir, f"error-{me}.txt")
+            with open(path, "w") as f:
+                f.write(text)
+            return path
+        fd, path = tempfile.mkstemp(prefix=f"meshtrain-error-{me}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
+    except OSError:
+        return None
 
 
 #: Seconds a failing process waits for its peers to leave together before it exits anyway.
