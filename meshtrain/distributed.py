@@ -422,8 +422,9 @@ def _meet(who: str, timeout_s: float) -> None:
         return
     devices = np.array(jax.devices())
     n = jax.process_count()
-    groups = ((Mesh(devices, ("all",)), PartitionSpec("all"), (devices.size,)),
-              (Mesh(devices.reshape(n, -1), ("processes", "local")), PartitionSpec("processes"), (n,)))
+    groups = [(Mesh(devices, ("all",)), PartitionSpec("all"), (devices.size,))]
+    if devices.size == n * jax.local_device_count():   # (the same device count in every process)
+        groups.append((Mesh(devices.reshape(n, -1), ("processes", "local")), PartitionSpec("processes"), (n,)))
     try:
         programs = []
         for mesh, spec, shape in groups:
