@@ -149,3 +149,30 @@ def test_cli_flags_reach_the_start_up():
     assert (c.coordinator, c.num_processes, c.process_id) == ("h:1", 2, 1)
     off = dist.config_from_args(build_parser().parse_args(["train", "--distributed", "off"]))
     assert dist.resolve(off, environ=EXPLICIT) is None
+
+
+GLOO = ("UNKNOWN: Gloo AllGather failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+        "[127.0.0.1]:45267: Connection reset by peer")
+
+
+@pytest.mark.parametrize("n, env, who, then", [
+    (2, {}, "process 1 stopped answering", "the run stops; continue it with --resume"),
+    (2, {"MESHTRAIN_ATTEMPT": "1"}, "process 1 stopped answering", "the launcher restarts the job"),
+    (3, {}, "another process (of 1, 2) stopped answering", "the run stops"),
+])
+def test_a_dead_peer_is_one_line_naming_it(n, env, who, then, monkeypatch, tmp_path):
+    monkeypatch.setattr(dist, "_current", dist.Cluster("h:1", n, 0, dist.Source.EXPLICIT))
+    try:
+        raise RuntimeError(GLOO)
+    except RuntimeError as exc:
+        line = dist.peer_failure(exc, environ=env)
+        path = dist.keep_traceback(exc, str(tmp_path))
+    assert line.startswith(f"[process 0] {who} (UNKNOWN: Gloo AllGather failed: Read error [127.0.0.1]:45267: "
+                           f"Connection reset by peer); {then}"), line
+    assert "\n" not in line and "pair.cc" not in line
+    assert path == str(tmp_path / "error-0.txt") and "Traceback" in open(path).read() and GLOO in open(path).read()
+    assert dist.peer_failure(ValueError("a bug of ours"), environ=env) is None   # anything else keeps its traceback
+
+
+def test_a_single_process_error_is_never_a_dead_peer():
+    assert dist.peer_failure(RuntimeError(GLOO)) is None
