@@ -98,6 +98,9 @@ class DistributedConfig:
     process_id: Optional[int] = None
     bind: Optional[str] = None
     init_timeout_s: float = DEFAULT_TIMEOUT_S
+    #: The run's hang bound (``--hang-timeout``), if any: the coordination service's heartbeat
+    #: timeout is kept above it (:func:`heartbeat_timeout_s`).
+    hang_timeout_s: Optional[float] = None
 
     def __post_init__(self):
         try:
@@ -382,7 +385,8 @@ def initialize(config: Optional[DistributedConfig] = None, *, environ: Optional[
             coordinator_address=cluster.coordinator, num_processes=cluster.num_processes,
             process_id=cluster.process_id, local_device_ids=list(cluster.local_device_ids or []) or None,
             cluster_detection_method="deactivate", coordinator_bind_address=bind,
-            initialization_timeout=int(math.ceil(timeout_s)) + _JAX_GRACE_S)
+            initialization_timeout=int(math.ceil(timeout_s)) + _JAX_GRACE_S,
+            heartbeat_timeout_seconds=heartbeat_timeout_s(cfg.hang_timeout_s))
     except RuntimeError as exc:
         raise DistributedError(f"{who}: jax.distributed.initialize failed: {exc}; call "
                                f"meshtrain.distributed.initialize() before any JAX computation") from exc
@@ -391,6 +395,21 @@ def initialize(config: Optional[DistributedConfig] = None, *, environ: Optional[
     _current = dataclasses.replace(cluster, bind=bind)
     _meet(who, timeout_s)
     return _current
+
+
+#: JAX's default: a process whose heartbeats stop for this long is declared dead and its peers abort.
+HEARTBEAT_TIMEOUT_S = 100
+
+
+def heartbeat_timeout_s(hang_timeout_s: Optional[float]) -> int:
+    """The coordination service's heartbeat timeout: JAX's 100 s, or more than twice a longer-than-30-s
+    ``--hang-timeout``. A frozen process (SIGSTOP, a stuck host) stops its heartbeats; past this timeout
+    the service aborts every peer (SIGABRT, no diagnosis). The heartbeats go out about every half timeout,
+    so the abort comes between half of it and all of it after the freeze: kept above twice the hang
+    bound, the hang watchdog comes first, names the slow process and exits 75."""
+    if hang_timeout_s is None or not (math.isfinite(hang_timeout_s) and hang_timeout_s > 0):
+        return HEARTBEAT_TIMEOUT_S   # (a bad --hang-timeout is refused by the command itself)
+    return max(HEARTBEAT_TIMEOUT_S, int(math.ceil(2 * hang_timeout_s)) + 30)
 
 
 #: The coordination-service barrier before the first collectives (one per job: each attempt of a
@@ -545,7 +564,8 @@ def config_from_args(args: argparse.Namespace) -> DistributedConfig:
     return DistributedConfig.from_env(
         mode=getattr(args, "distributed", None), coordinator=getattr(args, "coordinator", None),
         num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
-        bind=getattr(args, "coordinator_bind", None), init_timeout_s=getattr(args, "init_timeout", None))
+        bind=getattr(args, "coordinator_bind", None), init_timeout_s=getattr(args, "init_timeout", None),
+        hang_timeout_s=getattr(args, "hang_timeout", None))
 
 
 # -- hybrid meshes: the layout lives in meshtrain.mesh (re-exported here for older callers) -------

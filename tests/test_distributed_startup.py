@@ -176,3 +176,15 @@ def test_a_dead_peer_is_one_line_naming_it(n, env, who, then, monkeypatch, tmp_p
 
 def test_a_single_process_error_is_never_a_dead_peer():
     assert dist.peer_failure(RuntimeError(GLOO)) is None
+
+
+def test_the_heartbeat_timeout_stays_above_twice_the_hang_bound():
+    """A frozen process must be found by the hang watchdog (exit 75, naming it), not by the coordination
+    service's heartbeat check (SIGABRT of every peer, no diagnosis)."""
+    assert dist.heartbeat_timeout_s(None) == dist.heartbeat_timeout_s(6) == 100
+    assert dist.heartbeat_timeout_s(88) == 206 and dist.heartbeat_timeout_s(88) > 2 * 88
+    assert [dist.heartbeat_timeout_s(x) for x in (float("nan"), float("inf"), -1, 0)] == [100] * 4
+    from meshtrain.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--hang-timeout", "88"])
+    assert dist.config_from_args(args).hang_timeout_s == 88
