@@ -14,7 +14,7 @@ import traceback
 import warnings
 from typing import List, Optional
 
-from meshtrain import distributed
+from meshtrain import distributed, peer_errors
 from meshtrain.distributed import add_distributed_args
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
@@ -127,11 +127,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         # A peer that died (killed, out of memory) fails this process's collective: one line that
         # names it, the traceback in a file; any other error keeps its traceback on the terminal.
-        line = distributed.peer_failure(exc)
+        line = peer_errors.peer_failure(exc)
         if line is None:
             traceback.print_exc()
             return _leave(1)
-        path = distributed.keep_traceback(exc, getattr(args, "out", None))
+        path = peer_errors.keep_traceback(exc, getattr(args, "out", None))
         print(f"error: {line}" + (f" (traceback in {path})" if path else ""), file=sys.stderr)
         return _leave(1, grace_s=0.0)   # the peer is gone: waiting in the shutdown barrier for it is pointless
 

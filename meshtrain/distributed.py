@@ -28,7 +28,7 @@ address and the timeout. On CPU (gloo collectives) the same bound covers the pro
 meeting in their collectives (:func:`_meet`): XLA's own wait there is a fixed 30 s.
 
 When another process dies mid-run, the collective waiting for it fails in this one;
-:func:`peer_failure` turns that error into one line naming the process that stopped answering.
+:mod:`meshtrain.peer_errors` turns that error into one line naming the process that stopped answering.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ import os
 import re
 import socket
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from meshtrain.errors import MeshtrainError
@@ -456,58 +454,15 @@ def _meet(who: str, timeout_s: float) -> None:
             program(x).block_until_ready()
     except jax.errors.JaxRuntimeError as exc:
         raise DistributedError(f"{who}: the processes did not all reach their first collectives within "
-                               f"{timeout_s:g} s ({_first_line(exc)}); raise {ENV_TIMEOUT} / --init-timeout on a "
+                               f"{timeout_s:g} s ({error_gist(exc)}); raise {ENV_TIMEOUT} / --init-timeout on a "
                                f"busy host, or check that every process is still running") from exc
 
 
-def _first_line(exc: BaseException, limit: int = 200) -> str:
+def error_gist(exc: BaseException, limit: int = 200) -> str:
     """The gist of a runtime error: its first line, without source locations like ``[pair.cc:534]``."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     text = re.sub(r"\[[^\]]*\.(?:cc|h|cpp):\d+\]\s*", "", text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-#: Set by ``meshtrain launch --max-restarts`` (the watchdog's ``ENV_ATTEMPT``): a supervisor restarts the job.
-_ENV_ATTEMPT = "MESHTRAIN_ATTEMPT"
-#: What a collective or the coordination service says when a peer process died, was killed or hangs.
-_PEER_GONE = re.compile(r"Gloo .*failed|Connection (?:reset|closed|refused)|Broken pipe|Socket closed|"
-                        r"coordination service|heartbeat|task .*(?:died|disconnected|unavailable)|"
-                        r"UNAVAILABLE|barrier timed out|GetKeyValue\(\) timed out", re.IGNORECASE)
-
-
-def peer_failure(exc: BaseException, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """One line for an error that says another process of this run stopped answering (killed, dead,
-    unreachable), e.g. ``[process 0] process 1 stopped answering (Gloo AllGather failed: Connection
-    reset by peer); the launcher restarts the job from its last checkpoint``; ``None`` for any other
-    error, or outside a multi-process run."""
-    if not is_multiprocess() or not _PEER_GONE.search(f"{type(exc).__name__}: {exc}"):
-        return None
-    env = os.environ if environ is None else environ
-    me, n = _current.process_id, _current.num_processes
-    who = f"process {1 - me}" if n == 2 else f"another process (of {', '.join(str(i) for i in range(n) if i != me)})"
-    then = ("the launcher restarts the job from its last checkpoint if it has restarts left"
-            if env.get(_ENV_ATTEMPT) is not None else
-            "the run stops; continue it with --resume (meshtrain launch --max-restarts K restarts it by itself)")
-    return f"[process {me}] {who} stopped answering ({_first_line(exc)}); {then}"
-
-
-def keep_traceback(exc: BaseException, run_dir: Optional[str]) -> Optional[str]:
-    """Write ``exc``'s traceback to ``<run_dir>/error-<process>.txt`` (an existing run folder), else
-    to a file in the temporary folder; returns the path, or None when nothing could be written."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    me = _current.process_id if _current is not None else 0
-    try:
-        if run_dir and os.path.isdir(run_dir):
-            path = os.path.join(run_dir, f"error-{me}.txt")
-            with open(path, "w") as f:
-                f.write(text)
-            return path
-        fd, path = tempfile.mkstemp(prefix=f"meshtrain-error-{me}-", suffix=".txt")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return path
-    except OSError:
-        return None
 
 
 #: Seconds a failing process waits for its peers to leave together before it exits anyway.

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshtrain import distributed as dist
+from meshtrain import peer_errors
 from meshtrain import get_recipe
 from meshtrain.errors import MeshError
 from meshtrain.mesh import MeshSpec
@@ -165,17 +166,17 @@ def test_a_dead_peer_is_one_line_naming_it(n, env, who, then, monkeypatch, tmp_p
     try:
         raise RuntimeError(GLOO)
     except RuntimeError as exc:
-        line = dist.peer_failure(exc, environ=env)
-        path = dist.keep_traceback(exc, str(tmp_path))
+        line = peer_errors.peer_failure(exc, environ=env)
+        path = peer_errors.keep_traceback(exc, str(tmp_path))
     assert line.startswith(f"[process 0] {who} (UNKNOWN: Gloo AllGather failed: Read error [127.0.0.1]:45267: "
                            f"Connection reset by peer); {then}"), line
     assert "\n" not in line and "pair.cc" not in line
     assert path == str(tmp_path / "error-0.txt") and "Traceback" in open(path).read() and GLOO in open(path).read()
-    assert dist.peer_failure(ValueError("a bug of ours"), environ=env) is None   # anything else keeps its traceback
+    assert peer_errors.peer_failure(ValueError("a bug of ours"), environ=env) is None   # anything else keeps its traceback
 
 
 def test_a_single_process_error_is_never_a_dead_peer():
-    assert dist.peer_failure(RuntimeError(GLOO)) is None
+    assert peer_errors.peer_failure(RuntimeError(GLOO)) is None
 
 
 def test_the_heartbeat_timeout_stays_above_twice_the_hang_bound():

@@ -254,7 +254,9 @@ class ProcessGroup:
         while True:
             codes = [p.poll() for p in self.procs]
             if first is None:
-                failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
+                # Several found failed at once: a process killed by a signal is the cause, the others' errors
+                # (a collective that lost its peer) follow from it.
+                failed = sorted(((i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)), key=lambda f: f[1] > 0)
                 if failed:
                     first = failed[0]
                     live = [j for j, c in enumerate(codes) if c is None]
