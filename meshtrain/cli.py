@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from typing import List, Optional
 
-from meshtrain import distributed
+from meshtrain import distributed, peer_errors
 from meshtrain.distributed import add_distributed_args
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
@@ -121,13 +122,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt as exc:
         print(f"interrupted{'; ' + str(exc) if str(exc) else ''}", file=sys.stderr)
         return _leave(130)
-    except Exception:
+    except Exception as exc:
         if not distributed.is_multiprocess():
             raise
-        import traceback
-
-        traceback.print_exc()
-        return _leave(1)
+        # A peer that died (killed, out of memory) fails this process's collective: one line that
+        # names it, the traceback in a file; any other error keeps its traceback on the terminal.
+        line = peer_errors.peer_failure(exc)
+        if line is None:
+            traceback.print_exc()
+            return _leave(1)
+        path = peer_errors.keep_traceback(exc, getattr(args, "out", None))
+        print(f"error: {line}" + (f" (traceback in {path})" if path else ""), file=sys.stderr)
+        return _leave(1, grace_s=0.0)   # the peer is gone: waiting in the shutdown barrier for it is pointless
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -135,11 +141,11 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
-def _leave(code: int) -> int:
+def _leave(code: int, grace_s: float = distributed.SHUTDOWN_GRACE_S) -> int:
     """In a multi-process run, a failing process leaves at once: a normal exit would wait in
     jax.distributed's shutdown barrier for peers that are themselves waiting for it."""
     if distributed.is_multiprocess():
-        distributed.exit_now(code)
+        distributed.exit_now(code, grace_s)
     return code
 
 

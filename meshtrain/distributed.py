@@ -24,7 +24,11 @@ The coordinator (process 0) binds only the coordinator address itself unless
 ``MESHTRAIN_COORDINATOR_BIND`` (``--coordinator-bind``) names another, e.g. ``0.0.0.0:12355``.
 ``MESHTRAIN_INIT_TIMEOUT`` (``--init-timeout``, seconds, default 300) bounds the wait for the
 coordinator and for all processes to join; past it the process fails with a message naming the
-address and the timeout.
+address and the timeout. On CPU (gloo collectives) the same bound covers the processes' first
+meeting in their collectives (:func:`_meet`): XLA's own wait there is a fixed 30 s.
+
+When another process dies mid-run, the collective waiting for it fails in this one;
+:mod:`meshtrain.peer_errors` turns that error into one line naming the process that stopped answering.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import dataclasses
 import enum
 import math
 import os
+import re
 import socket
 import sys
 import threading
@@ -91,6 +96,9 @@ class DistributedConfig:
     process_id: Optional[int] = None
     bind: Optional[str] = None
     init_timeout_s: float = DEFAULT_TIMEOUT_S
+    #: The run's hang bound (``--hang-timeout``), if any: the coordination service's heartbeat
+    #: timeout is kept above it (:func:`heartbeat_timeout_s`).
+    hang_timeout_s: Optional[float] = None
 
     def __post_init__(self):
         try:
@@ -375,14 +383,86 @@ def initialize(config: Optional[DistributedConfig] = None, *, environ: Optional[
             coordinator_address=cluster.coordinator, num_processes=cluster.num_processes,
             process_id=cluster.process_id, local_device_ids=list(cluster.local_device_ids or []) or None,
             cluster_detection_method="deactivate", coordinator_bind_address=bind,
-            initialization_timeout=int(math.ceil(timeout_s)) + _JAX_GRACE_S)
+            initialization_timeout=int(math.ceil(timeout_s)) + _JAX_GRACE_S,
+            heartbeat_timeout_seconds=heartbeat_timeout_s(cfg.hang_timeout_s))
     except RuntimeError as exc:
         raise DistributedError(f"{who}: jax.distributed.initialize failed: {exc}; call "
                                f"meshtrain.distributed.initialize() before any JAX computation") from exc
     finally:
         done.set()
     _current = dataclasses.replace(cluster, bind=bind)
+    _meet(who, timeout_s)
     return _current
+
+
+#: JAX's default: a process whose heartbeats stop for this long is declared dead and its peers abort.
+HEARTBEAT_TIMEOUT_S = 100
+
+
+def heartbeat_timeout_s(hang_timeout_s: Optional[float]) -> int:
+    """The coordination service's heartbeat timeout: JAX's 100 s, or more than twice a longer-than-30-s
+    ``--hang-timeout``. A frozen process (SIGSTOP, a stuck host) stops its heartbeats; past this timeout
+    the service aborts every peer (SIGABRT, no diagnosis). The heartbeats go out about every half timeout,
+    so the abort comes between half of it and all of it after the freeze: kept above twice the hang
+    bound, the hang watchdog comes first, names the slow process and exits 75."""
+    if hang_timeout_s is None or not (math.isfinite(hang_timeout_s) and hang_timeout_s > 0):
+        return HEARTBEAT_TIMEOUT_S   # (a bad --hang-timeout is refused by the command itself)
+    return max(HEARTBEAT_TIMEOUT_S, int(math.ceil(2 * hang_timeout_s)) + 30)
+
+
+#: The coordination-service barrier before the first collectives (one per job: each attempt of a
+#: supervised run has a coordinator of its own).
+_MEET_BARRIER = "meshtrain-first-collectives"
+
+
+def _meet(who: str, timeout_s: float) -> None:
+    """Connect the cross-process CPU collectives now, with every process present.
+
+    XLA:CPU connects the processes of a device group (gloo) at the group's first collective and
+    waits a fixed 30 s there for the others (``GetKeyValue() timed out``; no setting changes it): on
+    a loaded host, a process that reaches that collective after a slower restore or compilation
+    than its peers' fails the run (``Gloo context initialization failed: DEADLINE_EXCEEDED``), and
+    every restart the same way. So: compile two tiny programs, wait at a coordination-service
+    barrier bounded by the init timeout, then run them while the processes are milliseconds apart.
+    They connect the groups a run's collectives use: all devices (FSDP, data parallel,
+    ``broadcast_one_to_all``) and each local device across the processes (``process_allgather``,
+    Orbax's barriers, replicas of HSDP); later collectives in a connected group wait as long as
+    XLA's collective timeout and the hang watchdog allow.
+    """
+    import jax
+    import numpy as np
+    from jax._src import distributed as jax_distributed
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if (jax.process_count() < 2 or jax.default_backend() != "cpu"
+            or getattr(jax.config, "jax_cpu_collectives_implementation", None) != "gloo"):
+        return
+    devices = np.array(jax.devices())
+    n = jax.process_count()
+    groups = [(Mesh(devices, ("all",)), PartitionSpec("all"), (devices.size,))]
+    if devices.size == n * jax.local_device_count():   # (the same device count in every process)
+        groups.append((Mesh(devices.reshape(n, -1), ("processes", "local")), PartitionSpec("processes"), (n,)))
+    try:
+        programs = []
+        for mesh, spec, shape in groups:
+            x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec),
+                                             lambda index, shape=shape: np.zeros(shape, np.int32)[index])
+            gather = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+            programs.append((gather.lower(x).compile(), x))
+        jax_distributed.global_state.client.wait_at_barrier(_MEET_BARRIER, int(math.ceil(timeout_s * 1000)))
+        for program, x in programs:
+            program(x).block_until_ready()
+    except jax.errors.JaxRuntimeError as exc:
+        raise DistributedError(f"{who}: the processes did not all reach their first collectives within "
+                               f"{timeout_s:g} s ({error_gist(exc)}); raise {ENV_TIMEOUT} / --init-timeout on a "
+                               f"busy host, or check that every process is still running") from exc
+
+
+def error_gist(exc: BaseException, limit: int = 200) -> str:
+    """The gist of a runtime error: its first line, without source locations like ``[pair.cc:534]``."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"\[[^\]]*\.(?:cc|h|cpp):\d+\]\s*", "", text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 #: Seconds a failing process waits for its peers to leave together before it exits anyway.
@@ -439,7 +519,8 @@ def config_from_args(args: argparse.Namespace) -> DistributedConfig:
     return DistributedConfig.from_env(
         mode=getattr(args, "distributed", None), coordinator=getattr(args, "coordinator", None),
         num_processes=getattr(args, "num_processes", None), process_id=getattr(args, "process_id", None),
-        bind=getattr(args, "coordinator_bind", None), init_timeout_s=getattr(args, "init_timeout", None))
+        bind=getattr(args, "coordinator_bind", None), init_timeout_s=getattr(args, "init_timeout", None),
+        hang_timeout_s=getattr(args, "hang_timeout", None))
 
 
 # -- hybrid meshes: the layout lives in meshtrain.mesh (re-exported here for older callers) -------

@@ -23,9 +23,11 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
+import time
 from typing import Optional, Sequence
 
 #: Generous bound for one CLI call on a busy 2-core machine; pass a tighter one where it fits.
@@ -104,6 +106,23 @@ def run(args: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, input: Optio
     if check:
         done.check_returncode()
     return done
+
+
+def slowdown(cpu_seconds: float = 0.2) -> float:
+    """How many times slower than on an idle core a single thread runs on this machine now (>= 1):
+    the wall time of a busy loop over the CPU time it got. ~1 on an idle machine, ~load / cores on a
+    busy one. A test whose child must finish something within a bound (a hang timeout, a straggler's
+    sleep) multiplies the bound it was tuned with on an idle machine by this (:func:`scaled`)."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    while time.process_time() - cpu0 < cpu_seconds:
+        sum(range(10_000))
+    return max(1.0, (time.perf_counter() - wall0) / max(time.process_time() - cpu0, 1e-9))
+
+
+def scaled(seconds: float, margin: float = 2.0) -> int:
+    """``seconds`` (a bound that holds on an idle machine) times the measured :func:`slowdown`, times
+    ``margin`` for the load rising during the test, rounded up to whole seconds."""
+    return int(math.ceil(seconds * slowdown() * margin))
 
 
 def _tail(data, n: int = 2000):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshtrain import distributed as dist
+from meshtrain import peer_errors
 from meshtrain import get_recipe
 from meshtrain.errors import MeshError
 from meshtrain.mesh import MeshSpec
@@ -149,3 +150,42 @@ def test_cli_flags_reach_the_start_up():
     assert (c.coordinator, c.num_processes, c.process_id) == ("h:1", 2, 1)
     off = dist.config_from_args(build_parser().parse_args(["train", "--distributed", "off"]))
     assert dist.resolve(off, environ=EXPLICIT) is None
+
+
+GLOO = ("UNKNOWN: Gloo AllGather failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+        "[127.0.0.1]:45267: Connection reset by peer")
+
+
+@pytest.mark.parametrize("n, env, who, then", [
+    (2, {}, "process 1 stopped answering", "the run stops; continue it with --resume"),
+    (2, {"MESHTRAIN_ATTEMPT": "1"}, "process 1 stopped answering", "the launcher restarts the job"),
+    (3, {}, "another process (of 1, 2) stopped answering", "the run stops"),
+])
+def test_a_dead_peer_is_one_line_naming_it(n, env, who, then, monkeypatch, tmp_path):
+    monkeypatch.setattr(dist, "_current", dist.Cluster("h:1", n, 0, dist.Source.EXPLICIT))
+    try:
+        raise RuntimeError(GLOO)
+    except RuntimeError as exc:
+        line = peer_errors.peer_failure(exc, environ=env)
+        path = peer_errors.keep_traceback(exc, str(tmp_path))
+    assert line.startswith(f"[process 0] {who} (UNKNOWN: Gloo AllGather failed: Read error [127.0.0.1]:45267: "
+                           f"Connection reset by peer); {then}"), line
+    assert "\n" not in line and "pair.cc" not in line
+    assert path == str(tmp_path / "error-0.txt") and "Traceback" in open(path).read() and GLOO in open(path).read()
+    assert peer_errors.peer_failure(ValueError("a bug of ours"), environ=env) is None   # anything else keeps its traceback
+
+
+def test_a_single_process_error_is_never_a_dead_peer():
+    assert peer_errors.peer_failure(RuntimeError(GLOO)) is None
+
+
+def test_the_heartbeat_timeout_stays_above_twice_the_hang_bound():
+    """A frozen process must be found by the hang watchdog (exit 75, naming it), not by the coordination
+    service's heartbeat check (SIGABRT of every peer, no diagnosis)."""
+    assert dist.heartbeat_timeout_s(None) == dist.heartbeat_timeout_s(6) == 100
+    assert dist.heartbeat_timeout_s(88) == 206 and dist.heartbeat_timeout_s(88) > 2 * 88
+    assert [dist.heartbeat_timeout_s(x) for x in (float("nan"), float("inf"), -1, 0)] == [100] * 4
+    from meshtrain.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--hang-timeout", "88"])
+    assert dist.config_from_args(args).hang_timeout_s == 88

@@ -13,7 +13,10 @@ import pytest
 from meshtrain.cli import main
 from meshtrain.commands.launch import ProcessGroup
 
-WAIT_S = 60  # children sleep this long unless stopped; every test must end well before
+#: Children sleep this long unless stopped, then exit 9 (NOT_STOPPED): a test sees from the status, not from
+#: the clock, whether the group stopped them; the bound only keeps a broken test from hanging.
+WAIT_S = 300
+NOT_STOPPED = 9
 
 
 def child(code: str):
@@ -23,7 +26,7 @@ def child(code: str):
 def trap(marker):
     """Exits 0 on SIGTERM; touches ``marker`` once the handler is installed."""
     return child(f"import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
-                 f"pathlib.Path({str(marker)!r}).touch(); time.sleep({WAIT_S})")
+                 f"pathlib.Path({str(marker)!r}).touch(); time.sleep({WAIT_S}); sys.exit({NOT_STOPPED})")
 
 
 STUBBORN = child(f"import signal, time, pathlib, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -46,15 +49,14 @@ def test_first_failure_stops_the_others_and_sets_the_status(tmp_path):
     fail = child(f"import pathlib, sys, time\nwhile not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.02)\n"
                  f"sys.exit(3)")
     g = group([trap(ready), fail, trap(tmp_path / "r2")])
-    t0 = time.monotonic()
     g.start()
     try:
         status = g.supervise()
     finally:
         g.close()
     assert status == 3
-    assert [p.returncode for p in g.procs] in ([0, 3, 0], [0, 3, -signal.SIGTERM])  # r2 may not have trapped yet
-    assert time.monotonic() - t0 < WAIT_S / 2
+    # stopped by the group's SIGTERM (0), not at the end of their sleep (NOT_STOPPED); r2 may not have trapped yet
+    assert [p.returncode for p in g.procs] in ([0, 3, 0], [0, 3, -signal.SIGTERM])
 
 
 def test_a_process_ignoring_sigterm_is_killed_after_the_grace(tmp_path):
@@ -119,3 +121,50 @@ def test_every_process_reports_its_error_and_the_launcher_exits_with_it(tmp_path
         lines = [line for line in proc.stderr.splitlines() if line.startswith(f"[{i}] error: [process {i}]")]
         assert lines and str(missing) in lines[0], proc.stderr[-3000:]
     assert "[launch] process" in proc.stderr
+
+
+LAUNCHER = """
+import os, sys, time
+from meshtrain.commands.launch import Guard, ProcessGroup
+folder, pids, use_guard = sys.argv[1], sys.argv[2], sys.argv[3] == "guard"
+os.makedirs(folder)
+guard = Guard() if use_guard else None
+if guard:
+    guard.note(f"dir {folder}")
+g = ProcessGroup([[sys.executable, "-c", "import time; time.sleep(300)"]] * 2, [dict(os.environ)] * 2, quiet=True,
+                 guard=guard)
+g.start()
+with open(pids + ".tmp", "w") as f:
+    f.write(" ".join(str(p.pid) for p in g.procs))
+os.replace(pids + ".tmp", pids)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("guard", ["guard", "no-guard"])
+def test_a_sigkilled_launcher_leaves_no_process_and_the_guard_removes_the_run_folder(guard, tmp_path):
+    """SIGKILL of the launcher: its processes die with it (parent-death signal, also without the guard);
+    the guard removes the folder it was told about (the run's /dev/shm copies)."""
+    folder, pid_file = tmp_path / "meshtrain-peers-x", tmp_path / "pids"
+    launcher = processes.start([sys.executable, "-c", LAUNCHER, str(folder), str(pid_file), guard])
+    try:
+        wait_for([pid_file])
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        os.kill(launcher.pid, signal.SIGKILL)
+        processes.wait(launcher, timeout=60)
+        end = time.monotonic() + processes.scaled(10)
+        while (any(map(_alive, pids)) or (guard == "guard" and folder.exists())) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not [p for p in pids if _alive(p)], "a launched process outlived its SIGKILLed launcher"
+        assert folder.exists() == (guard == "no-guard")
+    finally:
+        processes.kill(launcher)

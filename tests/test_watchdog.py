@@ -60,13 +60,14 @@ def test_bad_watchdog_settings_exit_2(flag, message, capsys, tmp_path):
 
 def test_a_hang_dumps_every_stack_names_the_frame_and_exits_75(tmp_path):
     out = tmp_path / "run"
+    hang = processes.scaled(3)   # 3 s on an idle machine: no ordinary step of the tiny model comes near it
     done = processes.run([sys.executable, "-m", "meshtrain", *TINY, "--steps", "6", "--devices", "2",
-                          "--hang-timeout", "3", "--out", str(out)], env=env("slow@step=3,seconds=120"),
-                         timeout=300, cwd=ROOT)
+                          "--hang-timeout", str(hang), "--out", str(out)], env=env("slow@step=3,seconds=3600"),
+                         timeout=600, cwd=ROOT)
     assert done.returncode == EXIT_HANG == 75, done.stderr[-3000:]
     dump = (out / "hang-0.txt").read_text()
     first = dump.splitlines()[0]
-    assert "completed no step for" in first and "(bound 3 s) after step 3" in first, first
+    assert "completed no step for" in first and f"(bound {hang} s) after step 3" in first, first
     assert "main thread stuck at" in first and "watchdog.py" in first and "in _inject" in first, first
     assert "all threads (faulthandler)" in dump and "time.sleep" in dump
     assert f"error: {first}" in done.stderr
@@ -76,13 +77,15 @@ def test_a_hang_dumps_every_stack_names_the_frame_and_exits_75(tmp_path):
 
 def test_a_slow_process_is_reported_as_a_straggler_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
+    # 0.5 s on an idle machine; scaled, so that the sleep stays large beside steps slowed by a busy host
+    slow = 0.5 * processes.slowdown() * 2
     done = processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
                           "2", "--", *TINY, "--steps", "10", "--out", str(out)],
-                         env=env("slow@step=1,process=1,seconds=0.5"), timeout=300, cwd=ROOT)
+                         env=env(f"slow@step=1,process=1,seconds={slow:.2f}"), timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     stragglers = [r for r in recs if r.get("event") == "stragglers"]
     assert [(r["step"], r["processes"]) for r in stragglers] == [(10, [1])], stragglers
-    assert stragglers[0]["host_s_per_step"][1] >= 0.5 > stragglers[0]["host_s_per_step"][0]
+    assert stragglers[0]["host_s_per_step"][1] >= round(slow, 2) > stragglers[0]["host_s_per_step"][0]
     assert "straggler at step 10: process 1 spends" in done.stdout
     assert max(r["step"] for r in recs if "loss" in r) == 10

@@ -107,7 +107,8 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
            *(["--max-restarts", str(max_restarts)] if max_restarts else []), *(["--elastic"] if elastic else []), "--",
            "train", "--model", args.model, "--recipe", "fsdp", "--steps", str(args.steps), "--batch-size",
            str(args.batch_size), "--seq-len", str(args.seq_len), "--eval-every", "0", "--progress", "lines",
-           "--ckpt-every", str(args.ckpt_every), "--keep-last", "2", "--hang-timeout", str(args.hang_timeout),
+           "--ckpt-every", str(args.ckpt_every), "--keep-last", "2",
+           *(["--hang-timeout", f"{args.hang_timeout:g}"] if args.hang_timeout else []),
            *(["--peer-every", str(args.peer_every)] if peers else []), "--out", out]
     t0 = time.perf_counter()
     with open(out + ".log", "w") as log:
@@ -115,6 +116,14 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
     if rc != 0:
         raise SystemExit(f"launch for {out} exited {rc}; see {out}.log")
     return time.perf_counter() - t0
+
+
+def hang_timeout_for(metrics: List[dict]) -> float:
+    """A hang bound for the fault runs on this machine now: 5 x the longest step interval (step, data wait,
+    checkpoint block) of the uninterrupted run, its first (compiling) step left out; at least 10 s."""
+    longest = max((r["step_time_s"] + r.get("data_wait_s", 0) + r.get("ckpt_block_s", 0) for r in metrics[1:]),
+                  default=0.0)
+    return float(max(10, int(5 * longest) + 1))
 
 
 def fault_spec(kinds: List[str], steps: int, rng: random.Random, slow_seconds: float, ckpt_every: int) -> str:
@@ -185,7 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--ckpt-every", type=int, default=2)
     p.add_argument("--peer-every", type=int, default=2, help="in-memory peer checkpoint interval of mixes with peers")
-    p.add_argument("--hang-timeout", type=float, default=10.0)
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="the runs' --hang-timeout (default: scaled to this machine: max(10, 5 x the longest step "
+                        "interval of the uninterrupted run), so that a busy host's slow step is not a hang)")
     p.add_argument("--slow-seconds", type=float, default=0.5)
     p.add_argument("--mixes", nargs="+", default=["kill,kill", "stop,kill", "kill,stop,slow", "kill,elastic"],
                    help="fault mixes, each a comma-separated list of kill, lose, full, stop, slow (and "
@@ -198,12 +209,16 @@ def main(argv=None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="bench-resilience-")
     os.makedirs(work, exist_ok=True)
     load = os.getloadavg()[0]
-    print(f"{args.model}, {args.processes} processes x {args.devices_per_process} CPU devices, {args.steps} steps, "
-          f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout "
-          f"{args.hang_timeout:g}; load average {load:.2f} on {os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
+    given = args.hang_timeout
+    args.hang_timeout = None   # the reference: the watchdog's own bound (minutes), it has no fault to find
     ref_dir = os.path.join(work, "reference")
     wall = launch(args, ref_dir)
     ref_metrics = [r for r in records(os.path.join(ref_dir, "metrics.jsonl")) if "loss" in r and "step" in r]
+    args.hang_timeout = given or hang_timeout_for(ref_metrics)
+    print(f"{args.model}, {args.processes} processes x {args.devices_per_process} CPU devices, {args.steps} steps, "
+          f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout "
+          f"{args.hang_timeout:g}{'' if given else ' (scaled: 5 x the longest step interval, at least 10)'}; "
+          f"load average {load:.2f} on {os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
     reference = {"wall_s": wall, "arrays": final_arrays(ref_dir, args.steps),
                  "median_step_s": statistics.median(r["step_time_s"] for r in ref_metrics[1:] or ref_metrics)}
     print(f"uninterrupted: {wall:.1f} s, median step {reference['median_step_s'] * 1e3:.0f} ms, goodput "

@@ -14,6 +14,9 @@ failure's status (128 + signal for a process killed by a signal), else 0.
 With ``--max-restarts K`` the launcher also restarts the whole job (new coordinator, ``--resume
 latest``) when a process dies, hangs (the watchdog's exit 75) or the coordinator is lost, up to K
 times, and logs each attempt to ``<run>/events.jsonl`` (:mod:`meshtrain.supervisor`).
+No process outlives the launcher, even one killed by SIGKILL: each process dies with it (a
+parent-death signal) and a guard process kills what is left and removes the run's in-memory peer
+copies (:mod:`meshtrain.commands.launch_guard`).
 For clusters use the templates in ``recipes/launch/`` (SLURM, GKE/JobSet) instead.
 """
 
@@ -28,10 +31,12 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 from typing import List, Optional
 
 from meshtrain import distributed, supervisor
-from meshtrain.commands import launch_fit
+from meshtrain.checkpoint import peers
+from meshtrain.commands import launch_fit, launch_guard
 from meshtrain.cli import COMMANDS
 from meshtrain.errors import ConfigError
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
@@ -159,6 +164,36 @@ def _say(text: str) -> None:
         sys.stderr.buffer.flush()
 
 
+class Guard:
+    """The launcher's side of :mod:`~meshtrain.commands.launch_guard`: starts the guard process and
+    tells it the processes and folders that must not outlive the launcher."""
+
+    def __init__(self):
+        # its own session: a terminal's Ctrl-C or a kill of the launcher's process group spares it
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", launch_guard.__file__, "guard"],
+                                     stdin=subprocess.PIPE, start_new_session=True)
+
+    def note(self, text: str) -> None:
+        try:
+            self.proc.stdin.write(text.encode() + b"\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):   # the guard is gone (killed by someone): the parent-death signal remains
+            pass
+
+    def close(self) -> None:
+        """The launcher finishes normally: the guard leaves without touching anything."""
+        self.note("bye")
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class ProcessGroup:
     """N child processes supervised together: output relayed with ``[i]`` prefixes, signals forwarded,
     the others stopped (SIGTERM, then SIGKILL after ``grace`` seconds) when one fails.
@@ -167,8 +202,9 @@ class ProcessGroup:
     status (``128 + signal`` for a process killed by a signal), or 0 when every process succeeded.
     """
 
-    def __init__(self, argvs: List[List[str]], envs: List[dict], grace: float = 10.0, quiet: bool = False):
-        self.argvs, self.envs, self.grace, self.quiet = argvs, envs, grace, quiet
+    def __init__(self, argvs: List[List[str]], envs: List[dict], grace: float = 10.0, quiet: bool = False,
+                 guard: Optional[Guard] = None):
+        self.argvs, self.envs, self.grace, self.quiet, self.guard = argvs, envs, grace, quiet, guard
         self.procs: List[subprocess.Popen] = []
         self._relays: List[_Relay] = []
         self._signals = 0
@@ -184,9 +220,12 @@ class ProcessGroup:
         sys.stdout.flush()
         for i, (argv, env) in enumerate(zip(self.argvs, self.envs)):
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
-            p = subprocess.Popen(argv, env=env, stdout=None if i == 0 else subprocess.PIPE,
+            # Started through launch_guard: it dies with this process, even one killed by SIGKILL.
+            p = subprocess.Popen(launch_guard.child_argv(argv), env=env, stdout=None if i == 0 else subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True)
             self.procs.append(p)
+            if self.guard is not None:
+                self.guard.note(f"pid {p.pid}")
             prefix = f"[{i}] ".encode()
             self._relays.append(_Relay(p.stderr, err, prefix))
             if i:
@@ -215,7 +254,9 @@ class ProcessGroup:
         while True:
             codes = [p.poll() for p in self.procs]
             if first is None:
-                failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
+                # Several found failed at once: a process killed by a signal is the cause, the others' errors
+                # (a collective that lost its peer) follow from it.
+                failed = sorted(((i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)), key=lambda f: f[1] > 0)
                 if failed:
                     first = failed[0]
                     live = [j for j, c in enumerate(codes) if c is None]
@@ -243,6 +284,8 @@ class ProcessGroup:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            if self.guard is not None:
+                self.guard.note(f"gone {p.pid}")
         for r in self._relays:
             r.join(timeout=5)
 
@@ -263,13 +306,34 @@ class ProcessGroup:
             _say(text)
 
 
+def peer_folder(cmd: List[str]) -> Optional[Path]:
+    """The RAM folder of the launched run's in-memory peer copies (``train --out``), else None."""
+    out = supervisor.option_value(cmd, "--out")
+    if cmd[0] != "train" or not out:
+        return None
+    return peers.store_folder(Path(out).expanduser().absolute() / "checkpoints")
+
+
 def run(args) -> int:
     cmd = _command(args)
     check_host_memory(args.processes, host_memory_bytes())
     if args.elastic and args.max_restarts is None:
         raise ConfigError("--elastic applies to restarts: add --max-restarts K")
+    if args.max_restarts is not None:
+        supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
+    guard = Guard()
+    try:
+        folder = peer_folder(cmd)
+        if folder is not None:
+            guard.note(f"dir {folder}")
+        return _run(args, cmd, guard)
+    finally:
+        guard.close()
+
+
+def _run(args, cmd: List[str], guard: Guard) -> int:
     if args.max_restarts is None:
-        return _attempt(args, cmd, args.port)[0]
+        return _attempt(args, cmd, args.port, guard=guard)[0]
     run_dir = supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
     if args.port and args.max_restarts:
         _say(f"--port {args.port} is used for the first attempt; restarts take a free port (the old one may linger)")
@@ -286,7 +350,7 @@ def run(args) -> int:
         if layouts and k:
             n = layout(k).processes
             run_cmd = supervisor.with_option(run_cmd, "--grad-accum", str(layout(k).grad_accum))
-        return _attempt(args, run_cmd, args.port if not k else 0, k, processes=n)
+        return _attempt(args, run_cmd, args.port if not k else 0, k, processes=n, guard=guard)
 
     def explain(k: int, status: int) -> Optional[str]:
         """Why a shrunk attempt exited 2, when it is the memory check: the smallest device count that fits."""
@@ -304,7 +368,8 @@ def run(args) -> int:
                                  layout=layout if layouts else None, explain=explain).run()
 
 
-def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, processes: Optional[int] = None):
+def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, processes: Optional[int] = None,
+             guard: Optional[Guard] = None):
     """Run ``cmd`` once in every process: (exit status, first failing process, launcher signalled)."""
     n = processes or args.processes
     port = port or distributed.free_port()
@@ -321,6 +386,6 @@ def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, pro
     _say(f"coordinator 127.0.0.1:{port}")
     argv = [sys.executable, "-m", "meshtrain", *cmd]
     group = ProcessGroup([argv] * n, [dict(env, **{distributed.ENV_PROCESS_ID: str(i)}) for i in range(n)],
-                         grace=args.grace)
+                         grace=args.grace, guard=guard)
     status = group.run()
     return status, (group.first[0] if group.first else None), group.signalled

@@ -1,0 +1,23 @@
+"""Probe group ``launch`` (tools/probe_groups/launch.py): a SIGKILLed launcher leaves no process and no
+/dev/shm folder (also while a process hangs), and a peer's death is one line, not a traceback."""
+
+import os
+import sys
+
+from probe_group import ROOT, run_group
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def test_launch_cases_are_well_formed():
+    from probe_groups import launch
+
+    cases = launch.cases("/tmp")
+    assert len(cases) == 3 and {c.group for c in cases} == {"launch"}
+    for case in cases:
+        if case.python:
+            compile(case.python.replace("{work}", "/w"), case.name, "exec")   # the snippets are valid Python
+
+
+def test_launch_cases_leave_nothing_behind():
+    run_group("launch", expected_cases=3)
