@@ -148,7 +148,7 @@ def test_stale_temporary_folders_are_cleaned(run, ckdir):
     assert ckpt.all_steps() == [1, 2, 3] and not integrity.tmp_dirs(ckdir)
 
 
-def wait_idle(ckpt, limit=60.0):
+def wait_idle(ckpt, limit=600.0):
     """Stand-in for the training step that runs while the background write fails."""
     deadline = time.monotonic() + limit
     while ckpt.busy and time.monotonic() < deadline:
