@@ -399,6 +399,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per case before it is killed")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    # Started from a non-interactive shell (`nohup … &`, a CI runner), this process may have inherited
+    # an ignored SIGINT, which its children would inherit too and the Ctrl-C cases would test nothing.
+    # A Python handler here becomes the default in every child (exec resets handlers, not SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     tmp = tempfile.mkdtemp(prefix="meshtrain-probe-")
     try:
         probe = Probe(tmp, args.timeout)

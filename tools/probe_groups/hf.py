@@ -261,7 +261,7 @@ def cases(tmp: str) -> List[Case]:
         Case("export: a vit-tiny run (not a decoder)", EXPORT, "2", out="{work}/hf", says="needs a decoder run",
              prepare=_run(tmp, "vit")),
         Case("export: run header with a broken model_config", EXPORT, "2", out="{work}/hf",
-             says="model_config.n_heads='four'", prepare=_run(tmp, "imported", _broken_header)),
+             says="model_config field 'n_heads' is 'four'", prepare=_run(tmp, "imported", _broken_header)),
         Case("export: read-only --out folder", [], "2", needs_root=True, says="Read-only file system",
              prepare=_run(tmp, "imported"), python=_mounted("ro,size=1m", ["export", "{work}/run", "--out",
                                                                              "{work}/mnt/hf"])),
