@@ -131,9 +131,14 @@ def test_sample_reads_at_most_its_bytes(tmp_path):
 
 
 def _peak_rss_mb(argv, timeout=900) -> float:
-    """Peak RSS of `meshtrain argv` (its own process: resource.getrusage after main returns)."""
-    script = ("import resource, sys\nfrom meshtrain.cli import main\ncode = main(sys.argv[1:])\n"
-              "print('peak-rss-kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    """Peak RSS of `meshtrain argv`, read by a small wrapper process as its children's maximum.
+
+    Not the command's own RUSAGE_SELF: Linux carries a process's peak RSS across fork and exec, so a
+    command started from this pytest worker (often 2 GB) would report the worker's peak. The wrapper
+    is small, so what its child inherits is too."""
+    script = ("import resource, subprocess, sys\n"
+              "code = subprocess.call([sys.executable, '-m', 'meshtrain', *sys.argv[1:]])\n"
+              "print('peak-rss-kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
               "sys.exit(code)\n")
     out = processes.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]

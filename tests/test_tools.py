@@ -63,7 +63,7 @@ def test_mfu_benchmark_runs_on_cpu_and_reports_its_formula():
 
 
 def test_bad_input_probe_runs_and_judges_its_cases(tmp_path):
-    out = tool("probe_bad_input.py", "--only", "plan --", "--json", str(tmp_path / "probe.json"))
+    out = tool("probe_bad_input.py", "--group", "cli", "--only", "plan --", "--json", str(tmp_path / "probe.json"))
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     results = json.load(open(tmp_path / "probe.json"))
     assert len(results) == 4 and all(r["ok"] and r["code"] == 2 and not r["traceback"] for r in results), results
