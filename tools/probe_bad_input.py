@@ -1,7 +1,7 @@
 """Probe the CLI as a hostile user would: every bad-input and fault case of issue 18, each in a fresh
 process, with its exit status, whether a traceback was printed, and the first line it said.
 
-    python tools/probe_bad_input.py                 # all cases (~5-10 min on 2 cores), a Markdown table
+    python tools/probe_bad_input.py                 # all groups (121 cases, ~7 min on 2 busy cores), a Markdown table
     python tools/probe_bad_input.py --only recipe   # the cases whose name contains 'recipe'
     python tools/probe_bad_input.py --json out.json
     python tools/probe_bad_input.py --group data     # one group of tools/probe_groups/ (see GROUPS)
