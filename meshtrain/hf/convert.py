@@ -21,6 +21,7 @@ from meshtrain.hf.audit import audit
 from meshtrain.hf.config import CONFIG_FILE, decoder_config, hf_config, read_hf_config
 from meshtrain.hf.weights import (INDEX_FILE, SINGLE_FILE, SafetensorsFolder, block_reader, check_coverage,
                                   hf_tensors, mappings)
+from meshtrain.hf.output import output_folder
 from meshtrain.models import DecoderConfig
 
 #: Largest safetensors file :func:`write_folder` writes before starting another (HF's own default: 5 GB).
@@ -75,8 +76,6 @@ def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *,
     pad ids to declare (default: those of ``tokenizer_from``'s tokenizer). Written beside ``out``
     and renamed at the end: on any error (a full disk: ``DiskError``) nothing is left at ``out``."""
     from safetensors.numpy import save_file  # lazy: only exports write safetensors
-
-    from meshtrain.hf.output import output_folder  # lazy: it imports meshtrain.train, which imports this package
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")

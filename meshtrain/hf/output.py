@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 from meshtrain.errors import ConfigError, DiskError, MeshtrainError, disk_hint, is_disk_full
 from meshtrain.folders import new_folder
-from meshtrain.train.loop import InterruptGuard
+from meshtrain.interrupts import InterruptGuard
 
 
 class Interrupts(InterruptGuard):

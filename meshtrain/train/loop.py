@@ -10,13 +10,11 @@ and preemption are hooks like any a user adds. :class:`Run` is what hooks see of
 from __future__ import annotations
 
 import dataclasses
-import signal
-import sys
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.interrupts import InterruptGuard
 from meshtrain.plan import ShardingPlan
 from meshtrain.train.config import TrainConfig, lr_schedule
 from meshtrain.train.metrics import MetricsWriter, ProgressDisplay, Stopwatch
@@ -99,46 +97,6 @@ class Run:
         self.losses: List[float] = []
         self.results: Dict[str, Any] = {}
         self.guard: Optional[InterruptGuard] = None
-
-
-class InterruptGuard:
-    """Ctrl-C raises KeyboardInterrupt wherever Python happens to be; when that is a garbage collector
-    callback (jax's _xla_gc_callback runs often while a pipeline step compiles) or a ``__del__``,
-    Python prints "Exception ignored" and the run went on to the end (exit 0). The handler also
-    records the interrupt, and the loop raises it again at its next :meth:`check`."""
-
-    def __init__(self):
-        self.interrupted = False
-        self._previous = self._previous_unraisable = None
-        main_thread = threading.current_thread() is threading.main_thread()
-        # A background job of a non-interactive shell (or `nohup cmd &`) starts with SIGINT ignored. It
-        # stays ignored, as in any POSIX tool (a terminal's Ctrl-C was not meant for that job); the run
-        # says so, and SIGTERM remains the way to stop it cleanly.
-        self.sigint_ignored = main_thread and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        if main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._previous = signal.signal(signal.SIGINT, self._interrupt)
-            self._previous_unraisable = sys.unraisablehook
-            sys.unraisablehook = self._unraisable
-
-    def _interrupt(self, signum, frame):
-        self.interrupted = True
-        raise KeyboardInterrupt
-
-    def _unraisable(self, unraisable) -> None:
-        """The swallowed KeyboardInterrupt is raised again by :meth:`check`: no traceback."""
-        if not (self.interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt)):
-            self._previous_unraisable(unraisable)
-
-    def check(self) -> None:
-        """Raise the Ctrl-C that arrived since the start, in case it was swallowed where it landed."""
-        if self.interrupted:
-            raise KeyboardInterrupt
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            sys.unraisablehook = self._previous_unraisable
-            self._previous = None
 
 
 def train_steps(run: Run, train_step, guard: InterruptGuard) -> Iterator[StepInfo]:
