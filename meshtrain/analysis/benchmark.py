@@ -25,7 +25,9 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-import meshtrain as mt
+from meshtrain.plan import BatchSpec, make_plan
+from meshtrain.state import TrainState, abstract_train_state, init_state
+from meshtrain.train.step import make_train_step
 
 
 class StateInit(str, enum.Enum):
@@ -66,18 +68,18 @@ def compile_recipe(abstract, recipe, cfg, batch_size: int, seq_len: int, *, devi
     import jax.numpy as jnp
 
     mesh = recipe.mesh.build(devices)
-    plan = mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(batch_size, seq_len))
-    step = mt.make_train_step(plan)
+    plan = make_plan(abstract, recipe, mesh, batch=BatchSpec(batch_size, seq_len))
+    step = make_train_step(plan)
     batch_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.batch_shardings[k])
                  for k, v in plan.batch.abstract().items()}
-    compiled = step.lower(mt.abstract_train_state(plan), batch_abs).compile()
+    compiled = step.lower(abstract_train_state(plan), batch_abs).compile()
     init = StateInit.NONE if init is False else StateInit.RANDOM if init is True else StateInit(init)
     state = batch = None
     if init is not StateInit.NONE:
         if init is StateInit.RANDOM:
-            state = mt.init_state(plan, seed=0)
+            state = init_state(plan, seed=0)
         else:
-            target = mt.abstract_train_state(plan)
+            target = abstract_train_state(plan)
             rng = np.random.default_rng(0)
 
             def host(s, scale):
@@ -85,7 +87,7 @@ def compile_recipe(abstract, recipe, cfg, batch_size: int, seq_len: int, *, devi
                     return jax.device_put((rng.standard_normal(s.shape) * scale).astype(s.dtype), s.sharding)
                 return jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
 
-            state = mt.TrainState(host(target.step, 0), jax.tree.map(lambda s: host(s, 0.02), target.params),
+            state = TrainState(host(target.step, 0), jax.tree.map(lambda s: host(s, 0.02), target.params),
                                   jax.tree.map(lambda s: host(s, 0), target.opt_state),
                                   jax.tree.map(lambda s: host(s, 0), target.model_state))
         rng = np.random.default_rng(0)

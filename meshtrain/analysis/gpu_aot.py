@@ -29,12 +29,12 @@ import re
 import types
 from typing import Dict, Iterator, Tuple
 
-import meshtrain as mt
 from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.compiled import MeasuredMemory, step_inputs
 from meshtrain.errors import ConfigError
 from meshtrain.hardware import PROFILES, SCHEDULING_FLAGS
-from meshtrain.plan import fmt_bytes
+from meshtrain.plan import fmt_bytes, make_plan
+from meshtrain.train.step import make_train_step
 
 #: The optional dependency that brings XLA:GPU (pyproject.toml).
 EXTRA = "gpu-aot"
@@ -226,10 +226,10 @@ def compile_gpu_topology(abstract, recipe, batch, topology: GpuTopology, loss_fn
     ``MeasuredMemory.of(compiled)`` is then XLA:GPU's per-device memory.
     """
     mesh = recipe.mesh.build(topology_devices(topology))
-    plan = mt.make_plan(abstract, recipe, mesh, batch=batch)
+    plan = make_plan(abstract, recipe, mesh, batch=batch)
     state, batch_abs = step_inputs(plan)
     with target_cudnn(ARCHS[topology.hardware].compute_capability):
-        lowered = mt.make_train_step(plan, loss_fn=loss_fn).lower(state, batch_abs)
+        lowered = make_train_step(plan, loss_fn=loss_fn).lower(state, batch_abs)
     with _no_compilation_cache():
         return plan, lowered.compile(compiler_options=scheduling_options() if flags else None)
 

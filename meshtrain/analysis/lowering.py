@@ -20,9 +20,10 @@ from __future__ import annotations
 import re
 from typing import Dict, Optional
 
-import meshtrain as mt
 from meshtrain.analysis.compiled import step_inputs
 from meshtrain.errors import ConfigError
+from meshtrain.plan import make_plan
+from meshtrain.train.step import make_train_step
 
 #: Fake topologies for common slice sizes: chips → topology string per TPU generation.
 _TOPOLOGIES = {
@@ -47,7 +48,7 @@ def compile_local(plan, loss_fn=None):
                           f"that exist here can be compiled (use lower_abstract, or --devices ≤ "
                           f"{len(jax.devices())})")
     state, batch = _abstract_inputs(plan)
-    return mt.make_train_step(plan, loss_fn=loss_fn).lower(state, batch).compile()
+    return make_train_step(plan, loss_fn=loss_fn).lower(state, batch).compile()
 
 
 def lower_abstract(plan, platform: str = "tpu", loss_fn=None):
@@ -55,7 +56,7 @@ def lower_abstract(plan, platform: str = "tpu", loss_fn=None):
     import jax
 
     state, batch = _abstract_inputs(plan)
-    step = mt.make_train_step(plan, loss_fn=loss_fn)
+    step = make_train_step(plan, loss_fn=loss_fn)
     mesh = plan.mesh if isinstance(plan.mesh, jax.sharding.AbstractMesh) else plan.mesh.abstract_mesh
     with jax.sharding.use_abstract_mesh(mesh):
         return step.trace(state, batch).lower(lowering_platforms=(platform,))
@@ -101,8 +102,8 @@ def compile_tpu_topology(abstract, recipe, batch, topology: str, loss_fn=None):
         raise ConfigError(f"cannot build TPU topology {topology!r}: {exc}; use e.g. 'v5e:4x4' or 'v5p:2x2x2'") \
             from None
     mesh = recipe.mesh.build(list(topo.devices))
-    plan = mt.make_plan(abstract, recipe, mesh, batch=batch)
+    plan = make_plan(abstract, recipe, mesh, batch=batch)
     state, batch_abs = _abstract_inputs(plan)
-    compiled = mt.make_train_step(plan, loss_fn=loss_fn).lower(state, batch_abs).compile()
+    compiled = make_train_step(plan, loss_fn=loss_fn).lower(state, batch_abs).compile()
     del jax
     return plan, compiled
