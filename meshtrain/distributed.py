@@ -523,8 +523,17 @@ def config_from_args(args: argparse.Namespace) -> DistributedConfig:
         hang_timeout_s=getattr(args, "hang_timeout", None))
 
 
-# -- hybrid meshes: the layout lives in meshtrain.mesh (re-exported here for older callers) -------
-from meshtrain.mesh import auto_dcn, granules, split_dcn  # noqa: E402,F401
+# -- hybrid meshes: the layout lives in meshtrain.mesh (reached here for older callers) ----------
+_FROM_MESH = ("auto_dcn", "granules", "split_dcn")
+
+
+def __getattr__(name: str):
+    """``distributed.auto_dcn`` etc. load meshtrain.mesh (and JAX) on first use (PEP 562), so the
+    launcher and the CLI can read distributed settings without importing JAX."""
+    if name in _FROM_MESH:
+        from meshtrain import mesh  # lazy: mesh imports JAX; `meshtrain launch` must start without it
+        return getattr(mesh, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- stopping together ----------------------------------------------------------------------------

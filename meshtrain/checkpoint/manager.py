@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import jax
 
 from meshtrain.checkpoint import integrity
+from meshtrain.checkpoint.faults import DiskFullInjector
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock, warn
 from meshtrain.checkpoint.peers import PeerStore
 from meshtrain.checkpoint.restoring import read_params, read_step
@@ -119,9 +120,12 @@ class Checkpointer:
         if self._lock is not None and not self._lock.acquired and not reader:
             warn(f"{self.directory} is being written by {self._lock.holder()}; this Checkpointer can restore "
                  f"but not save, clean or delete there")
+        #: test-only fault injection into this checkpointer's saves (:mod:`meshtrain.checkpoint.faults`)
+        self.faults = DiskFullInjector()
         self._saver = Saver(self.directory, self._checks, self._retention, save_every=save_every,
                             async_save=self.async_save, background_start=self.background_start,
-                            compression=self.compression, lock=self._lock, on_commit=self._apply_retention)
+                            compression=self.compression, lock=self._lock, on_commit=self._apply_retention,
+                            faults=self.faults)
         if self._lock is not None and self._lock.acquired:
             for p in integrity.trash_dirs(self.directory):   # retention deletes interrupted by a crash
                 integrity.remove_tree(p)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import errno
 import logging
 import shutil
 import sys
@@ -26,6 +25,7 @@ import orbax.checkpoint as ocp
 
 from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.donation import StartWorker, detach_from_donation, replica_zero_registry
+from meshtrain.checkpoint.faults import DiskFullInjector
 from meshtrain.checkpoint.housekeeping import WriterLock, warn
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT
 from meshtrain.checkpoint.layout import describe_tree, state_bytes, to_nested
@@ -64,29 +64,6 @@ def tuned(tuning: SaveTuning) -> Iterator[None]:
         yield
     finally:
         _TUNING.reset(token)
-
-
-@dataclasses.dataclass
-class DiskFullFault:
-    """Fault injection (``MESHTRAIN_FAULT=full@step=N,process=P``, set by the watchdog): the first save
-    at or after ``step`` fails with ENOSPC where Orbax would start writing, as a full disk fails it;
-    ``on_fire`` logs the fault (``events.jsonl``)."""
-
-    step: int
-    on_fire: Callable[[int], None]
-
-
-#: The armed fault of this process (tests and ``tools/bench_resilience.py`` only), else None.
-DISK_FULL_FAULT: Optional[DiskFullFault] = None
-
-
-def _injected_disk_full(step: int) -> None:
-    global DISK_FULL_FAULT
-    fault = DISK_FULL_FAULT
-    if fault is not None and step >= fault.step:
-        DISK_FULL_FAULT = None   # once: the restart's saves go through
-        fault.on_fire(step)
-        raise OSError(errno.ENOSPC, f"No space left on device (injected by MESHTRAIN_FAULT at step {step})")
 
 
 def free_bytes(path: Path) -> int:
@@ -187,7 +164,8 @@ class Saver:
 
     def __init__(self, directory: Path, checks: integrity.CheckCache, policy: RetentionPolicy, *, save_every: int,
                  async_save: bool, background_start: bool, compression: Compression, lock: Optional[WriterLock],
-                 on_commit: Callable[[], None]):
+                 on_commit: Callable[[], None], faults: Optional[DiskFullInjector] = None):
+        self.faults = faults if faults is not None else DiskFullInjector()   # tests' injected full disk
         self.directory, self._checks, self._policy, self._every = directory, checks, policy, save_every
         self.async_save, self.background_start, self.compression = async_save, background_start, compression
         self.tuning: SaveTuning = _TUNING.get()
@@ -290,7 +268,7 @@ class Saver:
             # or the next (donating) train step silently keeps a second copy of the state. A
             # synchronous save releases them before it returns: no copy (saves time and one state
             # of host memory on CPU; tests/test_checkpoint_speed.py checks the donation).
-            _injected_disk_full(step)
+            self.faults.before_save(step)
             if self.async_save or self.tuning.copy_before_sync_save:
                 state = detach_from_donation(state)
             args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(state)))

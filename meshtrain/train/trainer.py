@@ -236,7 +236,8 @@ class Trainer:
                                   cfg.eval_batches, cfg.eval_every))
         checkpoint = CheckpointHook(ckpt, self._metadata(plan)) if ckpt is not None else None
         hooks += [checkpoint] if checkpoint is not None else []
-        watchdog = Watchdog.from_env(cfg.hang_timeout, cfg.straggler_fraction)   # also injects test faults
+        watchdog = Watchdog.from_env(cfg.hang_timeout, cfg.straggler_fraction,   # also injects test faults
+                                     disk_faults=ckpt.faults if ckpt is not None else None)
         return hooks + [*self.user_hooks, watchdog, MetricsHook(), ProgressHook(), PreemptionHook(checkpoint)]
 
     def _tokens_per_example(self, plan: ShardingPlan) -> Optional[int]:

@@ -52,15 +52,15 @@ import traceback
 from pathlib import Path
 from typing import Deque, List, Optional
 
-from meshtrain.checkpoint import peers, saving
+from meshtrain.checkpoint import peers
+from meshtrain.checkpoint.faults import DiskFullInjector
 from meshtrain.errors import EXIT_HANG, ConfigError
+from meshtrain.events import ENV_ATTEMPT, EVENTS_FILE, append_event  # noqa: F401 - also read here
 from meshtrain.train.hooks import Hook
 from meshtrain.train.config import check_watchdog_settings as check_settings
 from meshtrain.train.loop import Run, StepInfo
 
 ENV_FAULT = "MESHTRAIN_FAULT"
-ENV_ATTEMPT = "MESHTRAIN_ATTEMPT"
-EVENTS_FILE = "events.jsonl"
 HEARTBEAT_DIR = "watchdog"
 
 #: Bound before the first step completes: the compilation (minutes for a large model) and restore.
@@ -128,13 +128,6 @@ def parse_faults(text: str) -> List[Fault]:
     return faults
 
 
-def append_event(run_dir: str, record: dict) -> None:
-    """One line of ``<run>/events.jsonl`` (O_APPEND: whole lines from several writers)."""
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, EVENTS_FILE), "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 # -- the hook ---------------------------------------------------------------------------------------
 class Watchdog(Hook):
     """See the module docstring. One per process; ``hang_timeout=None``: the default bound."""
@@ -142,8 +135,10 @@ class Watchdog(Hook):
     every = 1
 
     def __init__(self, hang_timeout: Optional[float] = None, straggler_fraction: float = 0.2,
-                 faults: Optional[List[Fault]] = None, attempt: int = 0):
+                 faults: Optional[List[Fault]] = None, attempt: int = 0,
+                 disk_faults: Optional[DiskFullInjector] = None):
         check_settings(hang_timeout, straggler_fraction)
+        self.disk_faults = disk_faults   # the checkpointer's injector that a `full` fault arms
         self.hang_timeout, self.straggler_fraction = hang_timeout, straggler_fraction
         self.attempt = attempt
         self.faults = [f for f in (faults or []) if f.attempt == attempt]
@@ -155,9 +150,12 @@ class Watchdog(Hook):
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
-    def from_env(cls, hang_timeout: Optional[float], straggler_fraction: float, environ=os.environ) -> "Watchdog":
+    def from_env(cls, hang_timeout: Optional[float], straggler_fraction: float, environ=os.environ,
+                 disk_faults: Optional[DiskFullInjector] = None) -> "Watchdog":
+        """The faults of ``MESHTRAIN_FAULT``; pass the run's ``Checkpointer.faults`` as ``disk_faults``
+        so that a ``full`` fault can reach its saves."""
         faults = parse_faults(environ.get(ENV_FAULT, ""))
-        return cls(hang_timeout, straggler_fraction, faults, int(environ.get(ENV_ATTEMPT, "0") or 0))
+        return cls(hang_timeout, straggler_fraction, faults, int(environ.get(ENV_ATTEMPT, "0") or 0), disk_faults)
 
     def on_start(self, run: Run) -> None:
         import jax
@@ -165,8 +163,8 @@ class Watchdog(Hook):
         self.run, self.process, self.processes = run, jax.process_index(), jax.process_count()
         self._last = time.monotonic()
         for fault in self.faults:
-            if fault.kind is FaultKind.FULL and fault.process == self.process:
-                saving.DISK_FULL_FAULT = saving.DiskFullFault(fault.step, self._fault_event(run, fault))
+            if fault.kind is FaultKind.FULL and fault.process == self.process and self.disk_faults is not None:
+                self.disk_faults.arm(fault.step, self._fault_event(run, fault))
         if self.armed:
             try:
                 os.makedirs(os.path.join(run.run_dir, HEARTBEAT_DIR), exist_ok=True)
@@ -208,7 +206,8 @@ class Watchdog(Hook):
 
     def close(self, run: Run) -> None:
         self._stop.set()
-        saving.DISK_FULL_FAULT = None   # an injected fault does not outlive its run (a notebook's next one)
+        if self.disk_faults is not None:
+            self.disk_faults.disarm()   # an injected fault does not outlive its run
         if self._thread is not None:
             self._thread.join(timeout=2 * POLL_S)
 
