@@ -154,62 +154,8 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
                                           phase))
 
     pipe = pipeline_shape(plan)
-    cpu = backend is Backend.CPU
     for x in cached(plan, "param_collectives", _param_collective_leaves, layout_only=True):
-        elems, p, t, layer, f, r, z = x.elems, x.p, x.t, x.layer, x.f, x.r, x.z
-        per = (cfg.n_layers if cfg is not None else x.lead) if layer else 1
-        lookup = (cfg is not None and x.vocab_embed and not cfg.tie_embeddings and "embedding" in x.path)
-        runs, op_t = per * m, t
-        if pipe is not None:
-            # Each device gathers its stage's layers and reduces their gradients every tick with work
-            # (measured: XLA keeps the reductions inside the tick loop); the rest runs once a step (gpipe: the
-            # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch).
-            if layer:
-                runs = pipe.layer_runs(per)
-                op_t = x.t_stage  # one layer's weights: not split by stage
-            else:
-                runs = m if pipe.one_f_one_b else 1
-        reduce_runs = runs
-        if x.has_f:
-            put("all-gather", f, elems * c / op_t / per, runs, x.what[0], phase=Phase.FORWARD)
-            if not lookup:
-                put("all-gather", f, elems * c / op_t / per, runs, x.what[1])
-        g_full = elems * p / op_t / per
-        if x.has_f:
-            if cpu:
-                put("all-reduce", f, g_full, runs, x.what[2])
-            else:
-                # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
-                # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
-                # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides), except that XLA:TPU reduce-scatters an expert
-                # weight's in the parameter dtype (inferred from bytes, Mixtral 4 layers on v5p:2x2x2: fsdp_ep's
-                # `fsdp` gap to the compile was the expert shards' bf16 bytes)
-                keep = backend is Backend.TPU and x.expert
-                g_scatter = g_full * c / p if c < p and not keep else g_full
-                put("reduce-scatter", f, g_scatter / x.size_f, runs, x.what[3])
-        g_shard = g_full / x.size_f
-        if x.has_z:
-            if cpu:
-                put("all-reduce", r, g_shard, reduce_runs, x.what[4])
-            elif backend is Backend.TPU and not plan.recipe.shard_gradients and c < p:
-                # ZeRO-1 on XLA:TPU: the data-parallel all-reduce of the compute-dtype gradient, each device then
-                # slicing its optimizer shard (measured, Llama-3-8B 4 layers on v5p:2x2x2: `data` carries the
-                # dp step's bf16 all-reduce + the f32 updated-parameter all-gather, to the MiB)
-                put("all-reduce", r, g_shard * c / p, reduce_runs, x.what[4])
-            else:
-                put("reduce-scatter", z, g_shard / x.size_z, reduce_runs, x.what[5])
-                put("all-reduce", x.rz, g_shard / x.size_z, reduce_runs, x.what[4])
-            put("all-gather", z, elems * p / x.size_s / per, per, x.what[6], Overlap.EXPOSED, Phase.UPDATE)
-        elif x.has_r:
-            # XLA:TPU and XLA:GPU all-reduce a replicated parameter's gradient in the compute dtype and
-            # upcast after (measured: the dp step's all-reduce result is the bf16 gradient on v5p and on
-            # 8xH100, tools/check_compilers.py); XLA:TPU does so for an FSDP-sharded gradient's all-reduce across
-            # replicas too (measured: hsdp's `data` bytes, Llama-3-8B 4 layers, are the bf16 shard's), and so does
-            # XLA:GPU (measured: fsdp_cp and fsdp_tp_cp's `context` all-reduces on 8xH100 are the bf16 shards');
-            # XLA:CPU reduces in the parameter's dtype.
-            g_reduce = g_shard * c / p if not cpu and c < p else g_shard
-            put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
-
+        _param_leaf_collectives(x, plan, cfg, backend, pipe, m, c, put)
     if cfg is not None:
         _tensor_parallel(plan, cfg, lay, backend, c, add)
         _expert_parallel(plan, cfg, lay, backend, c, add)
@@ -246,6 +192,67 @@ class _ParamLeaf:
     size_s: int
     what: Tuple[str, ...]
     expert: bool = False  # an MoE expert weight (logical axis `expert`)
+
+
+def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int, put) -> None:
+    """One parameter's collectives (FSDP gathers, gradient reductions, ZeRO-1), each passed to
+    ``put(kind, (axes, size), bytes, executions, what[, overlap, phase])``; ``c`` is the compute
+    dtype's item size, ``m`` the micro-batches, ``pipe`` the pipeline shape or None."""
+    cpu = backend is Backend.CPU
+    elems, p, t, layer, f, r, z = x.elems, x.p, x.t, x.layer, x.f, x.r, x.z
+    per = (cfg.n_layers if cfg is not None else x.lead) if layer else 1
+    lookup = (cfg is not None and x.vocab_embed and not cfg.tie_embeddings and "embedding" in x.path)
+    runs, op_t = per * m, t
+    if pipe is not None:
+        # Each device gathers its stage's layers and reduces their gradients every tick with work
+        # (measured: XLA keeps the reductions inside the tick loop); the rest runs once a step (gpipe: the
+        # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch).
+        if layer:
+            runs = pipe.layer_runs(per)
+            op_t = x.t_stage  # one layer's weights: not split by stage
+        else:
+            runs = m if pipe.one_f_one_b else 1
+    reduce_runs = runs
+    if x.has_f:
+        put("all-gather", f, elems * c / op_t / per, runs, x.what[0], phase=Phase.FORWARD)
+        if not lookup:
+            put("all-gather", f, elems * c / op_t / per, runs, x.what[1])
+    g_full = elems * p / op_t / per
+    if x.has_f:
+        if cpu:
+            put("all-reduce", f, g_full, runs, x.what[2])
+        else:
+            # XLA:GPU and XLA:TPU reduce-scatter the FSDP gradients in the compute dtype and upcast the shard
+            # after (measured, tools/check_compilers.py: fsdp and fsdp_tp on 8xH100; fsdp_tp on v5p:2x2x2 at
+            # Llama-3-8B shapes, 3,626 MiB on `fsdp` both sides), except that XLA:TPU reduce-scatters an expert
+            # weight's in the parameter dtype (inferred from bytes, Mixtral 4 layers on v5p:2x2x2: fsdp_ep's
+            # `fsdp` gap to the compile was the expert shards' bf16 bytes)
+            keep = backend is Backend.TPU and x.expert
+            g_scatter = g_full * c / p if c < p and not keep else g_full
+            put("reduce-scatter", f, g_scatter / x.size_f, runs, x.what[3])
+    g_shard = g_full / x.size_f
+    if x.has_z:
+        if cpu:
+            put("all-reduce", r, g_shard, reduce_runs, x.what[4])
+        elif backend is Backend.TPU and not plan.recipe.shard_gradients and c < p:
+            # ZeRO-1 on XLA:TPU: the data-parallel all-reduce of the compute-dtype gradient, each device then
+            # slicing its optimizer shard (measured, Llama-3-8B 4 layers on v5p:2x2x2: `data` carries the
+            # dp step's bf16 all-reduce + the f32 updated-parameter all-gather, to the MiB)
+            put("all-reduce", r, g_shard * c / p, reduce_runs, x.what[4])
+        else:
+            put("reduce-scatter", z, g_shard / x.size_z, reduce_runs, x.what[5])
+            put("all-reduce", x.rz, g_shard / x.size_z, reduce_runs, x.what[4])
+        put("all-gather", z, elems * p / x.size_s / per, per, x.what[6], Overlap.EXPOSED, Phase.UPDATE)
+    elif x.has_r:
+        # XLA:TPU and XLA:GPU all-reduce a replicated parameter's gradient in the compute dtype and
+        # upcast after (measured: the dp step's all-reduce result is the bf16 gradient on v5p and on
+        # 8xH100, tools/check_compilers.py); XLA:TPU does so for an FSDP-sharded gradient's all-reduce across
+        # replicas too (measured: hsdp's `data` bytes, Llama-3-8B 4 layers, are the bf16 shard's), and so does
+        # XLA:GPU (measured: fsdp_cp and fsdp_tp_cp's `context` all-reduces on 8xH100 are the bf16 shards');
+        # XLA:CPU reduces in the parameter's dtype.
+        g_reduce = g_shard * c / p if not cpu and c < p else g_shard
+        put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
+
 
 
 def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
