@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -177,6 +179,23 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     head runs on the ``m`` ticks in between, where a micro-batch leaves the last stage: compiled work
     ``(m+p-1)·(forward + backward) + m·head`` per stage.
     """
+    s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg)
+    p, table, carry0 = s.p, s.table, s.carry0
+    tick = _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params)
+    if unroll:
+        c = carry0
+        for t in range(table.ticks):
+            c = tick(c, jnp.asarray(t), static=t)
+    else:
+        c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), carry0, jnp.arange(table.ticks))
+    d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), c["dw"])  # (p, k, ...) -> (L, ...)
+    return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, p)
+
+
+def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
+                       cfg: PipelineConfig) -> types.SimpleNamespace:
+    """What every tick of :func:`one_f_one_b` reads: the schedule table, the per-stage weights, the
+    vmapped stage forward and backward, the stash helpers, the shapes and the initial carry."""
     p, m = cfg.stages, cfg.micro_batches
     table = schedule_table(Schedule.ONE_F_ONE_B, p, m)
     fwd, bwd = jnp.asarray(table.forward), jnp.asarray(table.backward)
@@ -217,6 +236,19 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
         aux=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
     )
     add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
+
+    return types.SimpleNamespace(p=p, m=m, table=table, fwd=fwd, bwd=bwd, slots=slots, w=w, stage_fn=stage_fn,
+                                 run_f=run_f, run_b=run_b, stash_put=stash_put, stash_get=stash_get,
+                                 put_v=put_v, get_v=get_v, first=first, last=last, stages=stages,
+                                 y_shape=y_shape, v_shape=v_shape, layers=layers, carry0=carry0, add=add)
+
+
+def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params):
+    """``tick(carry, t, static=None) -> carry``: one tick of :func:`one_f_one_b` (forward, head, backward)."""
+    (p, m, table, fwd, bwd, slots, w, stage_fn, run_f, run_b, stash_put, stash_get, put_v, get_v, first, last,
+     stages, y_shape, v_shape, layers, add) = (
+        s.p, s.m, s.table, s.fwd, s.bwd, s.slots, s.w, s.stage_fn, s.run_f, s.run_b, s.stash_put, s.stash_get,
+        s.put_v, s.get_v, s.first, s.last, s.stages, s.y_shape, s.v_shape, s.layers, s.add)
 
     def f_part(c, t):
         c = dict(c)
@@ -264,7 +296,7 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
         return c
 
     no_dy = jnp.zeros(y_shape.shape, y_shape.dtype)
-    no_f = (_on_stage(jnp.zeros((p,) + y_shape.shape, y_shape.dtype)), carry0["vals"])
+    no_f = (_on_stage(jnp.zeros((p,) + y_shape.shape, y_shape.dtype)), s.carry0["vals"])
 
     def tick(c, t, static=None):
         # Warm-up ticks (t < p-1) have no backward anywhere, drain ticks (t >= m+p-1) no forward, and
@@ -277,11 +309,4 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
         c, dy = cond(when(p - 1, m + p - 1), h_part, lambda c, t, f, v: (dict(c), no_dy), c, t, fout, vals)
         return cond(when(p - 1, table.ticks), b_part, lambda c, t, dy: dict(c), c, t, dy)
 
-    if unroll:
-        c = carry0
-        for t in range(table.ticks):
-            c = tick(c, jnp.asarray(t), static=t)
-    else:
-        c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), carry0, jnp.arange(table.ticks))
-    d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), c["dw"])  # (p, k, ...) -> (L, ...)
-    return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, p)
+    return tick
