@@ -12,6 +12,7 @@ Next: :func:`meshtrain.make_plan` turns it into shardings for a recipe and mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import jax
@@ -46,6 +47,12 @@ def tree_paths(tree) -> Any:
     return jax.tree_util.tree_map_with_path(lambda kp, _: path_str(kp), tree)
 
 
+def paths_tree(tree):
+    """``(leaves, treedef)`` of :func:`~meshtrain.abstract.tree_paths`: ``plan._map_paths`` rebuilds the tree
+    ``jax.tree.map(lambda p: values[p], tree_paths(tree))`` makes."""
+    return jax.tree_util.tree_flatten(tree_paths(tree))
+
+
 @dataclasses.dataclass(frozen=True)
 class AbstractState:
     """What a model + optimizer look like, without arrays.
@@ -75,6 +82,43 @@ class AbstractState:
     #: ``{path: names given}`` for parameters named with fewer logical names than dimensions (the
     #: trailing dimensions were padded with ``None``: unsharded, as JAX and Flax read a short spec)
     short_axes: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+    # The flattened structures make_plan walks for every recipe and mesh (the planner plans one
+    # abstract state many times): computed once per (immutable) state, dropped with it.
+    @functools.cached_property
+    def param_structure(self):
+        """``([(path, leaf)], {path: shape}, paths tree)`` of the parameters."""
+        flat = [(path_str(keypath), sds) for keypath, sds in jax.tree_util.tree_flatten_with_path(self.params)[0]]
+        return flat, {path: tuple(sds.shape) for path, sds in flat}, paths_tree(self.params)
+
+    @functools.cached_property
+    def optimizer_structure(self):
+        """``([(path, leaf, logical axes)], paths tree)`` of the optimizer state: a leaf that mirrors a
+        parameter (same shape) takes its logical axes, any other (counts, scalars, factored moments) is
+        replicated."""
+        _, param_shape, _ = self.param_structure
+        # Which parameter each optimizer leaf mirrors (None for counts and other non-param leaves).
+        mirrors = optax.tree_utils.tree_map_params(
+            self.tx, lambda _, p: p, self.opt_state, tree_paths(self.params),
+            transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        mirror_of = {path_str(kp): m for kp, m in jax.tree_util.tree_flatten_with_path(mirrors)[0]}
+        flat = []
+        for keypath, sds in jax.tree_util.tree_flatten_with_path(self.opt_state)[0]:
+            path = path_str(keypath)
+            param_path = mirror_of.get(path)
+            if param_path is not None and tuple(sds.shape) == param_shape[param_path]:
+                logical = self.param_axes[param_path]
+            else:
+                logical = (None,) * len(sds.shape)  # counts, scalars, factored moments: replicated
+            flat.append((path, sds, logical))
+        return flat, paths_tree(self.opt_state)
+
+    @functools.cached_property
+    def model_state_structure(self):
+        """``([(path, leaf)], paths tree)`` of the non-parameter variables."""
+        flat = [(path_str(keypath), sds)
+                for keypath, sds in jax.tree_util.tree_flatten_with_path(self.model_state)[0]]
+        return flat, paths_tree(self.model_state)
 
     @property
     def num_params(self) -> int:

@@ -20,11 +20,11 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.abstract import AbstractState, listed, path_str, tree_paths
+from meshtrain.abstract import AbstractState, listed, path_str
 from meshtrain.batch_layout import BATCH_AXIS, BatchLayout, BatchSpec, as_batch_layout  # noqa: F401 (re-export)
 from meshtrain.errors import ConfigError, PlanError, RulesError
 from meshtrain.offload import offload_optimizer, to_host
@@ -74,9 +74,17 @@ def _nbytes(shape, dtype) -> int:
     return int(math.prod(shape)) * np.dtype(dtype).itemsize
 
 
-@functools.lru_cache(maxsize=None)  # a handful of dtypes, named for every leaf of every plan
+#: The names of the dtypes parameters usually have: a constant table (not a memo), read for every
+#: leaf of every plan, which saves the PRNG-key test on the common dtypes.
+_DTYPE_NAMES = {jnp.dtype(name): name for name in ("float32", "bfloat16", "float16", "float64", "int32", "int64",
+                                                     "uint32", "int8", "uint8", "bool")}
+
+
 def _dtype_name(dtype) -> str:
-    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):
+        return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else str(np.dtype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +264,29 @@ def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe,
     return leaf, NamedSharding(mesh, res.spec)
 
 
+def _plan_model_state(rules, mesh, recipe, abstract: AbstractState):
+    """Non-parameter variables (batch statistics, RNG keys and counters): sharded by their own
+    ``out_sharding`` names through the params rules when they have them, else replicated; either
+    way every leaf gets a mesh NamedSharding. Returns ``(leaf plans, shardings tree)``."""
+    state_axes = getattr(abstract, "model_state_axes", None) or {}
+    leaves: List[LeafPlan] = []
+    ms_sh = {}
+    replicated = NamedSharding(mesh, PartitionSpec())
+    flat_ms, ms_tree = abstract.model_state_structure
+    for path, sds in flat_ms:
+        logical = state_axes.get(path)
+        if logical is None:
+            leaves.append(LeafPlan("model_state", path, tuple(sds.shape), _dtype_name(sds.dtype),
+                                   (None,) * len(sds.shape), PartitionSpec(), _nbytes(sds.shape, sds.dtype),
+                                   _nbytes(sds.shape, sds.dtype), "non-parameter variable: replicated"))
+            ms_sh[path] = replicated
+            continue
+        leaf, sh = _resolve_leaf(rules, "model_state", "params", path, sds.shape, sds.dtype, logical, mesh, recipe)
+        leaves.append(leaf)
+        ms_sh[path] = sh
+    return leaves, _map_paths(ms_tree, ms_sh)
+
+
 def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
               batch: "BatchLayout | BatchSpec | Any" = None, check: bool = True) -> ShardingPlan:
     """Resolve every leaf of ``abstract`` (params, optimizer state, model state) and ``batch`` on ``mesh``.
@@ -279,7 +310,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     leaves: List[LeafPlan] = []
     memo: Dict[Any, Any] = {"__sizes__": dict(mesh.shape)}
 
-    flat_params, param_shape, param_tree = _abstract_cached(abstract, "params", _param_structure)
+    flat_params, param_shape, param_tree = abstract.param_structure
     param_sh: Dict[str, NamedSharding] = {}
     for path, sds in flat_params:
         leaf, sh = _resolve_leaf(rules, "params", "params", path, sds.shape, sds.dtype, abstract.param_axes[path],
@@ -292,10 +323,9 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
         param_sh[path] = sh
     param_shardings = _map_paths(param_tree, param_sh)
 
-    replicated = NamedSharding(mesh, PartitionSpec())
     opt_shardings = None
     if abstract.opt_state is not None:
-        flat_opt, opt_tree = _abstract_cached(abstract, "optimizer", _optimizer_structure)
+        flat_opt, opt_tree = abstract.optimizer_structure
         opt_sh = {}
         for path, sds, logical in flat_opt:
             leaf, sh = _resolve_leaf(rules, "optimizer", "optimizer", path, sds.shape, sds.dtype, logical, mesh,
@@ -307,24 +337,8 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
             device_opt, opt_shardings = opt_shardings, to_host(opt_shardings)
             abstract = dataclasses.replace(abstract, tx=offload_optimizer(abstract.tx, device_opt, opt_shardings))
 
-    # Non-parameter variables (batch statistics, RNG keys and counters): sharded by their own
-    # ``out_sharding`` names through the params rules when they have them, else replicated; either
-    # way every leaf gets a mesh NamedSharding.
-    state_axes = getattr(abstract, "model_state_axes", None) or {}
-    ms_sh = {}
-    flat_ms, ms_tree = _abstract_cached(abstract, "model_state", _model_state_structure)
-    for path, sds in flat_ms:
-        logical = state_axes.get(path)
-        if logical is None:
-            leaves.append(LeafPlan("model_state", path, tuple(sds.shape), _dtype_name(sds.dtype),
-                                   (None,) * len(sds.shape), PartitionSpec(), _nbytes(sds.shape, sds.dtype),
-                                   _nbytes(sds.shape, sds.dtype), "non-parameter variable: replicated"))
-            ms_sh[path] = replicated
-            continue
-        leaf, sh = _resolve_leaf(rules, "model_state", "params", path, sds.shape, sds.dtype, logical, mesh, recipe)
-        leaves.append(leaf)
-        ms_sh[path] = sh
-    model_state_shardings = _map_paths(ms_tree, ms_sh)
+    ms_leaves, model_state_shardings = _plan_model_state(rules, mesh, recipe, abstract)
+    leaves.extend(ms_leaves)
 
     layout = None if batch is None else as_batch_layout(batch)
     batch_shardings = None
@@ -401,64 +415,9 @@ class IdentityMemo(Dict[int, Dict[Any, Any]]):
         self._refs.pop(ref.key, None)
 
 
-#: make_plan's flattened structures per abstract state (the planner plans one abstract state many times).
-_STRUCTURES = IdentityMemo()
-
-
-def _abstract_cached(abstract: AbstractState, key: str, fn):
-    """``fn(abstract)``, once per abstract state (immutable): the flattened structure :func:`make_plan` walks
-    for every recipe and mesh."""
-    memo = _STRUCTURES.slot(abstract)
-    try:
-        return memo[key]
-    except KeyError:
-        out = memo[key] = fn(abstract)
-        return out
-
-
-def _paths_tree(tree):
-    """``(leaves, treedef)`` of :func:`~meshtrain.abstract.tree_paths`: ``_map_paths`` rebuilds the tree
-    ``jax.tree.map(lambda p: values[p], tree_paths(tree))`` makes."""
-    return jax.tree_util.tree_flatten(tree_paths(tree))
-
-
 def _map_paths(paths_tree, values: Dict[str, Any]):
     paths, treedef = paths_tree
     return treedef.unflatten([values[p] for p in paths])
-
-
-def _param_structure(abstract: AbstractState):
-    """``([(path, leaf)], {path: shape}, paths tree)`` of the parameters."""
-    flat = [(path_str(keypath), sds) for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.params)[0]]
-    return flat, {path: tuple(sds.shape) for path, sds in flat}, _paths_tree(abstract.params)
-
-
-def _optimizer_structure(abstract: AbstractState):
-    """``([(path, leaf, logical axes)], paths tree)`` of the optimizer state: a leaf that mirrors a parameter
-    (same shape) takes its logical axes, any other (counts, scalars, factored moments) is replicated."""
-    _, param_shape, param_tree = _abstract_cached(abstract, "params", _param_structure)
-    # Which parameter each optimizer leaf mirrors (None for counts and other non-param leaves).
-    mirrors = optax.tree_utils.tree_map_params(
-        abstract.tx, lambda _, p: p, abstract.opt_state, tree_paths(abstract.params),
-        transform_non_params=lambda _: None, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    mirror_of = {path_str(kp): m for kp, m in jax.tree_util.tree_flatten_with_path(mirrors)[0]}
-    flat = []
-    for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.opt_state)[0]:
-        path = path_str(keypath)
-        param_path = mirror_of.get(path)
-        if param_path is not None and tuple(sds.shape) == param_shape[param_path]:
-            logical = abstract.param_axes[param_path]
-        else:
-            logical = (None,) * len(sds.shape)  # counts, scalars, factored moments: replicated
-        flat.append((path, sds, logical))
-    return flat, _paths_tree(abstract.opt_state)
-
-
-def _model_state_structure(abstract: AbstractState):
-    """``([(path, leaf)], paths tree)`` of the non-parameter variables."""
-    flat = [(path_str(keypath), sds)
-            for keypath, sds in jax.tree_util.tree_flatten_with_path(abstract.model_state)[0]]
-    return flat, _paths_tree(abstract.model_state)
 
 
 def data_parallel_size(rules: AxisRules, mesh_sizes) -> int:
