@@ -122,6 +122,13 @@ class Strategies(tuple):
     """A recipe's dimensions, in order. ``"pp" in recipe.strategies`` asks by name (or registered key);
     :meth:`names` lists them."""
 
+    def __new__(cls, items=()):
+        return items if type(items) is cls else super().__new__(cls, items)   # a recipe's copies share it
+
+    def __init__(self, items=()):
+        if not hasattr(self, "compose_memo"):
+            self.compose_memo: dict = {}   # strategies.compose()'s results for these dimensions
+
     def __contains__(self, item) -> bool:
         if isinstance(item, str):
             return any(item in (s.name, s.key) for s in self)

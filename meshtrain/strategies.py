@@ -219,6 +219,8 @@ _MODIFIERS: Dict[str, Callable] = {"sp": _fold_sp, "usp": _fold_usp}
 def resolve_strategies(items: Iterable[Any], where: str = "strategies") -> Tuple[Strategy, ...]:
     """Strategy objects from names / mappings / objects. The old names ``sp`` and ``usp`` are read as
     before: they set ``Tensor.sequence_parallel`` and ``Context.kind=usp`` on the dimension they need."""
+    if isinstance(items, tuple) and all(isinstance(item, Strategy) for item in items):
+        return items   # already resolved: a recipe's copy keeps its dimensions (and their compose memo)
     out, later = [], []
     for i, item in enumerate(items):
         if isinstance(item, str) and item in _MODIFIERS:
@@ -230,18 +232,20 @@ def resolve_strategies(items: Iterable[Any], where: str = "strategies") -> Tuple
     return tuple(out)
 
 
-#: compose() results by (strategies, their classes' registration, logical axes known): recipes call it
-#: on every copy (the planner makes thousands).
-_COMPOSED: Dict[Tuple, Tuple[AxisRules, Dict[str, str]]] = {}
-
-
 def compose(items: Iterable[Any]) -> Tuple[AxisRules, Dict[str, str]]:
-    """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy name)."""
+    """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy name).
+
+    A recipe's ``Strategies`` carry a ``compose_memo`` dict: the result is kept there (the planner
+    copies a recipe thousands of times, each copy validating through this), keyed by the classes'
+    registration and the logical axes known, and freed with the recipe's strategies."""
     dims = resolve_strategies(items)
-    key = (dims, tuple(_STRATEGIES.get(d.key) for d in dims), tuple(LOGICAL_AXES))
-    hit = _COMPOSED.get(key)
+    memo = getattr(dims, "compose_memo", None)
+    key = (tuple(_STRATEGIES.get(d.key) for d in dims), tuple(LOGICAL_AXES))
+    hit = memo.get(key) if memo is not None else None
     if hit is None:
-        hit = _COMPOSED[key] = _compose(dims)
+        hit = _compose(dims)
+        if memo is not None:
+            memo[key] = hit
     rules, owners = hit
     return rules, dict(owners)
 
