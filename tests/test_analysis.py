@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import meshtrain as mt
-from meshtrain.analysis import (PROFILES, ActivationSplit, Component, Fit, ZeroStage, estimate_memory, get_hardware,
+from meshtrain.analysis import (PROFILES, ActivationSplit, Component, Fit, ZeroPartitioning, estimate_memory, get_hardware,
                                 hlo_collectives, model_flops_per_token, per_axis, saved_activations, step_flops,
                                 zero_model_state)
 from meshtrain.analysis.planner import PlanRequest, evaluate, plan_auto, rule_warnings
@@ -24,10 +24,10 @@ GB = 1e9
 
 def test_zero_formulas_reproduce_the_paper_figures():
     # ZeRO (Rajbhandari et al. 2020), Figure 1: Ψ = 7.5B, N_d = 64, K = 12.
-    paper = {ZeroStage.DP: 120, ZeroStage.OS: 31.4, ZeroStage.OS_G: 16.6, ZeroStage.OS_G_P: 1.9}
+    paper = {ZeroPartitioning.DP: 120, ZeroPartitioning.OS: 31.4, ZeroPartitioning.OS_G: 16.6, ZeroPartitioning.OS_G_P: 1.9}
     psi, nd, k = 7.5e9, 64, 12
-    by_hand = {ZeroStage.DP: (2 + 2 + k) * psi, ZeroStage.OS: 2 * psi + 2 * psi + k * psi / nd,
-               ZeroStage.OS_G: 2 * psi + (2 + k) * psi / nd, ZeroStage.OS_G_P: (2 + 2 + k) * psi / nd}
+    by_hand = {ZeroPartitioning.DP: (2 + 2 + k) * psi, ZeroPartitioning.OS: 2 * psi + 2 * psi + k * psi / nd,
+               ZeroPartitioning.OS_G: 2 * psi + (2 + k) * psi / nd, ZeroPartitioning.OS_G_P: (2 + 2 + k) * psi / nd}
     for stage, figure in paper.items():
         got = zero_model_state(psi, stage, nd).total
         assert got == pytest.approx(by_hand[stage], rel=1e-12)
@@ -42,7 +42,7 @@ def seven_b():
     return cfg, abstract
 
 
-@pytest.mark.parametrize("recipe, stage", [("dp", ZeroStage.DP), ("zero1", ZeroStage.OS), ("fsdp", ZeroStage.OS_G_P)])
+@pytest.mark.parametrize("recipe, stage", [("dp", ZeroPartitioning.DP), ("zero1", ZeroPartitioning.OS), ("fsdp", ZeroPartitioning.OS_G_P)])
 def test_model_state_per_device_matches_zero_accounting_at_64_devices(seven_b, recipe, stage):
     cfg, abstract = seven_b
     psi = abstract.num_params

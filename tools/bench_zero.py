@@ -57,7 +57,7 @@ import optax  # noqa: E402
 
 import meshtrain as mt  # noqa: E402
 from meshtrain.analysis.traced import saved_activation_bytes  # noqa: E402
-from meshtrain.analysis.memory import ZeroStage, zero_model_state  # noqa: E402
+from meshtrain.analysis.memory import ZeroPartitioning, zero_model_state  # noqa: E402
 from meshtrain.data import default_corpus  # noqa: E402
 from meshtrain.data.mlm import MLMBatches  # noqa: E402
 from meshtrain.models import mlm_loss  # noqa: E402
@@ -66,8 +66,8 @@ from meshtrain.train.step import gradient_shardings  # noqa: E402
 
 MiB = 2 ** 20
 #: label -> (recipe, ZeRO stage); "single" is DDP on one device.
-RECIPES = {"single": ("dp", ZeroStage.DP), "dp": ("dp", ZeroStage.DP), "zero1": ("zero1", ZeroStage.OS),
-           "zero2": ("zero2", ZeroStage.OS_G), "fsdp": ("fsdp", ZeroStage.OS_G_P)}
+RECIPES = {"single": ("dp", ZeroPartitioning.DP), "dp": ("dp", ZeroPartitioning.DP), "zero1": ("zero1", ZeroPartitioning.OS),
+           "zero2": ("zero2", ZeroPartitioning.OS_G), "fsdp": ("fsdp", ZeroPartitioning.OS_G_P)}
 COMPONENTS = ("params", "grads", "optimizer", "activations")  # the "memory" keys in the JSON
 A100_40GB = 40e9
 TOLERANCE = 0.10
@@ -83,7 +83,7 @@ def gradient_bytes(plan) -> int:
     return total
 
 
-def model_state_formula(num_params: int, stage: ZeroStage, n: int):
+def model_state_formula(num_params: int, stage: ZeroPartitioning, n: int):
     """ZeRO's model state per device with meshtrain's f32 Adam: 4Ψ + 4Ψ + KΨ, K = 8."""
     z = zero_model_state(num_params, stage, n, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     return {"params": z.params, "grads": z.grads, "optimizer": z.optimizer}

@@ -22,16 +22,16 @@ from meshtrain.analysis.compiled import (ProgramCost, compiled_flops_per_step, j
                                          saved_activation_bytes)
 from meshtrain.analysis.flops import model_flops_per_token, step_flops
 from meshtrain.analysis.hardware import PROFILES, Hardware, get_hardware, hardware_names, measure_cpu
-from meshtrain.analysis.layout import Layout, layout_of
-from meshtrain.analysis.memory import (Component, Fit, MeasuredMemory, MemoryEstimate, ZeroStage, estimate_memory,
-                                       zero_model_state)
+from meshtrain.analysis.layout import PlanLayout, layout_of
+from meshtrain.analysis.memory import (Component, Fit, MeasuredMemory, MemoryEstimate, ZeroPartitioning,
+                                       estimate_memory, zero_model_state)
 from meshtrain.analysis.moe import moe_summary
 from meshtrain.analysis.steptime import StepTimeEstimate, estimate_step_time
 
 __all__ = [
     "ActivationModel", "ActivationSplit", "Backend", "Collective", "CollectiveEstimate", "Component", "Fit",
-    "Hardware", "Layout", "MeasuredMemory", "MemoryEstimate", "PROFILES", "ProgramCost", "StateInit",
-    "StepTimeEstimate", "ZeroStage", "analytic_collectives", "compare_rankings", "compile_recipe",
+    "Hardware", "MeasuredMemory", "MemoryEstimate", "PROFILES", "PlanLayout", "ProgramCost", "StateInit",
+    "StepTimeEstimate", "ZeroPartitioning", "analytic_collectives", "compare_rankings", "compile_recipe",
     "compiled_flops_per_step", "estimate_memory", "estimate_step_time", "get_hardware", "hardware_names",
     "hlo_collectives", "jaxpr_flops", "layout_of", "measure_cpu", "model_flops_per_token", "per_axis",
     "per_axis_estimate", "program_cost", "saved_activation_bytes", "saved_activations", "step_flops", "summarize",

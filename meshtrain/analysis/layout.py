@@ -21,7 +21,7 @@ from meshtrain.plan import IdentityMemo, ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class PlanLayout:
     """Mesh sizes and which mesh axes split the batch, the heads (tensor) and the residual sequence."""
 
     mesh_sizes: Tuple[Tuple[str, int], ...]
@@ -124,15 +124,15 @@ def plan_variant(plan, recipe):
     return out
 
 
-def layout_of(plan) -> Layout:
-    """The :class:`Layout` of a :class:`meshtrain.ShardingPlan` (computed once per plan)."""
+def layout_of(plan) -> PlanLayout:
+    """The :class:`PlanLayout` of a :class:`meshtrain.ShardingPlan` (computed once per plan)."""
     return cached(plan, "layout", _layout_of)
 
 
-def _layout_of(plan) -> Layout:
+def _layout_of(plan) -> PlanLayout:
     r = plan.recipe
     dcn = tuple(a for a, s in r.mesh.dcn if s > 1)
     sizes, table = plan.mesh_sizes, plan.rules.table("activations")  # read once for the five axes
     axes = lambda logical: _split_axes(table, sizes, logical)  # noqa: E731
-    return Layout(tuple(sizes.items()), axes("batch"), axes("heads"), axes("residual_seq"), axes("vocab"),
+    return PlanLayout(tuple(sizes.items()), axes("batch"), axes("heads"), axes("residual_seq"), axes("vocab"),
                   r.micro_batches, r.param_dtype, r.compute_dtype, dcn, axes("seq"))

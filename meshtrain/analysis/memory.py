@@ -349,8 +349,10 @@ def state_memory(plan) -> MemoryEstimate:
     return _of_rows(rows, STATE_ONLY)
 
 
-class ZeroStage(int, enum.Enum):
-    """ZeRO stages: what is partitioned over the ``N_d`` data-parallel devices."""
+class ZeroPartitioning(int, enum.Enum):
+    """The ZeRO paper's partitioning levels (Rajbhandari et al. 2020, P_os / P_os+g / P_os+g+p): what is
+    partitioned over the ``N_d`` data-parallel devices, ``DP`` for nothing. Not the ``zero`` strategy's
+    :class:`meshtrain.strategies.ZeroStage` (1 or 2): ``OS_G_P`` is what FSDP does."""
 
     DP = 0
     OS = 1
@@ -371,13 +373,13 @@ class ModelState:
         return self.params + self.grads + self.optimizer
 
 
-def zero_model_state(num_params: float, stage: "ZeroStage | int", n_devices: int, *, param_bytes: float = 2,
+def zero_model_state(num_params: float, stage: "ZeroPartitioning | int", n_devices: int, *, param_bytes: float = 2,
                      grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelState:
     """ZeRO's model-state accounting per device (see the module docstring; defaults: mixed-precision
     Adam, ``2Ψ + 2Ψ + KΨ`` with ``K = 12``). ``zero_model_state(7.5e9, 1, 64).total / 1e9 ≈ 31.4``."""
-    stage = ZeroStage(stage)
+    stage = ZeroPartitioning(stage)
     nd = float(n_devices)
     psi = float(num_params)
-    return ModelState(param_bytes * psi / (nd if stage >= ZeroStage.OS_G_P else 1),
-                      grad_bytes * psi / (nd if stage >= ZeroStage.OS_G else 1),
-                      optimizer_bytes * psi / (nd if stage >= ZeroStage.OS else 1))
+    return ModelState(param_bytes * psi / (nd if stage >= ZeroPartitioning.OS_G_P else 1),
+                      grad_bytes * psi / (nd if stage >= ZeroPartitioning.OS_G else 1),
+                      optimizer_bytes * psi / (nd if stage >= ZeroPartitioning.OS else 1))

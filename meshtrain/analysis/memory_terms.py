@@ -23,7 +23,7 @@ from meshtrain.abstract import path_str
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import working_weight_bytes
 from meshtrain.analysis.comms import batch_dims
-from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
+from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.memory_gpu import (context_kernel_shape, cudnn_packed_terms, gpu_activation_terms,
                                           gpu_context_accumulator_terms, gpu_context_output_terms,
                                           gpu_one_f_one_b_terms, gpu_pipeline_activation_terms,
@@ -59,7 +59,7 @@ class StepShape:
 
     plan: Any
     cfg: Any
-    lay: Layout
+    lay: PlanLayout
     B: int
     T: int
     per: Dict[str, int]

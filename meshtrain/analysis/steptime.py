@@ -68,7 +68,7 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, defaul
                                          program_cost, saved_activation_bytes, working_weight_bytes)
 from meshtrain.analysis.flops import StepFlops, step_flops
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import Layout, cached, layout_of, per_device_bytes
+from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_bytes
 from meshtrain.analysis.memory import estimate_memory
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
@@ -133,7 +133,7 @@ def backend_of(hw: Hardware) -> Backend:
     return Backend.TPU if hw.name.startswith("tpu") else Backend.GPU
 
 
-def axis_links(lay: Layout, hw: Hardware) -> Dict[str, Link]:
+def axis_links(lay: PlanLayout, hw: Hardware) -> Dict[str, Link]:
     """Fast or slow links per mesh axis (see the module docstring)."""
     out, inner = {}, 1
     for axis, size in reversed(lay.mesh_sizes):
@@ -191,7 +191,7 @@ def _hops(group_size: int, all_reduce: bool) -> int:
     return math.ceil(math.log2(max(group_size, 2))) * (2 if all_reduce else 1)
 
 
-def hbm_traffic(plan, cfg, lay: Layout) -> float:
+def hbm_traffic(plan, cfg, lay: PlanLayout) -> float:
     """Bytes one device reads + writes in HBM per step (see the module docstring)."""
     c = np.dtype(lay.compute_dtype).itemsize
     weights = 0.0
@@ -279,7 +279,7 @@ def _step_flops_cached(cfg, B, T, remat) -> StepFlops:
     return step_flops(cfg, B, T, remat)
 
 
-def _communication(ops, lay: Layout, hw: Hardware, backend: Backend, compute: float, fwd_share: float):
+def _communication(ops, lay: PlanLayout, hw: Hardware, backend: Backend, compute: float, fwd_share: float):
     """``(communication seconds, exposed seconds, per-axis rows)`` (see the module docstring)."""
     links = axis_links(lay, hw)
     slow = {a for a, link in links.items() if link is Link.SLOW}
