@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from meshtrain.distributed import StopAgreement
 from meshtrain.models.flops import jaxpr_flops
-from meshtrain.train.loop import Run, StepInfo, Stop
+from meshtrain.train.loop import EvalResult, Run, StepInfo, Stop, ThroughputResult
 from meshtrain.train.metrics import peak_flops
 from meshtrain.train.step import RESERVED_METRICS
 
@@ -104,7 +104,7 @@ class ThroughputHook(Hook):
         wall = run.clock.elapsed()
         goodput = dict(run.clock.totals, wall_s=wall, lost_s=run.lost_s)
         goodput["goodput"] = goodput.get("compute_s", 0.0) / wall if wall else 0.0
-        run.results.update(
+        run.results.throughput = ThroughputResult(
             examples_per_s=median, wall_s=wall, goodput=goodput,
             mfu=self._mfu(run, median) if (self.peak and median and self.flops_per_example) else None,
             tokens_per_s=median * run.tokens_per_example if (median and run.tokens_per_example) else None)
@@ -124,7 +124,7 @@ class EvalHook(Hook):
         loss = evals.pop("loss", None)
         info.record["eval_loss"] = loss
         info.record.update({f"eval_{k}": v for k, v in evals.items()})
-        run.results.update(eval_loss=loss, eval_metrics=evals)
+        run.results.evaluation = EvalResult(loss, evals)
 
     def evaluate(self, state) -> Dict[str, float]:
         val = self.feed()
@@ -254,7 +254,7 @@ class PreemptionHook(Hook):
         # a collective with several processes: called after every step on every process
         if info.last or not self.agreement.should_stop(info.step, self.requested):
             return None
-        run.results["preempted"] = True
+        run.results.preempted = True
         if self.checkpoint is not None:
             self.checkpoint.save(run, info.step)
         run.progress.print(f"SIGTERM: stopped after step {info.step}"

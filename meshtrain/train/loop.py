@@ -79,6 +79,40 @@ class Stop:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ThroughputResult:
+    """What :class:`~meshtrain.train.hooks.ThroughputHook` measured over the run: the median rate
+    (``None`` before a step was timed), the wall time, the goodput breakdown (seconds per activity,
+    and ``goodput`` = compute / wall) and the MFU where the peak is known."""
+
+    examples_per_s: Optional[float]
+    wall_s: float
+    goodput: Dict[str, float]
+    mfu: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """The last evaluation of :class:`~meshtrain.train.hooks.EvalHook`: mean loss and other metrics."""
+
+    loss: Optional[float]
+    metrics: Dict[str, float]
+
+
+@dataclasses.dataclass
+class RunResults:
+    """What the hooks leave for the run's summary, one typed field per hook (``None``: it did not run)::
+
+        run.results.evaluation = EvalResult(loss=2.61, metrics={"accuracy": 0.4})
+    """
+
+    throughput: Optional[ThroughputResult] = None
+    evaluation: Optional[EvalResult] = None
+    #: SIGTERM stopped the run (:class:`~meshtrain.train.hooks.PreemptionHook`)
+    preempted: bool = False
+
+
 class Run:
     """What hooks see of one :meth:`Trainer.run`: the config, the plan, the current ``state`` and
     ``step``, the run's ``writer`` (metrics.jsonl), ``progress`` display, goodput ``clock``, the
@@ -95,7 +129,7 @@ class Run:
         self.progress = ProgressDisplay(config.steps, start, config.progress.value, config.log_every,
                                         enabled=is_main)
         self.losses: List[float] = []
-        self.results: Dict[str, Any] = {}
+        self.results = RunResults()
         self.guard: Optional[InterruptGuard] = None
 
 
@@ -201,13 +235,14 @@ def close_loop(run: Run, hooks: Sequence, failed: bool) -> None:
 
 
 def summary(run: Run, resumed_from: Optional[int]) -> TrainSummary:
-    """The run's summary from ``run.results``; written as the last record of metrics.jsonl."""
-    r = run.results
-    losses = run.losses
+    """The run's summary from the hooks' ``run.results``; written as the last record of metrics.jsonl."""
+    losses, speed, evaluation = run.losses, run.results.throughput, run.results.evaluation
+    if speed is None:   # no throughput hook (a hand-made hook list)
+        speed = ThroughputResult(None, run.clock.elapsed(), {})
     s = TrainSummary(run.run_dir, len(losses), losses[0] if losses else None, losses[-1] if losses else None,
-                     r.get("eval_loss"), r.get("tokens_per_s"), r.get("mfu"), r.get("wall_s", run.clock.elapsed()),
-                     r.get("goodput", {}), bool(r.get("preempted")), resumed_from,
-                     examples_per_s=r.get("examples_per_s"), eval_metrics=r.get("eval_metrics"))
+                     evaluation.loss if evaluation else None, speed.tokens_per_s, speed.mfu, speed.wall_s,
+                     speed.goodput, run.results.preempted, resumed_from, examples_per_s=speed.examples_per_s,
+                     eval_metrics=evaluation.metrics if evaluation else None)
     run.writer.write({"event": "summary", **dataclasses.asdict(s)})
     run.writer.close()
     if run.is_main:
