@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
 
+from meshtrain.errors import RulesError
+
 #: Canonical mesh axes, outermost to innermost.
 #: ``ulysses`` is the inner context axis of 2-D context parallelism (``usp``): its all-to-alls move
 #: every attention input and output, so it sits inside ``context`` (whose ring ``ppermute`` overlaps
@@ -43,7 +45,7 @@ def register_logical_axis(name: str, meaning: str) -> None:
     Example: ``register_logical_axis("patches", "image patches")`` then, in a recipe YAML,
     ``rules: {activations: {patches: context}}``. Names already known are left as they are."""
     if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"logical axis name {name!r}: use an identifier such as 'classes'")
+        raise RulesError(f"logical axis name {name!r}: use an identifier such as 'classes'")
     LOGICAL_AXES.setdefault(name, meaning)
 
 

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.errors import ConfigError
+
 
 class MasterWeightsState(NamedTuple):
     """The f32 master copy of the parameters (a parameter-shaped tree) and the inner optimizer's state."""
@@ -54,7 +56,7 @@ def master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> op
 
     def update(grads, state, params=None):
         if params is None:
-            raise ValueError("master_weights.update needs params (the working parameters it rounds to)")
+            raise ConfigError("master_weights.update needs params (the working parameters it rounds to)")
         updates, inner_state = inner.update(cast_floats(grads, dtype), state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
         # f32 differences: p + (round(m) - p) is exact in f32 for any two bf16 values, so apply_updates

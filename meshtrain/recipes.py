@@ -25,7 +25,7 @@ from meshtrain.rules import TABLES, AxisRules
 from meshtrain.settings import Setting, coerce_all, setting, settings_of
 from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel, Expert, FlashBackend,  # noqa: F401
                                   LoadBalance, Pipeline, Schedule, Strategy, Tensor, ZeRO, ZeroStage, compose,
-                                  resolve_strategies)
+                                  ResolvedStrategies, resolve_strategies)
 from meshtrain.strategies import strategies as registered_strategies
 
 
@@ -118,16 +118,9 @@ DTYPES = ("float32", "bfloat16")
 S = TypeVar("S", bound=Strategy)
 
 
-class Strategies(tuple):
+class Strategies(ResolvedStrategies):
     """A recipe's dimensions, in order. ``"pp" in recipe.strategies`` asks by name (or registered key);
     :meth:`names` lists them."""
-
-    def __new__(cls, items=()):
-        return items if type(items) is cls else super().__new__(cls, items)   # a recipe's copies share it
-
-    def __init__(self, items=()):
-        if not hasattr(self, "compose_memo"):
-            self.compose_memo: dict = {}   # strategies.compose()'s results for these dimensions
 
     def __contains__(self, item) -> bool:
         if isinstance(item, str):

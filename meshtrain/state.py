@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.abstract import _build, split_model
+from meshtrain.errors import ConfigError
 from meshtrain.plan import ShardingPlan
 from meshtrain.precision import has_master_weights
 
@@ -63,7 +64,7 @@ def init_state(plan: ShardingPlan, seed: int = 0, params: Any = None) -> TrainSt
     """
     a = plan.abstract
     if a.tx is None:
-        raise ValueError("init_state needs an optimizer: build the abstract state with abstract_state(factory, tx)")
+        raise ConfigError("init_state needs an optimizer: build the abstract state with abstract_state(factory, tx)")
 
     def _init(given):
         _, built, model_state = split_model(_build(a.factory, seed))

@@ -232,14 +232,26 @@ def resolve_strategies(items: Iterable[Any], where: str = "strategies") -> Tuple
     return tuple(out)
 
 
+class ResolvedStrategies(tuple):
+    """Resolved strategy objects that keep :func:`compose`'s result for themselves (``compose_memo``,
+    freed with them). ``ResolvedStrategies(x)`` of one is ``x`` itself, so a recipe's copies share it."""
+
+    def __new__(cls, items=()):
+        return items if type(items) is cls else super().__new__(cls, items)
+
+    def __init__(self, items=()):
+        if not hasattr(self, "compose_memo"):
+            self.compose_memo: Dict[Tuple, Tuple[AxisRules, Dict[str, str]]] = {}
+
+
 def compose(items: Iterable[Any]) -> Tuple[AxisRules, Dict[str, str]]:
     """Compose strategies into (rules on top of the defaults, mesh axis -> owning strategy name).
 
-    A recipe's ``Strategies`` carry a ``compose_memo`` dict: the result is kept there (the planner
-    copies a recipe thousands of times, each copy validating through this), keyed by the classes'
-    registration and the logical axes known, and freed with the recipe's strategies."""
+    :class:`ResolvedStrategies` (a recipe's) keep the result (the planner copies a recipe thousands of
+    times, each copy validating through this), keyed by the classes' registration and the logical
+    axes known."""
     dims = resolve_strategies(items)
-    memo = getattr(dims, "compose_memo", None)
+    memo = dims.compose_memo if isinstance(dims, ResolvedStrategies) else None
     key = (tuple(_STRATEGIES.get(d.key) for d in dims), tuple(LOGICAL_AXES))
     hit = memo.get(key) if memo is not None else None
     if hit is None:

@@ -27,7 +27,14 @@ MAX_FUNCTION_LINES = 80
 
 #: Circles that need commands/cli changes (owned by the cli/commands branch, which is removing the
 #: commands -> cli imports). Each entry is the sorted tuple of a strongly connected component.
-KNOWN_CYCLES: set[tuple[str, ...]] = set()
+KNOWN_CYCLES: set[tuple[str, ...]] = {
+    # cli.py runs commands through importlib.import_module(f"meshtrain.commands.{name}"), and these
+    # commands import meshtrain.cli back (for COMMANDS, the shared error handling); launch -> launch_fit ->
+    # train closes the same circle.
+    ("meshtrain.cli", "meshtrain.commands.generate", "meshtrain.commands.hf_export", "meshtrain.commands.hf_import",
+     "meshtrain.commands.launch", "meshtrain.commands.launch_fit", "meshtrain.commands.plan",
+     "meshtrain.commands.train"),
+}
 #: Modules still over the line limit whose files another branch owns.
 KNOWN_LONG_MODULES: set[str] = set()
 #: ``module:function`` still over the function limit whose files another branch owns.
@@ -213,12 +220,94 @@ def test_the_known_exceptions_are_still_needed():
     assert all(len(MODULES[m].read_text().splitlines()) > MAX_MODULE_LINES for m in KNOWN_LONG_MODULES)
 
 
-def test_importing_the_package_loads_no_jax(tmp_path):
+def _heavy_modules_after(imports: str):
     import processes
 
-    code = ("import sys, meshtrain, meshtrain.supervisor; "
-            "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'numpy') if m in sys.modules); "
-            "print('HEAVY', heavy)")
-    result = processes.run([sys.executable, "-c", code], timeout=60, cwd=str(PACKAGE.parent))
+    code = (f"import sys; {imports}; "
+            "print('HEAVY', sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'numpy') if m in sys.modules))")
+    result = processes.run([sys.executable, "-c", code], timeout=120, cwd=str(PACKAGE.parent))
     assert result.returncode == 0, result.stderr
-    assert "HEAVY" in result.stdout and "'jax'" not in result.stdout, result.stdout
+    line = next(line for line in result.stdout.splitlines() if line.startswith("HEAVY"))
+    return line
+
+
+def test_importing_the_package_loads_no_jax():
+    line = _heavy_modules_after("import meshtrain, meshtrain.errors, meshtrain.events, meshtrain.distributed")
+    assert "'jax'" not in line, line
+
+
+@pytest.mark.xfail(strict=True, reason="meshtrain/supervisor.py line 37 imports meshtrain.train.watchdog (the "
+                                       "trainer, JAX); the CLI branch moves it to meshtrain.events: then remove "
+                                       "this mark")
+def test_the_supervisor_loads_no_jax():
+    line = _heavy_modules_after("import meshtrain, meshtrain.supervisor")
+    assert "'jax'" not in line, line
+
+
+#: ``raise ValueError`` left on purpose: internal signals that their caller catches, never shown to a user.
+INTERNAL_VALUE_ERRORS = {
+    "meshtrain.checkpoint.integrity:read_manifest",   # caught by integrity.check_step: "damaged manifest"
+}
+#: cli.py and commands/ belong to the CLI branch, which converts its own.
+CLI_MODULES = ("meshtrain.cli", "meshtrain.commands")
+
+
+def _value_errors():
+    for module, path in MODULES.items():
+        if module.startswith(CLI_MODULES):
+            continue
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                            getattr(node.exc.func, "id", None) == "ValueError":
+                        yield f"{module}:{fn.name}"
+
+
+def test_user_errors_are_typed():
+    found = set(_value_errors())
+    assert found - INTERNAL_VALUE_ERRORS == set(), (
+        f"raise a typed error from meshtrain.errors (ConfigError, RulesError, ...) instead of ValueError in "
+        f"{sorted(found - INTERNAL_VALUE_ERRORS)}")
+    assert INTERNAL_VALUE_ERRORS <= found
+
+
+#: What ``dir(meshtrain)`` showed when the package root imported everything eagerly (before issue 34).
+PUBLIC_BEFORE_LAZY = """
+AbstractState AttentionKind AxisRules AxisTypes BUILTIN_RECIPES BatchLayout BatchLeaf BatchSpec
+CheckpointError Checkpointer ConfigError Context ContextKind DataParallel Expert FSDP FlashBackend HSDP Hook
+LOGICAL_AXES LayerLoop LeafPlan LoadBalance LocalAttention LossFn MESH_AXES MeshError MeshSpec MeshtrainError
+ModelFactory ModelRules NonFinite Offload ParamInfo PathRules Pipeline PipelineParts PlanError Recipe
+RecipeError Remat Restored Rule RulesError SaveResult Schedule ShardingPlan StepContext StepInfo Stop
+Strategy Tensor TrainState ZeRO ZeroStage __version__ abstract abstract_state abstract_train_state annotate
+attention axes batch_layout checkpoint constrain data distributed errors folders generate generation
+get_recipe hardware hf init_state inspect_checkpoint interrupts list_params losses make_eval_step
+make_grad_fn make_plan make_train_step master_weights mesh models next_token_loss offload parallel plan
+precision recipes register_logical_axis register_recipe register_strategy remat rules scan_layers
+sequence_permutation settings state state_shardings strategies train
+""".split()
+
+
+def test_the_lazy_root_keeps_every_public_name():
+    import importlib
+
+    import meshtrain
+
+    missing = sorted(set(PUBLIC_BEFORE_LAZY) - set(dir(meshtrain)))
+    assert not missing, f"names the package root no longer shows: {missing}"
+    for name in PUBLIC_BEFORE_LAZY:
+        assert getattr(meshtrain, name) is not None
+    # the TYPE_CHECKING imports (what type checkers see) name the same objects as the lazy table
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    checked = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                checked[alias.name] = node.module if node.module != ROOT else f"{ROOT}.{alias.name}"
+    assert set(checked) == set(meshtrain.__all__), sorted(set(checked) ^ set(meshtrain.__all__))
+    for name, module in checked.items():
+        value = importlib.import_module(module)
+        assert getattr(meshtrain, name) is (value if module == f"{ROOT}.{name}" else getattr(value, name)), name
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        meshtrain.nothing_here

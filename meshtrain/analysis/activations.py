@@ -34,6 +34,7 @@ import numpy as np
 
 from meshtrain.abstract import abstract_state
 from meshtrain.annotate import StepContext, step_context
+from meshtrain.errors import ConfigError
 from meshtrain.losses import next_token_loss
 from meshtrain.mesh import MeshSpec
 from meshtrain.models.decoder import Decoder, DecoderConfig
@@ -50,7 +51,7 @@ _SHARDED_BY_TENSOR = ("kv", "g", "f", "V")
 def config_sizes(cfg, batch_size: int, seq_len: int) -> Dict[str, int]:
     """The probe variables for a real ``DecoderConfig`` and batch ``(B, T)``."""
     if cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
-        raise ValueError(f"{cfg.name}: n_heads must be a multiple of n_kv_heads and head_dim even")
+        raise ConfigError(f"{cfg.name}: n_heads must be a multiple of n_kv_heads and head_dim even")
     return {"L": cfg.n_layers, "B": batch_size, "T": seq_len, "d": cfg.d_model, "kv": cfg.n_kv_heads,
             "g": cfg.n_heads // cfg.n_kv_heads, "hh": cfg.head_dim // 2, "f": cfg.d_ff, "V": cfg.vocab_size}
 

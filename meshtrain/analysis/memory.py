@@ -181,6 +181,7 @@ from meshtrain.analysis.memory_terms import (BATCH_FORMULA, GRAD_FORMULA, OPTIMI
                                              Component, MemoryTerm, analytic_terms, gradient_bytes)
 from meshtrain.analysis.memory_terms import attention_working_set, backend_name  # noqa: F401 (re-export)
 from meshtrain.analysis.layout import layout_of
+from meshtrain.errors import ConfigError
 
 
 class Fit(str, enum.Enum):
@@ -264,7 +265,7 @@ def estimate_memory(plan, cfg=None, *, loss_fn=None, cost: Optional[ProgramCost]
     ``Mesh``, XLA:CPU's on an ``AbstractMesh`` (see "XLA:TPU" in the module docstring).
     """
     if plan.batch is None:
-        raise ValueError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
+        raise ConfigError("estimate_memory needs a plan with a batch: make_plan(..., batch=BatchSpec(B, T))")
     if not has_analytic_model(cfg):
         return program_memory(plan, loss_fn or default_loss(cfg, plan), cost=cost)
     terms, formulas = analytic_terms(plan, cfg, backend)
