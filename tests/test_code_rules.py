@@ -247,7 +247,7 @@ def test_the_supervisor_loads_no_jax():
 
 #: ``raise ValueError`` left on purpose: internal signals that their caller catches, never shown to a user.
 INTERNAL_VALUE_ERRORS = {
-    "meshtrain.checkpoint.integrity:read_manifest",   # caught by integrity.check_step: "damaged manifest"
+    "meshtrain.checkpoint.integrity:read_manifest",   # caught by integrity.check_step: "manifest unreadable"
 }
 #: cli.py and commands/ belong to the CLI branch, which converts its own.
 CLI_MODULES = ("meshtrain.cli", "meshtrain.commands")
