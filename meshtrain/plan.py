@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import json
 import math
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -379,40 +378,6 @@ def check_mapped(rules: AxisRules, abstract: AbstractState) -> None:
         raise RulesError(f"logical names that no rule maps: {'; '.join(parts)}; map them in the rules' logical: "
                          f"section (--rules FILE.yaml / rules=), e.g. `logical: {{{example}}}` to replicate or "
                          f"`{next(iter(users))}: tensor` to shard")
-
-
-class _KeyedRef(weakref.ref):
-    """A weak reference that remembers the memo key of its object."""
-
-    __slots__ = ("key",)
-
-
-class IdentityMemo(Dict[int, Dict[Any, Any]]):
-    """Results derived from immutable objects, kept per live object (by identity) and dropped when the object
-    is collected: a memo owned by whoever computes the results, not written into the objects themselves.
-
-    ``memo.slot(obj)`` is ``obj``'s dict of results (``memo.get(id(obj))``: the same, ``None`` before the
-    first); ``share_with``: a new object's slot is that dict (a variant of ``obj`` whose results of that kind
-    are the same)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._refs: Dict[int, _KeyedRef] = {}
-
-    def slot(self, obj, share_with: Optional[Dict[Any, Any]] = None) -> Dict[Any, Any]:
-        key = id(obj)
-        found = self.get(key)
-        if found is None:
-            found = self[key] = {} if share_with is None else share_with
-            # dropped when obj is collected, before its id can be reused (a bare weak reference: the planner
-            # makes thousands of plans, and heavier finalizers cost garbage-collector time)
-            ref = self._refs[key] = _KeyedRef(obj, self._drop)
-            ref.key = key
-        return found
-
-    def _drop(self, ref: _KeyedRef) -> None:
-        self.pop(ref.key, None)
-        self._refs.pop(ref.key, None)
 
 
 def _map_paths(paths_tree, values: Dict[str, Any]):

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Dict, Tuple
+import weakref
+from typing import Any, Dict, Optional, Tuple
 
 from meshtrain.analysis.activations import ActivationSplit
-from meshtrain.plan import IdentityMemo, ShardingPlan
+from meshtrain.plan import ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,40 @@ def _split_axes(table, sizes, logical: str) -> Tuple[str, ...]:
     """The mesh axes (of size > 1) the activation rule for ``logical`` splits over."""
     rule = table.get(logical)
     return tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
+
+
+class _KeyedRef(weakref.ref):
+    """A weak reference that remembers the memo key of its object."""
+
+    __slots__ = ("key",)
+
+
+class IdentityMemo(Dict[int, Dict[Any, Any]]):
+    """Results derived from immutable objects, kept per live object (by identity) and dropped when the object
+    is collected: a memo owned by whoever computes the results, not written into the objects themselves.
+
+    ``memo.slot(obj)`` is ``obj``'s dict of results (``memo.get(id(obj))``: the same, ``None`` before the
+    first); ``share_with``: a new object's slot is that dict (a variant of ``obj`` whose results of that kind
+    are the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._refs: Dict[int, _KeyedRef] = {}
+
+    def slot(self, obj, share_with: Optional[Dict[Any, Any]] = None) -> Dict[Any, Any]:
+        key = id(obj)
+        found = self.get(key)
+        if found is None:
+            found = self[key] = {} if share_with is None else share_with
+            # dropped when obj is collected, before its id can be reused (a bare weak reference: the planner
+            # makes thousands of plans, and heavier finalizers cost garbage-collector time)
+            ref = self._refs[key] = _KeyedRef(obj, self._drop)
+            ref.key = key
+        return found
+
+    def _drop(self, ref: _KeyedRef) -> None:
+        self.pop(ref.key, None)
+        self._refs.pop(ref.key, None)
 
 
 #: The planner's memo of figures derived from plans (immutable): per plan, and per layout (shared by the
