@@ -29,8 +29,9 @@ process alike (they meet in the step's collectives), so it shows as a slower ste
 after step N), ``lose`` (delete its in-memory peer copies, then SIGKILL itself: a lost host,
 :mod:`meshtrain.checkpoint.peers`), ``full`` (its first checkpoint save at or after step N fails
 with ENOSPC: a full disk, exit 74; armed on the run's ``Checkpointer.faults``), ``stop`` (SIGSTOP
-itself: a hang), ``slow`` (sleep S seconds, default 0.5, after every step from N: a straggler). Fault ``k`` fires in attempt ``k`` of ``meshtrain launch
---max-restarts`` (``MESHTRAIN_ATTEMPT``, 0 for the first) unless ``attempt`` says otherwise. Each
+itself: a hang), ``slow`` (sleep S seconds, default 0.5, after every step from N: a straggler).
+Fault ``k`` fires in attempt ``k`` of ``meshtrain launch --max-restarts`` (``MESHTRAIN_ATTEMPT``, 0
+for the first) unless ``attempt`` says otherwise. Each
 fault and the first step of every attempt are appended to ``<run>/events.jsonl``.
 """
 
