@@ -25,7 +25,8 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from meshtrain.abstract import path_str
 from meshtrain.analysis.layout import cached, layout_of
-from meshtrain.annotate import step_context, step_context_for
+from meshtrain.annotate import step_context
+from meshtrain.parallel.resolved import step_context_for
 from meshtrain.errors import ConfigError
 from meshtrain.losses import unpack_loss
 from meshtrain.precision import cast_floats
