@@ -17,6 +17,7 @@ import math
 from typing import Dict, Tuple
 
 from meshtrain.analysis.activations import ActivationSplit
+from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import IdentityMemo, ShardingPlan
 
 
@@ -135,4 +136,4 @@ def _layout_of(plan) -> Layout:
     sizes, table = plan.mesh_sizes, plan.rules.table("activations")  # read once for the five axes
     axes = lambda logical: _split_axes(table, sizes, logical)  # noqa: E731
     return Layout(tuple(sizes.items()), axes("batch"), axes("heads"), axes("residual_seq"), axes("vocab"),
-                  r.micro_batches, r.param_dtype, r.compute_dtype, dcn, axes("seq"))
+                  batch_splits(r), r.param_dtype, r.compute_dtype, dcn, axes("seq"))

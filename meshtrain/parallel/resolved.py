@@ -299,3 +299,15 @@ def step_context_for(plan, mesh=None) -> StepContext:
     r = plan.recipe
     return StepContext(mesh, plan.rules, frozenset(r.replicate_indivisible), step.remat, step.attention.kind,
                        tuple(r.strategies), step.layer_loop, step.scan_unroll, resolved=step)
+
+
+def batch_splits(recipe) -> int:
+    """Micro-batches one step of ``recipe`` splits the batch into: its pipeline's (``pp``'s ``micro_batches``),
+    else its ``grad_accum`` (what :attr:`ResolvedStep.batch_splits` reads, for callers holding only a recipe)."""
+    pipeline = recipe.dimension(Pipeline)
+    return pipeline.micro_batches if pipeline is not None else recipe.grad_accum
+
+
+def batch_splits_option(recipe) -> str:
+    """The :meth:`~meshtrain.Recipe.with_options` name that sets :func:`batch_splits` for ``recipe``."""
+    return "pipeline_micro_batches" if recipe.dimension(Pipeline) is not None else "grad_accum"
