@@ -196,3 +196,41 @@ def test_the_compiled_gpu_step_runs_the_resolved_kernel(name, options, topology)
     assert (calls["forward"] == cfg.n_layers) is (step.attention.backend is FlashBackend.CUDNN)
     assert ("cudnn" in kernel_line(plan, hw)) is (calls["forward"] > 0)
     assert step_shape(plan, cfg, gpu_aot.hardware_target(hw)).cudnn is (calls["forward"] > 0)
+
+
+# -- old names: read in one place, with a deprecation naming the new spelling ------------------------------------
+
+@pytest.mark.parametrize("recipe, old, new", [
+    ("dp", {"micro_batches": 4}, {"grad_accum": 4}),
+    ("pp", {"micro_batches": 4}, {"pipeline_micro_batches": 4}),
+    ("fsdp", {"attention": "flash"}, {"local_attention": "flash"}),
+    ("fsdp_cp", {"attention": "ulysses"}, {"context_kind": "ulysses"}),
+])
+def test_old_option_names_are_translated_with_a_deprecation(recipe, old, new):
+    base = mt.get_recipe(recipe)
+    with pytest.warns(DeprecationWarning, match=rf"recipe option '{list(old)[0]}' is deprecated; for recipe "
+                                                 rf"'{recipe}' it is '{list(new)[0]}'"):
+        got = base.with_options(**old)
+    assert got == base.with_options(**new)
+
+
+def test_old_recipe_file_keys_are_translated_with_a_deprecation(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("name: old\nstrategies: [dp, pp]\nmesh: {ici: {stage: 2, data: -1}}\nmicro_batches: 4\n"
+                    "schedule: 1f1b\n")
+    with pytest.warns(DeprecationWarning) as seen:
+        recipe = mt.get_recipe(str(path))
+    assert sorted(str(w.message).split(": recipe option ")[1].split(" ")[0] for w in seen) == ["'micro_batches'",
+                                                                                                "'schedule'"]
+    pipeline = recipe.dimension(mt.Pipeline)
+    assert (pipeline.micro_batches, pipeline.schedule, recipe.grad_accum) == (4, Schedule.ONE_F_ONE_B, 1)
+    path.write_text("name: old\nstrategies: [fsdp, cp]\nmesh: {ici: {fsdp: 2, context: -1}}\nattention: dense\n")
+    with pytest.raises(mt.errors.RecipeError, match=r"attention='dense': recipe 'old' shards the sequence \(cp\), "
+                                                    r"so its attention is cp's kind"):
+        mt.get_recipe(str(path))
+
+
+def test_old_names_are_read_by_one_function():
+    found = {path for path, text in _sources() if re.search(r"== \"micro_batches\"|LEGACY_NAMES\[", text)}
+    assert found == {"recipes.py"}
+    assert not any(hasattr(mt.get_recipe(name), "micro_batches") for name in ("dp", "pp"))

@@ -377,7 +377,7 @@ def _params_formula(s: StepShape) -> str:
 
 def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
     """Each component's formula in words, with the figures it used (the terms give the parts)."""
-    lay, moe, pipe, L, w_layers = s.lay, s.moe, s.pipe, s.L, s.layer_weights
+    lay, pipe, L, w_layers = s.lay, s.pipe, s.L, s.layer_weights
     unroll, straight, blocks = s.unroll, s.straight, s.attention_blocks
     acc = " + f32 accumulator 4 B × elements per device (micro-batches)" if s.accumulates else ""
     if pipe is not None and pipe.one_f_one_b and 4 * s.elems > gradient_bytes(s.plan):
@@ -402,6 +402,23 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
         grad_formula = ("the part of the gradients (= parameters) beyond the saved activations: unrolled, each "
                         "layer's gradient is made as its residuals die")
+    act_formula, temp_formula, grad_formula = _backend_formulas(s, act_formula, temp_formula, grad_formula)
+    act_formula, temp_formula = _moe_pipeline_formulas(s, act_formula, temp_formula)
+    return (
+        (Component.PARAMS, _params_formula(s)),
+        (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
+                               "optimizer update)" if s.tpu else grad_formula) + acc),
+        (Component.OPTIMIZER, OPTIMIZER_FORMULA),
+        (Component.ACTIVATIONS, act_formula),
+        (Component.TEMPORARIES, temp_formula),
+        (Component.BATCH, BATCH_FORMULA),
+    )
+
+
+def _backend_formulas(s: StepShape, act_formula: str, temp_formula: str,
+                      grad_formula: str) -> Tuple[str, str, str]:
+    """The activation, temporaries and gradient formulas with XLA:GPU's and XLA:TPU's buffer choices added."""
+    pipe, blocks = s.pipe, s.attention_blocks
     if s.gpu:
         act_formula += ("; XLA:GPU: no f32 copy of the residual stream, each norm's output kept in the compute dtype, "
                         "of the MLP only its matmuls' operands and results"
@@ -433,6 +450,12 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         "XLA:TPU finishes the head's backward before the layers'"
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk" if blocks else ""))
         act_formula += "; XLA:TPU: logits in the compute dtype, no f32 copy of the residual stream"
+    return act_formula, temp_formula, grad_formula
+
+
+def _moe_pipeline_formulas(s: StepShape, act_formula: str, temp_formula: str) -> Tuple[str, str]:
+    """The activation and temporaries formulas with an MoE layer's and a pipeline schedule's buffers added."""
+    moe, pipe, L = s.moe, s.pipe, s.L
     if moe is not None:
         act_formula += (f"; MoE: MLP width → rows·f_e + shared = {moe.d_ff_equivalent} ({moe.rows:.3g} expert rows "
                         f"per token), + dispatched rows, expert outputs and f32 router logits/probabilities "
@@ -452,16 +475,7 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                             f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B) + the layer group "
                             f"each tick indexes ticks·W_stage·c/r")
             temp_formula += "; logits gradient over the whole batch (b·m rows: the head runs after the schedule)"
-    return (
-        (Component.PARAMS, _params_formula(s)),
-        (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
-                               "optimizer update)" if s.tpu else grad_formula) + acc),
-        (Component.OPTIMIZER, OPTIMIZER_FORMULA),
-        (Component.ACTIVATIONS, act_formula),
-        (Component.TEMPORARIES, temp_formula),
-        (Component.BATCH, BATCH_FORMULA),
-    )
-
+    return act_formula, temp_formula
 
 PARAMS_FORMULA = "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"
 OPTIMIZER_FORMULA = "Σ optimizer-state leaves ÷ shards (plan)"
