@@ -399,7 +399,7 @@ def _dimension_option(key: str) -> Tuple[Type[Strategy], Setting]:
     by_name = [(cls, s) for cls, s in dimension_settings() if s.name == key]
     if len(by_name) == 1:
         return by_name[0]
-    known = sorted({f.name for f in dataclasses.fields(Recipe) if f.init} | set(by_flag) | {"attention", "micro_batches"})
+    known = sorted({f.name for f in dataclasses.fields(Recipe) if f.init} | set(by_flag) | set(LEGACY_NAMES))
     raise RecipeError(f"unknown recipe option {key!r}; known: {', '.join(known)}")
 
 

@@ -60,6 +60,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         return context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal, choice, ctx)
     return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal=causal, backend=choice.backend)
 
+
 def _dense(q, k, v, segment_ids, causal):
     mask = None
     if segment_ids is not None:

@@ -39,8 +39,6 @@ from meshtrain.strategies import Context, FlashBackend, LoadBalance, Pipeline, S
 CUDNN_MAX_SEGMENTS = 32
 #: cuDNN's ragged layout (packed documents) needs this compute capability or newer (Hopper; JAX refuses it below).
 PACKED_MIN_CAPABILITY = (9, 0)
-#: The platforms a step compiles for; ``cuda`` / ``rocm`` are read as ``gpu`` where a device names itself so.
-PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +61,9 @@ class Target:
             target = getattr(device, "platform", None) or getattr(getattr(mesh, "abstract_device", None),
                                                                   "platform", None) or jax.default_backend()
         platform = str(getattr(target, "value", target)).lower()
+        platform = "gpu" if platform == "cuda" else platform  # an NVIDIA device's own name (ROCm keeps "rocm")
         capability = parse_capability(getattr(device, "compute_capability", None)) if device is not None else None
-        return cls(platform, capability if platform in ("gpu", "cuda") else None)
+        return cls(platform, capability if platform == "gpu" else None)
 
     @property
     def gpu(self) -> bool:
