@@ -132,10 +132,10 @@ def test_the_step_splits_and_loops_as_resolved(tiny_abstract):
     assert step.extras == ()  # room for later precision settings (FP8, LoRA)
 
 
-#: One recipe per attention kind, compiled for XLA:CPU: (recipe, options, collectives its kernel must emit)
+#: One recipe per kernel family, compiled for XLA:CPU: (recipe, options, collectives its kernel must emit); all_gather
+#: runs the blockwise kernel ring and usp run, with no collective of its own to tell it from FSDP's gathers
 CPU_CASES = [("dp", {"local_attention": "dense"}, ()), ("dp", {"local_attention": "flash"}, ()),
-             ("cp", {}, ("collective-permute",)), ("fsdp_cp", {"context_kind": "all_gather"}, ()),
-             ("fsdp_cp", {"context_kind": "ulysses"}, ("all-to-all",)),
+             ("cp", {}, ("collective-permute",)), ("fsdp_cp", {"context_kind": "ulysses"}, ("all-to-all",)),
              ("fsdp_cp_usp", {}, ("all-to-all", "collective-permute"))]
 
 
