@@ -41,7 +41,7 @@ class StepContext:
     """What a step being traced tells the model and the kernels: the mesh and activation rules (for
     :func:`constrain`), the remat policy (for :func:`remat`), the attention kind, the layer loop and the
     recipe's dimensions with their options (``ctx.dimension(Context)``). Built by
-    :func:`step_context_for` for the train step, the eval step and the planner alike."""
+    :func:`meshtrain.parallel.resolved.step_context_for` for the train step, the eval step and the planner alike."""
 
     mesh: jax.sharding.Mesh
     rules: AxisRules
@@ -52,18 +52,13 @@ class StepContext:
     strategies: Tuple[Strategy, ...] = ()
     layer_loop: LayerLoop = LayerLoop.AUTO
     scan_unroll: int = 1
+    #: the plan's :class:`meshtrain.parallel.resolved.ResolvedStep` (``None`` for a context built by hand): the
+    #: kernels run the attention it chose
+    resolved: Optional[object] = None
 
     def dimension(self, cls: Type[S]) -> Optional[S]:
         """The recipe's dimension of type ``cls`` (e.g. ``ctx.dimension(Context)``), or ``None``."""
         return next((s for s in self.strategies if isinstance(s, cls)), None)
-
-
-def step_context_for(plan, mesh: Optional[jax.sharding.Mesh] = None) -> StepContext:
-    """The one step context of ``plan`` (its recipe's knobs and dimensions, rules and mesh); ``mesh``
-    replaces the plan's (the planner traces on a 1-device abstract mesh)."""
-    r = plan.recipe
-    return StepContext(plan.mesh if mesh is None else mesh, plan.rules, frozenset(r.replicate_indivisible), r.remat,
-                       r.attention, tuple(r.strategies), r.layer_loop, r.scan_unroll)
 
 
 _ACTIVE: contextvars.ContextVar[Optional[StepContext]] = contextvars.ContextVar("meshtrain_step", default=None)

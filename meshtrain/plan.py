@@ -29,6 +29,7 @@ from meshtrain.errors import ConfigError, PlanError, RulesError
 from meshtrain.offload import offload_optimizer, to_host
 from meshtrain.recipes import Offload, Recipe, get_recipe
 from meshtrain.rules import AxisRules, shard_shape
+from meshtrain.strategies import Pipeline
 
 GROUPS = ("params", "optimizer", "batch", "model_state")
 #: The replication guard does not count replicated tensors smaller than this (bytes, whole tensor).
@@ -395,7 +396,8 @@ def _plan_batch(rules: AxisRules, mesh, recipe: Recipe, layout: BatchLayout):
     """LeafPlans and a pytree of NamedShardings for every batch leaf (activation rules)."""
     sizes = dict(mesh.shape)
     dp = data_parallel_size(rules, sizes)
-    micro = recipe.micro_batches
+    pipeline = recipe.dimension(Pipeline)  # the step splits the batch into the pipeline's or accumulation's parts
+    micro = pipeline.micro_batches if pipeline is not None else recipe.grad_accum
     plans: Dict[str, NamedSharding] = {}
     out: List[LeafPlan] = []
     for path, bl in layout.leaves_as_given():

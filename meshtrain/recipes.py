@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import enum
 import os
+import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 
 from meshtrain.axes import LOGICAL_AXES
@@ -131,8 +132,9 @@ class Strategies(ResolvedStrategies):
         return tuple(s.name for s in self)
 
 
-#: Recipe-file keys that moved into a dimension or were renamed, with where they went.
-_MOVED_KEYS = {
+#: Old recipe names (file keys, :meth:`Recipe.with_options` names, the CLI's ``--attention`` /
+#: ``--micro-batches``), with where each one went. :func:`legacy_option` is the one place they are read.
+LEGACY_NAMES = {
     "attention": "the local kernel is `local_attention: dense|flash`; a context-parallel kind is an option of the "
                  "cp dimension: strategies: [..., {cp: {kind: ring}}]",
     "micro_batches": "gradient accumulation is `grad_accum: N`; pipeline micro-batches are an option of the pp "
@@ -140,11 +142,6 @@ _MOVED_KEYS = {
     "schedule": "it is an option of the pp dimension: strategies: [..., {pp: {schedule: 1f1b}}]",
     "repeats": "it is an option of the pp dimension: strategies: [..., {pp: {schedule: circular, repeats: 2}}]",
 }
-
-
-def _derived(default: Any):
-    """A read-only field computed in ``__post_init__`` from the others (kept for readers of the old names)."""
-    return dataclasses.field(default=default, init=False, compare=False, repr=False, metadata={"derived": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +154,9 @@ class Recipe:
     ``strategies`` accepts objects (``FSDP()``, ``Context(kind="ulysses")``) or registered names
     (``"fsdp"``, ``"zero2"``). ``rules``: extra or overriding rules, merged after the strategies' rules.
 
-    Read-only, derived: :attr:`attention` (the resolved :class:`AttentionKind`), :attr:`micro_batches`
-    (batch splits per step: the pipeline's micro-batches under ``pp``, else ``grad_accum``),
-    :attr:`schedule`, :attr:`repeats`, :attr:`shard_gradients`.
+    What a step runs (attention kernel, accumulation, pipeline schedule) is decided from the recipe by
+    :func:`meshtrain.parallel.resolved.resolve_step`; read it there, or read the dimensions directly
+    (``recipe.dimension(Pipeline).micro_batches``). Derived here: :attr:`shard_gradients`.
     """
 
     name: str
@@ -184,8 +181,6 @@ class Recipe:
                                              "replicated (the plan guard; replicated tensors under 64 KiB each, "
                                              "such as norms, biases and small embeddings, are not counted)")
     rules: AxisRules = AxisRules()
-    attention: AttentionKind = _derived(AttentionKind.DENSE)
-    micro_batches: int = _derived(1)
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass normalisation)
@@ -204,27 +199,14 @@ class Recipe:
             raise RecipeError(
                 f"{where}: mesh axes {extra} are used by none of its strategies "
                 f"{list(self.strategies.names())} (they would only replicate); add a strategy that owns them")
-        pipeline, context = self.dimension(Pipeline), self.dimension(Context)
-        if pipeline is not None and self.grad_accum != 1:
+        if self.dimension(Pipeline) is not None and self.grad_accum != 1:
             raise RecipeError(f"{where}: grad_accum={self.grad_accum} with a pipeline (pp): the pipeline's "
                               f"micro-batches already split the batch; set pp's micro_batches instead")
-        set_("attention", AttentionKind(context.kind.value if context else self.local_attention.value))
-        set_("micro_batches", pipeline.micro_batches if pipeline else self.grad_accum)
 
     # -- derived ----------------------------------------------------------------------------
     def dimension(self, cls: Type[S]) -> Optional[S]:
         """This recipe's dimension of type ``cls`` (e.g. ``recipe.dimension(Context)``), or ``None``."""
         return next((s for s in self.strategies if isinstance(s, cls)), None)
-
-    @property
-    def schedule(self) -> Schedule:
-        pipeline = self.dimension(Pipeline)
-        return pipeline.schedule if pipeline else Schedule.GPIPE
-
-    @property
-    def repeats(self) -> int:
-        pipeline = self.dimension(Pipeline)
-        return pipeline.repeats if pipeline else 1
 
     @property
     def shard_gradients(self) -> bool:
@@ -248,17 +230,16 @@ class Recipe:
     def with_options(self, **changes: Any) -> "Recipe":
         """A copy with knobs or dimension options replaced, e.g. ``with_options(remat="full")``,
         ``with_options(load_balance="none", flash_backend="xla")`` (options of the recipe's ``cp``), or by
-        CLI name (``context_kind``, ``pipeline_micro_batches``, ``zero_stage``). The old names are read as
-        before: ``attention`` (a context kind sets ``cp``'s kind, ``dense``/``flash`` the local kernel),
-        ``micro_batches`` (``pp``'s micro-batches with a pipeline, else ``grad_accum``), ``schedule``,
-        ``repeats``. A ``None`` value keeps the recipe's."""
+        CLI name (``context_kind``, ``pipeline_micro_batches``, ``zero_stage``). The old names ``attention`` and
+        ``micro_batches`` still work, with a ``DeprecationWarning`` naming the new spelling (:func:`legacy_option`).
+        A ``None`` value keeps the recipe's."""
         own = {f.name for f in dataclasses.fields(self) if f.init}
         mine: Dict[str, Any] = {}
         dims = {s.key: s for s in self.strategies}
         for key, value in changes.items():
             if value is None:
                 continue
-            key = self._legacy_target(key, value)
+            key = legacy_option(self, key, value)
             if key in own:
                 mine[key] = value
                 continue
@@ -270,20 +251,6 @@ class Recipe:
             dims[dim.key] = dataclasses.replace(dims[dim.key], **{setting_.name: setting_.coerce(value, key)})
         strategies = tuple(dims[s.key] for s in self.strategies)
         return dataclasses.replace(self, strategies=strategies, **mine)
-
-    def _legacy_target(self, key: str, value: Any) -> str:
-        """Where an old option name lands for this recipe (see :meth:`with_options`)."""
-        if key == "micro_batches":
-            return "pipeline_micro_batches" if self.dimension(Pipeline) else "grad_accum"
-        if key == "attention":
-            kinds = [k.value for k in ContextKind]
-            if getattr(value, "value", value) in kinds:
-                return "context_kind"
-            if self.dimension(Context) is not None:
-                raise RecipeError(f"attention={getattr(value, 'value', value)!r}: recipe {self.name!r} shards the "
-                                  f"sequence (cp), so its attention is cp's kind: one of {kinds}")
-            return "local_attention"
-        return key
 
     # -- files ------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -328,9 +295,8 @@ class Recipe:
                 f"{source}: {model_keys} are settings of the model (its mixture-of-experts layers), not recipe keys: "
                 f"a recipe only lays a model out. Remove them from the file and set them on the model config, "
                 f"e.g. get_config('tiny-moe', capacity_factor=2.0, experts_per_token=2, n_shared_experts=1)")
-        moved = sorted(unknown & set(_MOVED_KEYS), key=str)
-        if moved:
-            raise RecipeError(f"{source}: key {moved[0]!r} moved: {_MOVED_KEYS[moved[0]]}")
+        legacy = {k: data.pop(k) for k in sorted(unknown & set(LEGACY_NAMES), key=str)}
+        unknown -= set(legacy)
         if unknown:
             raise RecipeError(f"{source}: unknown recipe keys {sorted(unknown, key=str)}; known: {sorted(known)}")
         for key in ("name", "strategies", "mesh"):
@@ -372,7 +338,12 @@ class Recipe:
             data["strategies"] = resolve_strategies(strategies)
             data["rules"] = AxisRules.of(**{k: rules.get(k) or {} for k in TABLES}, source=f"recipe:{data['name']}")
             data.setdefault("description", "")
-            return cls(**data)
+            recipe = cls(**data)
+        for key, value in legacy.items():  # old keys: read like with_options reads them, with a deprecation warning
+            new = legacy_option(recipe, key, value, source=source, file=True)
+            with _naming(source):
+                recipe = recipe.with_options(**{new: value})
+        return recipe
 
     def to_yaml(self) -> str:
         import yaml
@@ -384,6 +355,30 @@ class Recipe:
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file {path!r} does not exist")
         return cls.from_dict(load_yaml(path, what="recipe file"), source=path)
+
+
+def legacy_option(recipe: Recipe, key: str, value: Any, *, source: str = "", file: bool = False) -> str:
+    """The option an old name stands for in ``recipe`` (its new spelling), with a ``DeprecationWarning`` naming
+    it; ``key`` itself when it is not an old name. The one place old names are read, for
+    :meth:`Recipe.with_options` (and so the CLI's ``--attention`` / ``--micro-batches``) and recipe files
+    (``file``: a top-level ``schedule`` / ``repeats`` key is old there, while ``with_options(schedule=...)`` names
+    ``pp``'s option). Example: ``legacy_option(get_recipe("dp"), "micro_batches", 4)`` → ``"grad_accum"``."""
+    value = getattr(value, "value", value)
+    if key == "micro_batches":
+        new = "pipeline_micro_batches" if recipe.dimension(Pipeline) else "grad_accum"
+    elif key == "attention":
+        kinds = [k.value for k in ContextKind]
+        if value not in kinds and recipe.dimension(Context) is not None:
+            raise RecipeError(f"{source + ': ' if source else ''}attention={value!r}: recipe {recipe.name!r} shards "
+                              f"the sequence (cp), so its attention is cp's kind: one of {kinds}")
+        new = "context_kind" if value in kinds else "local_attention"
+    elif key in ("schedule", "repeats") and file:
+        new = key
+    else:
+        return key
+    warnings.warn(f"{source + ': ' if source else ''}recipe option {key!r} is deprecated; for recipe {recipe.name!r} "
+                  f"it is {new!r} ({LEGACY_NAMES[key]})", DeprecationWarning, stacklevel=3)
+    return new
 
 
 def recipe_settings() -> Tuple[Setting, ...]:
@@ -404,7 +399,7 @@ def _dimension_option(key: str) -> Tuple[Type[Strategy], Setting]:
     by_name = [(cls, s) for cls, s in dimension_settings() if s.name == key]
     if len(by_name) == 1:
         return by_name[0]
-    known = sorted({f.name for f in dataclasses.fields(Recipe) if f.init} | set(by_flag) | {"attention", "micro_batches"})
+    known = sorted({f.name for f in dataclasses.fields(Recipe) if f.init} | set(by_flag) | set(LEGACY_NAMES))
     raise RecipeError(f"unknown recipe option {key!r}; known: {', '.join(known)}")
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 import meshtrain as mt
+from meshtrain.parallel.resolved import batch_splits
 
 TINY_BATCH, TINY_SEQ = 16, 64
 
@@ -25,7 +26,7 @@ def single_device(recipe: "mt.Recipe | str"):
     base = mt.get_recipe(recipe)
     one = mt.get_recipe("dp").with_options(
         remat=base.remat, param_dtype=base.param_dtype, compute_dtype=base.compute_dtype,
-        micro_batches=base.micro_batches)
+        grad_accum=batch_splits(base))
     return one, one.mesh.build(jax.devices()[:1])
 
 

@@ -14,6 +14,8 @@ from meshtrain.analysis import gpu_aot
 from meshtrain.cli import main
 from meshtrain.hardware import PROFILES
 from meshtrain.models import get_config, model_factory
+from meshtrain.parallel.resolved import resolve_step
+from meshtrain.strategies import FlashBackend
 from meshtrain.train.config import TrainConfig, default_optimizer
 
 needs_plugin = pytest.mark.skipif(not gpu_aot.available(),
@@ -91,9 +93,7 @@ def test_flash_compiles_for_8_h100s_with_cudnn_fused_attention(recipe, options, 
     calls = cfg.n_layers * per_layer
     assert gpu_aot.cudnn_attention_calls(compiled.as_text()) == {"forward": calls, "backward": calls}
     assert (' "max_seg_per_batch": 32' in compiled.as_text()) is (per_layer == 1 and keys == PACKED)
-    from meshtrain.analysis.memory_terms import runs_cudnn
-
-    assert runs_cudnn(plan) is bool(per_layer)
+    assert (resolve_step(plan).attention.backend is FlashBackend.CUDNN) is bool(per_layer)
 
 
 @needs_plugin
@@ -247,7 +247,7 @@ def test_cudnn_attention_is_modelled_with_its_residuals_and_no_score_blocks(flag
     plan, choice = _small_gpu_plan(flags)
     names = {t.name for t in estimate_memory(plan, choice.cfg, backend="gpu").terms}
     assert ("K/V repeated to the query heads (cuDNN)" in names) is cudnn
-    assert ("attention score blocks" in names) is (not cudnn and plan.recipe.attention.value != "dense")
+    assert ("attention score blocks" in names) is (not cudnn and resolve_step(plan).attention.kind.value != "dense")
 
 
 @pytest.mark.parametrize("flags, formula", [(["--recipe", "cp", "--context-kind", "ring"], "L × 2 × "),

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import meshtrain as mt
-from meshtrain.annotate import step_context, step_context_for, target_platform
+from meshtrain.annotate import step_context, target_platform
+from meshtrain.parallel.resolved import step_context_for
 from meshtrain.models import get_config, model_factory
 from meshtrain.parallel.attention import reference_attention
 from meshtrain.parallel.flash import _splash, per_device

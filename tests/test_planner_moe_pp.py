@@ -21,6 +21,7 @@ from meshtrain.analysis.planner import PlanRequest, evaluate, plan_auto
 from meshtrain.analysis.steptime import Link, estimate_step_time
 from meshtrain.cli import main
 from meshtrain.parallel.pipeline import bubble_fraction
+from meshtrain.parallel.resolved import recipe_attention_kind
 from meshtrain.parallel.moe import capacity_for
 from meshtrain.recipes import Remat
 
@@ -261,7 +262,7 @@ def test_auto_mixtral_on_eight_h100_nodes_uses_ep_with_flash_attention_and_says_
     recipes = ("fsdp", "fsdp_tp", "fsdp_tp_cp", "fsdp_ep", "fsdp_tp_ep", "pp_fsdp_tp")
     flash = plan_auto(PlanRequest(cfg, 64, "h100", attention="flash", recipes=recipes, remats=(Remat.FULL,)))
     print(flash.why)
-    assert _ep(flash.winner) > 1 and flash.winner.recipe.attention.value == "flash"
+    assert _ep(flash.winner) > 1 and recipe_attention_kind(flash.winner.recipe).value == "flash"
     dense = plan_auto(PlanRequest(cfg, 64, "h100", recipes=recipes, remats=(Remat.FULL,)))
     print(dense.why)
     assert _ep(dense.winner) == 1 and dense.winner.recipe.name == "fsdp_tp_cp"
@@ -277,7 +278,7 @@ def test_auto_considers_pipelines_across_slices():
     assert req.hw().fast_domain == 256
     result = plan_auto(req)
     pp = [c for c in result.ranked + result.rejected if "pp" in c.recipe.strategies]
-    assert pp and any(c.recipe.schedule.value == "1f1b" for c in pp)
+    assert pp and any(c.recipe.dimension(mt.Pipeline).schedule.value == "1f1b" for c in pp)
     for c in pp:
         if c.plan is not None and c.step is not None and dict(c.mesh_sizes).get("stage", 1) > 1:
             assert next(a for a in c.step.axes if a.axes == "stage").link is Link.SLOW

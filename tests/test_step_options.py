@@ -132,8 +132,6 @@ def test_plan_text_shows_the_context_options(capsys):
     (LB_NONE.replace("flash_backend: xla", "flash_backend: fast"),
      r"cp\.flash_backend='fast': use one of \['auto', 'xla', 'cudnn', 'splash'\]"),
     (LB_NONE.replace("load_balance: none", "balance: none"), r"strategies\[2\]\.cp: unknown keys \['balance'\]"),
-    (LB_NONE + "micro_batches: 4\n", r"key 'micro_batches' moved: gradient accumulation is `grad_accum: N`"),
-    (LB_NONE + "attention: ring\n", r"key 'attention' moved: the local kernel is `local_attention"),
     (LB_NONE + "grad_accum: two\n", r"grad_accum='two': use an integer >= 1"),
     (LB_NONE.replace("[dp, fsdp,", "[dp, fsdp, {pp: {repeats: 0}},"), r"pp\.repeats=0: use an integer >= 1"),
 ])

@@ -61,6 +61,7 @@ from meshtrain.analysis.context_comms import context_collectives
 from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.moe import capacity_for
+from meshtrain.parallel.resolved import batch_splits
 from meshtrain.recipes import Remat
 
 
@@ -372,7 +373,7 @@ def layer_runs(plan, cfg) -> Tuple[float, float]:
     number)."""
     pipe = pipeline_shape(plan)
     if pipe is None:
-        return float(cfg.n_layers * plan.recipe.micro_batches), 0.0
+        return float(cfg.n_layers * batch_splits(plan.recipe)), 0.0
     runs = pipe.layer_runs(cfg.n_layers)
     return runs, (runs if pipe.one_f_one_b else 0.0)
 

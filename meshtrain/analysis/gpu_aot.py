@@ -32,7 +32,8 @@ from typing import Dict, Iterator, Tuple
 from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.compiled import MeasuredMemory, step_inputs
 from meshtrain.errors import ConfigError
-from meshtrain.hardware import PROFILES, SCHEDULING_FLAGS
+from meshtrain.hardware import PROFILES, SCHEDULING_FLAGS, backend_of_hardware
+from meshtrain.parallel.resolved import Target
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.train.step import make_train_step
 
@@ -98,6 +99,14 @@ ARCHS: Dict[str, GpuArch] = {a.hardware: a for a in [
             f"NVIDIA A100 Tensor Core GPU architecture whitepaper (SXM4: 108 SMs, 64 FP32 cores/SM, 40 MB L2, "
             f"1.41 GHz boost); {_GUIDE} (8.0: 164 KB shared memory/SM, 163 KB per block)"),
 ]}
+
+
+def hardware_target(hw) -> Target:
+    """The platform a step for hardware profile ``hw`` compiles for, with a GPU's compute capability from
+    :data:`ARCHS` (``None`` for a GPU profile without one: taken as new enough). Example: ``hardware_target(
+    get_hardware("a100"))`` → ``Target("gpu", (8, 0))``."""
+    arch = ARCHS.get(hw.name)
+    return Target(backend_of_hardware(hw), arch.compute_capability if arch is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from meshtrain.analysis.activations import ActivationSplit
+from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import ShardingPlan
 
 
@@ -170,4 +171,4 @@ def _layout_of(plan) -> PlanLayout:
     sizes, table = plan.mesh_sizes, plan.rules.table("activations")  # read once for the five axes
     axes = lambda logical: _split_axes(table, sizes, logical)  # noqa: E731
     return PlanLayout(tuple(sizes.items()), axes("batch"), axes("heads"), axes("residual_seq"), axes("vocab"),
-                  r.micro_batches, r.param_dtype, r.compute_dtype, dcn, axes("seq"))
+                      batch_splits(r), r.param_dtype, r.compute_dtype, dcn, axes("seq"))

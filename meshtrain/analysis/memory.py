@@ -182,6 +182,7 @@ from meshtrain.analysis.memory_terms import (BATCH_FORMULA, GRAD_FORMULA, OPTIMI
 from meshtrain.analysis.memory_terms import attention_working_set, backend_name  # noqa: F401 (re-export)
 from meshtrain.analysis.layout import layout_of
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.resolved import batch_splits
 
 
 class Fit(str, enum.Enum):
@@ -289,7 +290,7 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
             (Component.OTHER, max(other, 0), "arguments + outputs − donated, less the above: model state, step "
                                              "counter, metrics"))
     else:
-        micro = plan.recipe.micro_batches
+        micro = batch_splits(plan.recipe)
         elems = sum(l.bytes_per_device // np.dtype(l.dtype).itemsize for l in plan.group("params"))
         grads = gradient_bytes(plan) + (4 * elems if micro > 1 else 0)
         extra = gathered_layer_bytes(plan, remat=cost.recompute is not None)

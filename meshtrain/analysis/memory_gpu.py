@@ -1,6 +1,6 @@
 """XLA:GPU's buffer choices in the analytic memory model, as :class:`~meshtrain.analysis.memory_types.MemoryTerm`
 terms that :mod:`meshtrain.analysis.memory_terms` adds to a step's terms: which attention kernel the step runs
-(:func:`runs_cudnn`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, the
+(``StepShape.cudnn``, read off the step's :class:`~meshtrain.parallel.resolved.ResolvedStep`), what cuDNN's fused attention saves, what XLA:GPU keeps of unrolled and scanned layers, the
 blockwise context kernels' f32 outputs and accumulators, and a pipeline's stack transposed between its forward and
 backward tick loops. The terms read a ``StepShape`` (:func:`meshtrain.analysis.memory_terms.step_shape`, which
 imports this module: named here, not imported). Each rule was read off XLA:GPU's buffer assignments
@@ -15,43 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-import jax
-import numpy as np
-
-from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory_types import Component, MemoryTerm
-from meshtrain.parallel.context import CONTEXT_KINDS, plan_layout
 from meshtrain.parallel import flash  # flash.CUDNN_MAX_SEGMENTS read at plan time: a user may change it
+from meshtrain.parallel.context import CONTEXT_KINDS
 from meshtrain.recipes import AttentionKind, Remat
-from meshtrain.strategies import Context, FlashBackend
-
-
-def packed_batch(plan) -> bool:
-    """Whether the plan's batch carries segment ids (packed documents); a plan without a batch is taken as packed."""
-    return plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
-
-
-def runs_cudnn(plan) -> bool:
-    """Whether the step's attention runs cuDNN's fused kernel when compiled for a GPU
-    (:func:`meshtrain.parallel.flash.flash_attention`): local ``flash`` with ``flash_backend`` auto or cudnn, or
-    ``ulysses`` asking for cudnn, in a half-precision compute dtype; on a batch with segment ids (packed
-    documents) through cuDNN's ragged layout, which needs a Hopper or newer GPU (a plan whose mesh has GPU
-    devices says which; an abstract one is taken as new enough); ring and all_gather run blockwise XLA on
-    their offset blocks."""
-    context = plan.recipe.dimension(Context)
-    backend = context.flash_backend if context is not None else FlashBackend.AUTO
-    kind = plan.recipe.attention
-    if kind is AttentionKind.FLASH:
-        wanted = backend in (FlashBackend.AUTO, FlashBackend.CUDNN)
-    else:
-        wanted = kind is AttentionKind.ULYSSES and backend is FlashBackend.CUDNN
-    segmented = packed_batch(plan)
-    half = np.dtype(layout_of(plan).compute_dtype).itemsize == 2
-    mesh = plan.mesh
-    device = mesh.devices.flat[0] if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
-    capability = flash.parse_capability(getattr(device, "compute_capability", None))
-    new_enough = capability is None or capability >= flash.PACKED_MIN_CAPABILITY
-    return wanted and half and (not segmented or new_enough)
 
 
 def gpu_scan_activation_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
@@ -69,7 +36,7 @@ def cudnn_packed_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
     ``M`` = :data:`meshtrain.parallel.flash.CUDNN_MAX_SEGMENTS` (its room for documents a row): every layer's
     when the layers' residuals are kept (unrolled, or remat none), one layer's when the backward recomputes
     them."""
-    if not s.cudnn or not packed_batch(s.plan):
+    if not s.cudnn or not s.resolved.attention.segmented:
         return ()
     layers = s.L if s.straight or s.remat is Remat.NONE else 1
     n = max(s.cfg.n_heads // s.lay.tensor, 1)
@@ -127,7 +94,7 @@ class ContextKernelShape:
 def context_kernel_shape(s: "StepShape") -> Optional[ContextKernelShape]:
     """The blockwise context kernel's shape (:func:`meshtrain.parallel.context._local_kernel`), or ``None``
     where the step runs none (no context kind, an unsharded sequence, or cuDNN's fused kernel)."""
-    layout = plan_layout(s.plan)
+    layout = s.resolved.attention.layout
     if s.cudnn or layout.kind not in CONTEXT_KINDS or not layout.sharded:
         return None
     cfg = s.cfg

@@ -27,15 +27,15 @@ from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_
 from meshtrain.analysis.memory_gpu import (context_kernel_shape, cudnn_packed_terms, gpu_activation_terms,
                                           gpu_context_accumulator_terms, gpu_context_output_terms,
                                           gpu_one_f_one_b_terms, gpu_pipeline_activation_terms,
-                                          gpu_scan_activation_terms,
-                                          largest_cotangent, runs_cudnn)
+                                          gpu_scan_activation_terms, largest_cotangent)
 from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
+from meshtrain.parallel.resolved import Target, resolve_step
 from meshtrain.plan import gradient_shardings
-from meshtrain.recipes import AttentionKind, Remat, resolve_layer_loop
-from meshtrain.strategies import Context, FlashBackend
+from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.strategies import FlashBackend
 
 
 def analytic_terms(plan, cfg, backend=None) -> Tuple[Tuple[MemoryTerm, ...], Tuple[Tuple[Component, str], ...]]:
@@ -91,6 +91,8 @@ class StepShape:
     #: XLA:GPU with a pipeline schedule (no MoE, compute dtype narrower than the parameters'): gpipe and circular
     #: transpose their largest stack between the forward and backward tick loops; the dense mask keeps no buffer
     gpu_pipeline: bool = False
+    #: the step the plan compiles for this backend (:func:`meshtrain.parallel.resolved.resolve_step`)
+    resolved: Any = None
 
     @property
     def split(self):
@@ -190,7 +192,9 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     weight_fraction = 0.0
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
         weight_fraction = per["params"] / total_param_bytes
-    attention, remat = plan.recipe.attention, plan.recipe.remat
+    # the one decision of the step (kernel, loop) that the kernels and the plan's kernel line also read
+    step = resolve_step(plan, backend if isinstance(backend, Target) else backend_name(plan, backend))
+    attention, remat = step.attention.kind, step.remat
     c = np.dtype(lay.compute_dtype).itemsize
     # XLA:TPU's buffer choices, pipelines included (measured: pp/pp_fsdp gpipe, circular and 1f1b at Llama-3-8B
     # shapes within 10 % with them, +7 .. +43 % with the XLA:CPU formulas)
@@ -198,8 +202,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     # the layer loop the step runs (scan_layers resolves `auto` with the same function)
     # XLA:TPU pads the minor dimension to 128 lanes; measured around the splash kernel, whose (b, T, heads,
     # head_dim) operands keep head_dim minor, while dense and blockwise-XLA attention's layouts put a long one minor
-    lanes = TPU_LANES if tpu and runs_splash(plan) else 1
-    loop, unroll = resolve_layer_loop(plan.recipe.layer_loop, cfg.n_layers, remat, plan.recipe.scan_unroll)
+    lanes = TPU_LANES if tpu and step.attention.backend is FlashBackend.SPLASH else 1
+    loop, unroll = step.loop_for(cfg.n_layers)
     straight = pipe is None and not tpu and unroll >= cfg.n_layers
     gpu_narrow = moe is None and backend_name(plan, backend) == "gpu" and c < np.dtype(lay.param_dtype).itemsize
     narrow_gpu = pipe is None and gpu_narrow
@@ -212,20 +216,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
-        loop, unroll, straight, gpu, narrow_gpu and runs_cudnn(plan),  # straight: unrolled (or unroll ≥ L)
-        narrow_gpu and not straight, gpu_pipeline=pipe is not None and gpu_narrow)
-
-
-def runs_splash(plan) -> bool:
-    """Whether the step's attention runs the Pallas splash kernel on a TPU (:func:`meshtrain.parallel.attention.
-    attention`): local ``flash`` with ``flash_backend`` auto or splash, or ``ulysses`` (whole sequences per device)
-    with splash asked for; ring and all_gather run blockwise XLA on their offset blocks."""
-    context = plan.recipe.dimension(Context)
-    backend = context.flash_backend if context is not None else FlashBackend.AUTO
-    kind = plan.recipe.attention
-    if kind is AttentionKind.FLASH:
-        return backend in (FlashBackend.AUTO, FlashBackend.SPLASH)
-    return kind is AttentionKind.ULYSSES and backend is FlashBackend.SPLASH
+        loop, unroll, straight, gpu, narrow_gpu and step.attention.backend is FlashBackend.CUDNN,  # straight: unrolled
+        narrow_gpu and not straight, gpu_pipeline=pipe is not None and gpu_narrow, resolved=step)
 
 
 def _total(terms: Tuple[MemoryTerm, ...]) -> float:
@@ -385,14 +377,14 @@ def _params_formula(s: StepShape) -> str:
 
 def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
     """Each component's formula in words, with the figures it used (the terms give the parts)."""
-    lay, moe, pipe, L, w_layers = s.lay, s.moe, s.pipe, s.L, s.layer_weights
+    lay, pipe, L, w_layers = s.lay, s.pipe, s.L, s.layer_weights
     unroll, straight, blocks = s.unroll, s.straight, s.attention_blocks
     acc = " + f32 accumulator 4 B × elements per device (micro-batches)" if s.accumulates else ""
     if pipe is not None and pipe.one_f_one_b and 4 * s.elems > gradient_bytes(s.plan):
         acc = " (1f1b: f32 accumulators, 4 B × elements per device)"
     act_formula = (f"saved tensors under remat={s.remat.value}, {lay.compute_dtype}, b={s.b_loc} per device "
                    f"per micro-batch, ÷{lay.tensor} on heads/MLP/vocab, ÷{lay.sequence} on (b,t,d)"
-                   + (f", ÷{lay.context} on the sequence (context, attention {s.plan.recipe.attention.value})"
+                   + (f", ÷{lay.context} on the sequence (context, attention {s.resolved.attention.kind.value})"
                       if lay.context > 1 else ""))
     temp_formula = ((f"{unroll} layers (scan_unroll) " if unroll > 1 and not straight else "one layer ")
                     + "with remat=none (backward working set)"
@@ -410,6 +402,23 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk (blockwise kernels)" if blocks else ""))
         grad_formula = ("the part of the gradients (= parameters) beyond the saved activations: unrolled, each "
                         "layer's gradient is made as its residuals die")
+    act_formula, temp_formula, grad_formula = _backend_formulas(s, act_formula, temp_formula, grad_formula)
+    act_formula, temp_formula = _moe_pipeline_formulas(s, act_formula, temp_formula)
+    return (
+        (Component.PARAMS, _params_formula(s)),
+        (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
+                               "optimizer update)" if s.tpu else grad_formula) + acc),
+        (Component.OPTIMIZER, OPTIMIZER_FORMULA),
+        (Component.ACTIVATIONS, act_formula),
+        (Component.TEMPORARIES, temp_formula),
+        (Component.BATCH, BATCH_FORMULA),
+    )
+
+
+def _backend_formulas(s: StepShape, act_formula: str, temp_formula: str,
+                      grad_formula: str) -> Tuple[str, str, str]:
+    """The activation, temporaries and gradient formulas with XLA:GPU's and XLA:TPU's buffer choices added."""
+    pipe, blocks = s.pipe, s.attention_blocks
     if s.gpu:
         act_formula += ("; XLA:GPU: no f32 copy of the residual stream, each norm's output kept in the compute dtype, "
                         "of the MLP only its matmuls' operands and results"
@@ -441,6 +450,12 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                         "XLA:TPU finishes the head's backward before the layers'"
                         + (" + attention score blocks 4 × 4 B·b·n·bq·bk" if blocks else ""))
         act_formula += "; XLA:TPU: logits in the compute dtype, no f32 copy of the residual stream"
+    return act_formula, temp_formula, grad_formula
+
+
+def _moe_pipeline_formulas(s: StepShape, act_formula: str, temp_formula: str) -> Tuple[str, str]:
+    """The activation and temporaries formulas with an MoE layer's and a pipeline schedule's buffers added."""
+    moe, pipe, L = s.moe, s.pipe, s.L
     if moe is not None:
         act_formula += (f"; MoE: MLP width → rows·f_e + shared = {moe.d_ff_equivalent} ({moe.rows:.3g} expert rows "
                         f"per token), + dispatched rows, expert outputs and f32 router logits/probabilities "
@@ -460,16 +475,7 @@ def component_formulas(s: StepShape) -> Tuple[Tuple[Component, str], ...]:
                             f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B) + the layer group "
                             f"each tick indexes ticks·W_stage·c/r")
             temp_formula += "; logits gradient over the whole batch (b·m rows: the head runs after the schedule)"
-    return (
-        (Component.PARAMS, _params_formula(s)),
-        (Component.GRADIENTS, ("elements per device × compute-dtype bytes (XLA:TPU upcasts in the reduction and "
-                               "optimizer update)" if s.tpu else grad_formula) + acc),
-        (Component.OPTIMIZER, OPTIMIZER_FORMULA),
-        (Component.ACTIVATIONS, act_formula),
-        (Component.TEMPORARIES, temp_formula),
-        (Component.BATCH, BATCH_FORMULA),
-    )
-
+    return act_formula, temp_formula
 
 PARAMS_FORMULA = "Σ parameter leaves: elements × dtype bytes ÷ shards (plan)"
 OPTIMIZER_FORMULA = "Σ optimizer-state leaves ÷ shards (plan)"
@@ -480,7 +486,7 @@ def attention_working_set(plan, cfg, b_loc: int) -> int:
     """Bytes of the score blocks a blockwise attention kind keeps live in the backward (scores,
     probabilities, their gradient and ``dp``: 4 f32 blocks of ``b × heads × bq × bk``); 0 for ``dense``
     (its ``T × T`` scores are in the activations)."""
-    if plan.recipe.attention is AttentionKind.DENSE:
+    if resolve_step(plan).attention.kind is AttentionKind.DENSE:
         return 0
     lay = layout_of(plan)
     bq, bk, heads = attention_block_shape(plan_layout(plan), batch_dims(plan)[1], max(cfg.n_heads // lay.tensor, 1),
@@ -495,7 +501,9 @@ GRAD_FORMULA = ("Σ parameter elements × dtype bytes ÷ the shards of the gradi
 def backend_name(plan, backend=None) -> str:
     """``"tpu"``, ``"gpu"`` or ``"cpu"``: ``backend`` if given (a string or a ``Backend``), else the platform
     of the plan's devices (a ``Mesh``), else ``"cpu"`` (an ``AbstractMesh``)."""
-    if backend is not None:
+    if isinstance(backend, Target):
+        name = backend.name
+    elif backend is not None:
         name = str(getattr(backend, "value", backend)).lower()
     elif isinstance(plan.mesh, jax.sharding.Mesh):
         name = getattr(plan.mesh.devices.flat[0], "platform", "cpu")

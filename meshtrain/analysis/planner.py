@@ -42,6 +42,7 @@ from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, back
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models import model_factory
 from meshtrain.parallel.pipeline import bubble_warning, config_for
+from meshtrain.parallel.resolved import batch_splits, batch_splits_option, recipe_attention_kind, resolve_step
 from meshtrain.plan import BatchSpec, fmt_bytes, make_plan
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule, get_recipe
 
@@ -105,7 +106,7 @@ class PlanRequest:
     def dtypes(self, recipe: Recipe) -> Dict[str, object]:
         compute = self.compute_dtype or ("bfloat16" if self.hw().name != "cpu" else recipe.compute_dtype)
         out: Dict[str, object] = {"compute_dtype": compute, "param_dtype": self.param_dtype or recipe.param_dtype}
-        if self.attention and recipe.attention is AttentionKind.DENSE:
+        if self.attention and recipe_attention_kind(recipe) is AttentionKind.DENSE:
             out["attention"] = AttentionKind(self.attention)
         return out
 
@@ -126,20 +127,22 @@ class Candidate:
     @property
     def label(self) -> str:
         mesh = ",".join(f"{a}={s}" for a, s in self.mesh_sizes if s > 1) or "1 device"
-        r = self.recipe
+        r, pipeline = self.recipe, self.recipe.dimension(Pipeline)
         pp = ""
         if self.plan is not None and is_pipelined(self.plan):
-            pp = f" {r.schedule.value}" + (f"×{r.repeats}" if r.schedule is Schedule.CIRCULAR else "")
-        return f"{r.name}[{mesh}] remat={r.remat.value} micro={r.micro_batches}{pp}"
+            pp = f" {pipeline.schedule.value}" + (f"×{pipeline.repeats}" if pipeline.schedule is Schedule.CIRCULAR
+                                                 else "")
+        return f"{r.name}[{mesh}] remat={r.remat.value} micro={batch_splits(r)}{pp}"
 
     def summary(self) -> Dict[str, object]:
         out = {"recipe": self.recipe.name, "mesh": dict(self.mesh_sizes), "remat": self.recipe.remat.value,
-               "micro_batches": self.recipe.micro_batches, "compute_dtype": self.recipe.compute_dtype,
+               "micro_batches": batch_splits(self.recipe), "compute_dtype": self.recipe.compute_dtype,
                "param_dtype": self.recipe.param_dtype}
         if "pp" in self.recipe.strategies:
-            out.update(schedule=self.recipe.schedule.value, repeats=self.recipe.repeats)
-        if self.recipe.attention is not AttentionKind.DENSE:
-            out["attention"] = self.recipe.attention.value
+            pipeline = self.recipe.dimension(Pipeline)
+            out.update(schedule=pipeline.schedule.value, repeats=pipeline.repeats)
+        if recipe_attention_kind(self.recipe) is not AttentionKind.DENSE:
+            out["attention"] = recipe_attention_kind(self.recipe).value
         if self.rejected:
             out["rejected"] = self.rejected
         if self.memory is not None:
@@ -177,7 +180,7 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
                        f"fast-link domain of {hw.name}: its per-layer all-reduces cross the slow links; keep "
                        f"tensor × inner axes ≤ {hw.fast_domain}")
     # only the all-to-all kinds split heads over the context axes (ring / all_gather keep them whole)
-    att = plan.recipe.attention.value
+    att = resolve_step(plan).attention.kind.value
     ctx = lay.context if att == "ulysses" else lay.sizes.get("ulysses", 1) if att == "usp" else 1
     for what, heads in (("query heads", getattr(cfg, "n_heads", None)), ("kv heads", getattr(cfg, "n_kv_heads", None))):
         ways = lay.tensor * ctx
@@ -252,9 +255,9 @@ def evaluate(request: PlanRequest, recipe: Recipe, *, abstract=None, base_plan=N
             plan = plan_variant(base_plan, recipe)
             dp = layout_of(plan).batch_split
             batch_size = cached(plan, "batch_size", lambda p: p.batch.batch_size, layout_only=True)
-            if batch_size % (dp * recipe.micro_batches):
+            if batch_size % (dp * batch_splits(recipe)):
                 raise ConfigError(f"batch size {batch_size} is not divisible by data-parallel size {dp} "
-                                  f"× micro-batches {recipe.micro_batches}")
+                                  f"× micro-batches {batch_splits(recipe)}")
     except MeshtrainError as exc:
         return Candidate(recipe, sizes, rejected=f"{type(exc).__name__}: {exc}")
     problem = pipeline_problem(plan, cfg)
@@ -392,7 +395,7 @@ def plan_auto(request: PlanRequest, *, recipes: Optional[Sequence[Recipe]] = Non
                 m for m in (1, 2, 4, 8, 16, 32, 64) if m <= min(per_device, request.max_micro_batches)
                 and per_device % m == 0]
             for (schedule, repeats), remat, micro in itertools.product(variants, request.remats, micros):
-                opts = {"remat": remat, "micro_batches": micro}
+                opts = {"remat": remat, batch_splits_option(recipe): micro}
                 if schedule is not None:
                     opts.update(schedule=schedule, repeats=repeats)
                 r = recipe.with_options(**opts)

@@ -25,7 +25,6 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, def
 from meshtrain.analysis.hardware import get_hardware
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import Component, estimate_memory, state_memory
-from meshtrain.analysis.memory_gpu import packed_batch
 from meshtrain.analysis.moe import moe_lines, moe_summary
 from meshtrain.analysis.pipeline import pipeline_lines, pipeline_shape, pipeline_summary
 from meshtrain.analysis.planner import AUTO_REMATS, PlanRequest, plan_auto, rule_warnings
@@ -33,9 +32,8 @@ from meshtrain.analysis.steptime import axis_links, backend_of, compiled_collect
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.hardware import backend_of_hardware, scheduling_flags
 from meshtrain.plan import fmt_bytes
-from meshtrain.parallel.flash import flash_backend
-from meshtrain.recipes import AttentionKind, Remat, Schedule
-from meshtrain.strategies import Context, FlashBackend
+from meshtrain.parallel.resolved import resolve_step
+from meshtrain.recipes import Remat, Schedule
 
 GiB = 2 ** 30
 SIG3 = ".3g"  # byte figures in the report: 3 significant digits
@@ -81,7 +79,8 @@ def analyse(plan, cfg, hardware: str, *, loss_fn=None):
     backend = backend_of(hw)
     cost, ops_source = None, f"analytic, XLA:{backend.value} choices"
     if has_analytic_model(cfg):
-        memory = estimate_memory(plan, cfg, backend=backend)
+        # the hardware's target (a GPU's compute capability): the kernel the memory terms assume is the kernel line's
+        memory = estimate_memory(plan, cfg, backend=gpu_aot.hardware_target(hw))
         ops = analytic_collectives(plan, cfg, backend)
         step = estimate_step_time(plan, cfg, hw, collectives=ops)
     else:
@@ -183,7 +182,7 @@ def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, 
         mesh_kind="abstract" if isinstance(plan.mesh, jax.sharding.AbstractMesh) else "devices",
         local_devices=len(jax.devices()),
         batch_shape=_batch_shape(plan),
-        options={"remat": plan.recipe.remat.value, "micro_batches": plan.recipe.micro_batches,
+        options={"remat": plan.recipe.remat.value, "micro_batches": resolve_step(plan).batch_splits,
                  "param_dtype": plan.recipe.param_dtype, "compute_dtype": plan.recipe.compute_dtype},
         estimates=a["memory"].source,
         memory=a["memory"].to_dict(), fit=a["fit"].value, capacity_bytes=a["hw"].hbm_bytes,
@@ -252,33 +251,11 @@ def _flags_line(hw) -> str:
 
 
 def kernel_line(plan, hw) -> str:
-    """Which attention kernel every layer gets when the step is compiled for ``hw``'s platform (the
-    target's, not this host's: :func:`meshtrain.annotate.target_platform`)."""
-    r, platform = plan.recipe, backend_of_hardware(hw)
-    kind = r.attention
-    context = r.dimension(Context)
-    requested = context.flash_backend if context is not None else FlashBackend.AUTO
-    if kind is AttentionKind.DENSE:
-        return f"attention kernel for {platform}: dense (XLA dot-product attention)"
-    if kind in (AttentionKind.RING, AttentionKind.ALL_GATHER, AttentionKind.USP):
-        return (f"attention kernel for {platform}: {kind.value} context attention under shard_map, blockwise XLA "
-                f"flash blocks inside (its chunks' positions are permuted, which the fused kernels do not take)")
-    if kind is AttentionKind.ULYSSES and requested is FlashBackend.AUTO:
-        requested = FlashBackend.XLA  # the context kernels' local default (meshtrain.parallel.context)
-    # packed documents (segment ids), as the built-in language-model data have, unless the batch has none
-    segmented = packed_batch(plan)
-    # the GPU's compute capability: packed cuDNN needs Hopper
-    archs = gpu_aot.ARCHS
-    capability = archs[hw.name].compute_capability if hw.name in archs else None
-    try:
-        backend, why = flash_backend(requested, platform=platform, dtype=r.compute_dtype, segmented=segmented,
-                                     compute_capability=capability)
-    except ConfigError as exc:
-        return f"attention kernel for {platform}: refused: {exc}"
-    where = ("inside the ulysses all-to-all's shard_map" if kind is AttentionKind.ULYSSES else
-             "per device under shard_map over the batch and head split" if backend is not FlashBackend.XLA else
-             "partitioned by XLA")
-    return f"attention kernel for {platform}: {why}; {where}"
+    """Which attention kernel every layer gets when the step is compiled for ``hw``'s platform (the target's, not
+    this host's): the step's one decision (:func:`meshtrain.parallel.resolved.resolve_step`), which the kernels run
+    and the memory terms read."""
+    step = resolve_step(plan, gpu_aot.hardware_target(hw))
+    return f"attention kernel for {step.target.name}: {step.attention.describe()}"
 
 
 def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name=None) -> str:
@@ -291,7 +268,7 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
                   f"{_rate(hw.fast_link_bytes_per_s, 'B/s')} within {hw.fast_domain}, slow links "
                   f"{_rate(hw.slow_link_bytes_per_s, 'B/s')} (sources: meshtrain.analysis.hardware)",
               f"model {_model_name(cfg, model_name)}; {_batch_line(plan)}; params {r.param_dtype}, compute "
-              f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {r.micro_batches}",
+              f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {resolve_step(plan).batch_splits}",
               kernel_line(plan, hw), _flags_line(hw), ""]
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
     source = "" if mem.source == ANALYTIC else f" ({mem.source})"

@@ -72,6 +72,7 @@ from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_
 from meshtrain.analysis.memory import estimate_memory
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
+from meshtrain.parallel.resolved import resolve_step
 from meshtrain.recipes import Remat
 
 
@@ -201,7 +202,7 @@ def hbm_traffic(plan, cfg, lay: PlanLayout) -> float:
     split = lay.split()
     moe = moe_terms(plan, cfg)
     acfg = moe.activation_config(cfg) if moe is not None else cfg
-    att = plan.recipe.attention  # flash / context kinds keep no T × T scores
+    att = resolve_step(plan).attention.kind  # flash / context kinds keep no T × T scores
     a_none = _activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     a_saved = _activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3

@@ -26,7 +26,8 @@ from meshtrain.abstract import path_str
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.weights_as_used import (_tensor_divisor, gathered_layer_bytes,  # noqa: F401 (re-export)
                                                tensor_split_sizes, working_weight_bytes)
-from meshtrain.annotate import step_context, step_context_for
+from meshtrain.annotate import step_context
+from meshtrain.parallel.resolved import batch_splits, step_context_for
 from meshtrain.errors import ConfigError
 from meshtrain.losses import unpack_loss
 from meshtrain.precision import cast_floats
@@ -195,7 +196,7 @@ def _stored_residuals(jaxpr, activations) -> list:
 
 def local_rows(plan) -> int:
     """Rows of the global batch one device handles per micro-batch: ``B / (data-parallel × micro-batches)``."""
-    return max(plan.batch.batch_size // (plan.data_parallel_size * plan.recipe.micro_batches), 1)
+    return max(plan.batch.batch_size // (plan.data_parallel_size * batch_splits(plan.recipe)), 1)
 
 
 def saved_activation_bytes(plan, loss_fn) -> int:

@@ -58,6 +58,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
 from meshtrain.models import BertConfig, DecoderConfig, ViTConfig, get_config, model_factory
 from meshtrain.parallel.context import check_seq_len as check_context_seq_len
+from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import check_recipe_overrides
@@ -449,7 +450,7 @@ def build(args, choice: Optional[ModelChoice] = None):
         raise ConfigError(f"--model {choice.name}: calling it with rngs failed: {type(exc).__name__}: {exc}; "
                           f"{FACTORY_CONTRACT}") from None
     probe = make_plan(abstract, recipe, mesh, check=False)
-    dp = probe.data_parallel_size * recipe.micro_batches
+    dp = probe.data_parallel_size * batch_splits(recipe)
     batch = _batch_layout(choice, args, dp)
     for T in _seq_lengths(batch):  # before the batch is resolved: name --seq-len, not a leaf's dimension
         check_context_seq_len(probe.recipe, probe.rules, probe.mesh_sizes, T)

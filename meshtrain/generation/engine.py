@@ -60,7 +60,7 @@ from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, de
 from meshtrain.models.configs import model_factory
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.precision import cast_floats
-from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.parallel.resolved import resolve_step
 
 
 #: the untied output projection: its logits are computed in f32 (see ``Engine._model``)
@@ -176,8 +176,10 @@ class Engine:
         compute = {WeightFormat.NONE: plan.recipe.compute_dtype}.get(self.weights, "bfloat16")
         self.compute_dtype = jnp.dtype(compute)
         r = plan.recipe
-        self.ctx = StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible) | REPLICATE_OK, Remat.NONE,
-                               AttentionKind.DENSE, tuple(r.strategies), r.layer_loop, r.scan_unroll)
+        step = resolve_step(plan).for_generation()  # the plan's step, decoding: dense attention over the cache
+        self.ctx = StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible) | REPLICATE_OK, step.remat,
+                               step.attention.kind, tuple(r.strategies), step.layer_loop, step.scan_unroll,
+                               resolved=step)
         self.batch_multiple = plan.data_parallel_size
         self._steps: Dict[Sampling, Tuple] = {}
 

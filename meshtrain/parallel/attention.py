@@ -24,10 +24,10 @@ import jax.numpy as jnp
 
 from meshtrain.annotate import current_step_context
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.context import CONTEXT_KINDS, context_attention, context_layout
+from meshtrain.parallel.context import context_attention
 from meshtrain.parallel.flash import flash_attention
+from meshtrain.parallel.resolved import active_attention
 from meshtrain.recipes import AttentionKind
-from meshtrain.strategies import Context, FlashBackend, LoadBalance
 
 __all__ = ["attention", "reference_attention", "AttentionKind"]
 
@@ -52,15 +52,13 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         raise ConfigError(f"attention: {n} query heads are not a multiple of {kv} key/value heads")
     if kind is AttentionKind.DENSE:
         return _dense(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal)
-    context = ctx.dimension(Context) if ctx is not None else None
-    backend = context.flash_backend if context is not None else FlashBackend.AUTO
-    if kind in CONTEXT_KINDS and ctx is not None:
-        layout = context_layout(kind, ctx.rules, dict(ctx.mesh.shape),
-                                context.load_balance if context is not None else LoadBalance.ZIGZAG)
-        if layout.sharded:
-            return context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal, layout, ctx)
-        backend = FlashBackend.XLA if kind is not AttentionKind.FLASH else backend
-    return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal=causal, backend=backend)
+    if ctx is None:  # outside a step: one device holds everything; flash_attention picks its backend
+        return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal=causal)
+    choice = active_attention(ctx, kind, dtype=q_btnh.dtype, segmented=segment_ids_bt is not None)
+    choice.check()
+    if choice.context_kernel:
+        return context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal, choice, ctx)
+    return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal=causal, backend=choice.backend)
 
 
 def _dense(q, k, v, segment_ids, causal):

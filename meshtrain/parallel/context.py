@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
-import math
 from typing import Iterator, Optional, Set, Tuple
 
 import jax
@@ -46,121 +44,23 @@ from meshtrain.annotate import current_step_context
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.flash import F32, block_for, blocks_backward, blocks_forward, flash_attention, flash_xla, \
     match_varying, pick_block, varying_axes
+from meshtrain.parallel.resolved import recipe_attention_kind
+from meshtrain.parallel.seq_layout import (CONTEXT_KINDS, ULYSSES_AXIS, ContextLayout,  # noqa: F401 (re-exported)
+                                          context_layout, ring_chunk_index)
 from meshtrain.recipes import AttentionKind
 from meshtrain.strategies import Context, FlashBackend, LoadBalance
-
-#: The inner context axis that ``usp`` runs Ulysses over (``ring`` runs over the others).
-ULYSSES_AXIS = "ulysses"
-#: Kinds that shard the sequence through their own kernel.
-CONTEXT_KINDS = (AttentionKind.ALL_GATHER, AttentionKind.RING, AttentionKind.ULYSSES, AttentionKind.USP)
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextLayout:
-    """How one attention kind lays the sequence over the mesh.
-
-    ``ring_axes`` / ``ring``: the axes (and their total size) K/V travel around (ring, usp) or are
-    gathered over (all_gather); ``ulysses_axes`` / ``ulysses``: the all-to-all axes; ``zigzag``:
-    whether the sequence is in zig-zag order over the ring.
-    """
-
-    kind: AttentionKind
-    seq_axes: Tuple[str, ...] = ()
-    ring_axes: Tuple[str, ...] = ()
-    ring: int = 1
-    ulysses_axes: Tuple[str, ...] = ()
-    ulysses: int = 1
-    zigzag: bool = False
-
-    @property
-    def sharded(self) -> bool:
-        return bool(self.seq_axes)
-
-    @property
-    def reorders(self) -> bool:
-        """Whether the sequence is out of natural order (zig-zag over a ring of more than one)."""
-        return self.sharded and self.zigzag and self.ring > 1
-
-    def check_length(self, seq_len: int, sizes: Optional[dict] = None) -> None:
-        """A ``ConfigError`` unless ``seq_len`` splits over the layout: a multiple of :meth:`multiple`. It
-        names the length, the context axes (with their sizes from ``sizes``, the mesh's) and the nearest
-        lengths that work."""
-        ways, multiple = self.ring * self.ulysses, self.multiple()
-        if seq_len % multiple == 0:
-            return
-        axes = "×".join(f"{a}={sizes[a]}" if sizes and a in sizes else a for a in self.seq_axes)
-        below = seq_len // multiple * multiple
-        near = f"{below} or {below + multiple}" if below else f"{multiple}"
-        if multiple != ways:
-            raise ConfigError(
-                f"sequence length {seq_len} is not divisible by 2 × context ways = {multiple} ({self.kind.value} "
-                f"with zig-zag load balancing over {axes} cuts the sequence into 2 × {self.ring} ring chunks, each "
-                f"split {self.ulysses} ways): use --seq-len a multiple of {multiple} (e.g. {near}), or smaller "
-                f"context axes")
-        raise ConfigError(f"sequence length {seq_len} is not divisible by the context axes {axes} = {ways}: use "
-                          f"--seq-len a multiple of {ways} (e.g. {near}), or smaller context axes")
-
-    def multiple(self) -> int:
-        """What every sequence length must be a multiple of: the context ways, twice under zig-zag."""
-        ways = self.ring * self.ulysses
-        return 2 * ways if self.zigzag else ways
-
-    def permutation(self, seq_len: int) -> np.ndarray:
-        """``perm[j]``: the original position of the token at layout position ``j`` (identity
-        unless zig-zag). Reorder data with ``x[:, perm]``; undo with ``y[:, np.argsort(perm)]``."""
-        self.check_length(seq_len)
-        if not self.zigzag:
-            return np.arange(seq_len)
-        return np.concatenate([ring_chunk_index(r, seq_len // self.ring, self.ring, True) for r in range(self.ring)])
-
-
-def ring_chunk_index(r, t_loc: int, ring: int, zigzag: bool):
-    """Original positions of the ``t_loc`` rows that ring member ``r`` holds (numpy for an int ``r``,
-    jnp for a traced one)."""
-    xp = np if isinstance(r, (int, np.integer)) else jnp
-    if not zigzag:
-        return r * t_loc + xp.arange(t_loc, dtype=np.int32)
-    c = t_loc // 2
-    return xp.concatenate([r * c + xp.arange(c, dtype=np.int32), (2 * ring - 1 - r) * c + xp.arange(c, dtype=np.int32)])
-
-
-def context_layout(kind: AttentionKind, rules, mesh_sizes, load_balance=LoadBalance.ZIGZAG) -> ContextLayout:
-    """The layout of ``kind`` under activation ``rules`` on a mesh of ``mesh_sizes``: the sequence's
-    mesh axes are those the ``seq`` activation rule names (size > 1)."""
-    kind = AttentionKind(kind)
-    if kind not in CONTEXT_KINDS:
-        return ContextLayout(kind)
-    rule = rules.table("activations").get("seq")
-    seq_axes = tuple(a for a in (rule.mesh_axes if rule else ()) if mesh_sizes.get(a, 1) > 1)
-    if not seq_axes:
-        return ContextLayout(kind)
-    size = lambda axes: math.prod(mesh_sizes[a] for a in axes)  # noqa: E731
-    zig = LoadBalance(load_balance or LoadBalance.ZIGZAG) is LoadBalance.ZIGZAG
-    if kind is AttentionKind.ULYSSES:
-        return ContextLayout(kind, seq_axes, ulysses_axes=seq_axes, ulysses=size(seq_axes))
-    if kind is AttentionKind.USP:
-        ring_axes = tuple(a for a in seq_axes if a != ULYSSES_AXIS)
-        if ULYSSES_AXIS not in seq_axes:  # one of the two axes has size 1: the other kind alone
-            return ContextLayout(AttentionKind.RING, seq_axes, seq_axes, size(seq_axes), zigzag=zig)
-        if not ring_axes:
-            return ContextLayout(AttentionKind.ULYSSES, seq_axes, ulysses_axes=seq_axes, ulysses=size(seq_axes))
-        if seq_axes[-1] != ULYSSES_AXIS:
-            raise ConfigError(f"attention 'usp' needs {ULYSSES_AXIS!r} as the innermost sequence axis; got {seq_axes}")
-        return ContextLayout(kind, seq_axes, ring_axes, size(ring_axes), (ULYSSES_AXIS,), mesh_sizes[ULYSSES_AXIS],
-                             zig)
-    return ContextLayout(kind, seq_axes, seq_axes, size(seq_axes), zigzag=zig)
 
 
 def plan_layout(plan) -> ContextLayout:
     """The :class:`ContextLayout` a plan's step uses (recipe attention kind, rules, mesh)."""
-    return context_layout(plan.recipe.attention, plan.rules, plan.mesh_sizes, _load_balance(plan.recipe))
+    return context_layout(recipe_attention_kind(plan.recipe), plan.rules, plan.mesh_sizes, _load_balance(plan.recipe))
 
 
 def check_seq_len(recipe, rules, mesh_sizes, seq_len: int) -> None:
     """Before anything is built (``meshtrain plan`` and ``train``): ``seq_len`` splits over the context
     layout of ``recipe`` under activation ``rules`` on a mesh of ``mesh_sizes`` (see
     :meth:`ContextLayout.check_length`); nothing to check without a context-parallel attention kind."""
-    layout = context_layout(recipe.attention, rules, dict(mesh_sizes), _load_balance(recipe))
+    layout = context_layout(recipe_attention_kind(recipe), rules, dict(mesh_sizes), _load_balance(recipe))
     if layout.sharded:
         layout.check_length(seq_len, dict(mesh_sizes))
 
@@ -169,15 +69,6 @@ def _load_balance(holder) -> LoadBalance:
     """The load balance of the ``cp`` dimension of a recipe or step context (zig-zag without one)."""
     context = holder.dimension(Context)
     return context.load_balance if context is not None else LoadBalance.ZIGZAG
-
-
-def _local_backend() -> FlashBackend:
-    """The flash backend of the local attention inside a context kernel: the ``cp`` dimension's
-    ``flash_backend``; ``auto`` keeps blockwise XLA here (what these kernels were measured with)."""
-    ctx = current_step_context()
-    context = ctx.dimension(Context) if ctx is not None else None
-    backend = context.flash_backend if context is not None else FlashBackend.AUTO
-    return FlashBackend.XLA if backend is FlashBackend.AUTO else backend
 
 
 def sequence_permutation(plan, seq_len: int) -> Optional[np.ndarray]:
@@ -335,10 +226,11 @@ def _a2a_out(x, axes):
     return jax.lax.all_to_all(x, axes, 1, 2, tiled=True)  # head-sharded -> seq-sharded
 
 
-def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: int, packed: bool = True):
+def _local_kernel(choice, causal: bool, t_total: int, devices: int, packed: bool = True):
     """The per-device function for ``layout.kind`` (run under ``shard_map``; ``devices``: the mesh's
     size, for error messages; ``packed``: the batch has segment ids, else the ulysses local attention
     gets none, so a fused kernel without a segment mask (cuDNN) can take it)."""
+    layout = choice.layout
     kind = layout.kind
 
     def ring_index(t_loc):
@@ -363,7 +255,7 @@ def _local_kernel(layout: ContextLayout, causal: bool, t_total: int, devices: in
         q2, k2, v2 = _a2a_in(q, uly), _a2a_in(k, uly), _a2a_in(v, uly)
         seg2 = jax.lax.all_gather(seg, uly, axis=1, tiled=True)
         if kind is AttentionKind.ULYSSES:
-            o2 = flash_attention(q2, k2, v2, seg2 if packed else None, causal=causal, backend=_local_backend())
+            o2 = flash_attention(q2, k2, v2, seg2 if packed else None, causal=causal, backend=choice.backend)
         else:  # usp: ring over the remaining axes on the gathered ring chunk
             o2 = _ring(q2, k2, v2, ring_index(q2.shape[1]), seg2, seg2, layout.ring_axes, layout.ring, causal,
                        ring_block(q2))
@@ -379,10 +271,12 @@ def _gathered(q, k_all, v_all, idx_q, idx_k, seg_q, seg_all, causal):
     return flash_xla(q, k_all, v_all, idx_q, idx_k, seg_q, seg_all, causal, bq, bk)
 
 
-def context_attention(q, k, v, segment_ids, causal: bool, layout: ContextLayout, ctx):
-    """Run ``layout.kind`` under ``shard_map`` on the step's mesh. Specs come from the activation
+def context_attention(q, k, v, segment_ids, causal: bool, choice, ctx):
+    """Run the resolved ``choice`` (a :class:`meshtrain.parallel.resolved.AttentionChoice` whose ``layout`` shards
+    the sequence) under ``shard_map`` on the step's mesh. Specs come from the activation
     rules (``batch``, ``seq``, ``heads`` / ``kv_heads``), so batch / FSDP / TP sharding passes through."""
     b, t, n, h = q.shape
+    layout = choice.layout
     layout.check_length(t, dict(ctx.mesh.shape))
     seen = _CAUSALITY.get()
     if seen is not None:
@@ -405,9 +299,9 @@ def context_attention(q, k, v, segment_ids, causal: bool, layout: ContextLayout,
         raise ConfigError(f"attention {layout.kind.value!r}: query heads are sharded {q_spec[2]!r} but kv heads "
                           f"{kv_spec[2]!r}; make kv_heads divisible by the tensor axis so both shard alike")
     seg = segment_ids if segment_ids is not None else jnp.zeros((b, t), jnp.int32)
-    fn = _local_kernel(layout, causal, t, ctx.mesh.size, packed=segment_ids is not None)
+    fn = _local_kernel(choice, causal, t, ctx.mesh.size, packed=segment_ids is not None)
     # A Pallas kernel inside (splash under ulysses) carries no varying-axes types: check them only without one.
-    check = _local_backend() is not FlashBackend.SPLASH
+    check = choice.backend is not FlashBackend.SPLASH
     return jax.shard_map(fn, mesh=ctx.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                          check_vma=check)(q, k, v, seg.astype(jnp.int32))
 

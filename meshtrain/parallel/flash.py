@@ -1,6 +1,7 @@
 """Memory-efficient ("flash") attention: never materialises the ``T × S`` scores.
 
-Three backends behind :func:`flash_attention`, picked by :func:`flash_backend`:
+Three backends behind :func:`flash_attention`, picked by :func:`meshtrain.parallel.resolved.flash_backend`
+(inside a step: the step's :class:`~meshtrain.parallel.resolved.ResolvedStep` says which):
 
 * ``xla``: blockwise online softmax in plain XLA (every platform). Queries are cut into blocks of
   ``block_q`` rows, keys into blocks of ``block_k``; the largest live score tensor is
@@ -41,6 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.annotate import activation_spec, current_step_context, target_platform
 from meshtrain.errors import ConfigError
+# the backend's eligibility is decided in one place, the step resolver (re-exported here for kernel callers)
+from meshtrain.parallel.resolved import (CUDNN_MAX_SEGMENTS, PACKED_MIN_CAPABILITY, flash_backend,  # noqa: F401
+                                        parse_capability)
 from meshtrain.strategies import FlashBackend  # noqa: F401 (re-exported: the cp dimension's option)
 
 F32 = jnp.float32
@@ -50,17 +54,6 @@ DEFAULT_BLOCK = 512
 #: Elements of one f32 score block over all the rows × heads a device holds (2 MiB): the block edge
 #: shrinks with more heads per device so the backward's working set (4 such blocks) stays small.
 BLOCK_ELEMENTS = 2 ** 19
-#: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
-#: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
-#: memory: cuDNN keeps f32 softmax statistics of ``(b · CUDNN_MAX_SEGMENTS, n, T)`` per layer for the
-#: backward (at head dim 64 and 32 segments, as many bytes as the layer's queries), so the bound is
-#: a fixed count rather than a fraction of ``T``, which would make them grow as ``T²``. A row of
-#: ``T`` tokens holds about ``T / L + 1`` documents of mean length ``L``: at 32, the fallback stays rare
-#: for documents well above 64 tokens at ``T`` = 2,048 (256 at 8,192). Read when a step is traced;
-#: ``flash_attention(..., max_segments=)`` overrides it per call.
-CUDNN_MAX_SEGMENTS = 32
-#: cuDNN's ragged layout needs this compute capability or newer (Hopper; JAX refuses it below).
-PACKED_MIN_CAPABILITY = (9, 0)
 
 
 def pick_block(n: int, target: int = DEFAULT_BLOCK) -> int:
@@ -290,50 +283,6 @@ def flash_xla_bwd(causal, block_q, block_k, res, do):
 flash_xla.defvjp(flash_xla_fwd, flash_xla_bwd)
 
 
-def flash_backend(requested: "FlashBackend | str" = FlashBackend.AUTO, *, platform: Optional[str] = None,
-                  dtype=F32, segmented: bool = False,
-                  compute_capability: Optional[Tuple[int, int]] = None) -> Tuple[FlashBackend, str]:
-    """``(backend, reason)`` for flash attention on ``platform`` (default: JAX's default backend).
-
-    ``auto``: ``splash`` on TPU, ``cudnn`` on GPU for bf16/fp16 (``segmented``, packed documents:
-    cuDNN's ragged layout, which needs ``compute_capability`` ≥ 9.0; ``None``, unknown, is taken as
-    new enough), else ``xla``. Asking for a backend the platform lacks (``cudnn`` off GPU, or for
-    packed documents below Hopper; ``splash`` off TPU) raises a ``ConfigError`` naming the fix.
-    Example: ``flash_backend("auto", platform="cpu")`` → ``(FlashBackend.XLA, "...")``.
-    """
-    try:
-        requested = FlashBackend(requested)
-    except ValueError:
-        raise ConfigError(f"flash backend {requested!r}; use one of {[b.value for b in FlashBackend]}") from None
-    platform = platform or jax.default_backend()
-    gpu = platform in ("gpu", "cuda")
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    old_gpu = segmented and compute_capability is not None and tuple(compute_capability) < PACKED_MIN_CAPABILITY
-    sm = "sm{}{}".format(*compute_capability) if compute_capability is not None else ""
-    if requested is FlashBackend.CUDNN and not gpu:
-        raise ConfigError(f"flash backend 'cudnn' needs an NVIDIA GPU; this platform is {platform!r}: use "
-                          f"flash_backend 'auto' or 'xla'")
-    if requested is FlashBackend.CUDNN and old_gpu:
-        raise ConfigError(f"flash backend 'cudnn' on packed documents (segment ids) needs cuDNN's ragged layout, "
-                          f"Hopper (sm90) or newer; this GPU is {sm}: use flash_backend 'auto' or 'xla'")
-    if requested is FlashBackend.SPLASH and platform != "tpu":
-        raise ConfigError(f"flash backend 'splash' (Pallas TPU kernel) needs a TPU; this platform is {platform!r}: "
-                          f"use flash_backend 'auto' or 'xla'")
-    if requested is not FlashBackend.AUTO:
-        return requested, f"{requested.value} (requested)"
-    if platform == "tpu":
-        return FlashBackend.SPLASH, "splash: Pallas TPU splash-attention kernel"
-    if gpu and half and not segmented:
-        return FlashBackend.CUDNN, "cudnn: cuDNN fused attention via jax.nn.dot_product_attention"
-    if gpu and half and not old_gpu:
-        return FlashBackend.CUDNN, (f"cudnn: cuDNN fused attention, packed documents as ragged segments (Hopper or "
-                                    f"newer; a step with a row of more than {CUDNN_MAX_SEGMENTS} documents, "
-                                    f"flash.CUDNN_MAX_SEGMENTS, runs blockwise XLA)")
-    why = (f"packed documents need cuDNN's ragged layout, Hopper (sm90) or newer; this GPU is {sm}" if gpu and half
-           else f"{jnp.dtype(dtype).name} on {platform}")
-    return FlashBackend.XLA, f"xla: blockwise online softmax with recomputing backward ({why})"
-
-
 def target_compute_capability() -> Optional[Tuple[int, int]]:
     """The compute capability of the GPU the active step is compiled for (its mesh's devices; a
     compile-only XLA:GPU device reports its target's), else of this host's GPU; ``None`` when there is
@@ -347,15 +296,6 @@ def target_compute_capability() -> Optional[Tuple[int, int]]:
     else:
         return None
     return parse_capability(getattr(device, "compute_capability", None))
-
-
-def parse_capability(text) -> Optional[Tuple[int, int]]:
-    """``"9.0"`` → ``(9, 0)``; ``None`` for anything else (no attribute, a ROCm ``gfx90a``)."""
-    try:
-        major, minor = str(text).split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return None
 
 
 def flash_attention(q, k, v, segment_ids=None, *, causal: bool = True, q_idx=None, k_idx=None,

@@ -28,11 +28,12 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.annotate import current_step_context, step_context, step_context_for  # noqa: F401 (step_context_for re-exported)
+from meshtrain.annotate import current_step_context, step_context  # noqa: F401 (re-exported)
 from meshtrain.errors import ConfigError
 from meshtrain.losses import (RESERVED_METRICS, LossFn, next_token_loss,  # noqa: F401 (re-export)
                               unpack_loss)
 from meshtrain.parallel import pipeline as pipe
+from meshtrain.parallel.resolved import step_context_for  # noqa: F401 (step_context_for re-exported)
 from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
 from meshtrain.precision import cast_floats
 from meshtrain.recipes import Schedule
@@ -234,15 +235,15 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
     tx = plan.abstract.tx
     pipeline = pipeline_config(plan)
     grad_fn = _loss_and_grads(plan, loss_fn, pipeline)
-    # Under a pipeline the recipe's micro-batches are the schedule's, not gradient accumulation.
-    micro = 1 if pipeline else plan.recipe.micro_batches
+    ctx = step_context_for(plan)  # its resolved step: kernels, layer loop, accumulation, schedule
+    micro = ctx.resolved.grad_accum  # 1 under a pipeline: its micro-batches are the schedule's
     if pipeline and pipe.bubble_warning(pipeline):
         warnings.warn(pipe.bubble_warning(pipeline), stacklevel=2)
     nonfinite = NonFinite(nonfinite)
     grad_sh = gradient_shardings(plan)  # ZeRO-2: the optimizer state's sharding; else the params'
 
     def step(state: TrainState, batch):
-        with step_context(step_context_for(plan)):
+        with step_context(ctx):
             total, weight, metrics, grads, model_state = _accumulate(grad_fn, state.params, state.model_state,
                                                                      batch, micro, plan, grad_sh)
             denom = _denominator(weight)
@@ -302,10 +303,11 @@ def make_grad_fn(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None) -> Che
     _batch_layout(plan, "make_grad_fn")
     pipeline = pipeline_config(plan)
     grad_fn = _loss_and_grads(plan, loss_fn or next_token_loss, pipeline)
-    micro = 1 if pipeline else plan.recipe.micro_batches
+    ctx = step_context_for(plan)
+    micro = ctx.resolved.grad_accum
 
     def grads(state: TrainState, batch):
-        with step_context(step_context_for(plan)):
+        with step_context(ctx):
             total, weight, _, g, _ = _accumulate(grad_fn, state.params, state.model_state, batch, micro, plan)
             denom = _denominator(weight)
             return total / denom, jax.tree.map(lambda x: x / denom, g)

@@ -29,6 +29,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshSpec, hybrid_layout, select_devices
 from meshtrain.models import DecoderConfig
 from meshtrain.models.flops import model_flops_per_token
+from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
 from meshtrain.state import init_state
 from meshtrain.settings import plain_settings
@@ -145,7 +146,7 @@ class Trainer:
         mesh: data-parallel size × micro-batches (e.g. 32 for ``pp_fsdp`` on 8 devices with 8
         micro-batches: fsdp=4 × 8). ``meshtrain train`` rounds its default batch up to it."""
         recipe, mesh = self._recipe_and_mesh(devices)
-        return data_parallel_size(recipe.axis_rules(), dict(mesh.shape)) * recipe.micro_batches
+        return data_parallel_size(recipe.axis_rules(), dict(mesh.shape)) * batch_splits(recipe)
 
     def _layout(self) -> BatchLayout:
         cfg = self.cfg

@@ -1,0 +1,312 @@
+"""One decision per step: :func:`resolve_step` turns a plan and the platform its step compiles for into a
+:class:`ResolvedStep` that says everything the step needs and why: the attention kind and kernel every layer
+runs (with a reason such as ``"cudnn: cuDNN fused attention via jax.nn.dot_product_attention"``), the layer
+loop, the gradient-accumulation steps, the pipeline schedule and its micro-batches, and the precision.
+
+The step builder, the kernels (through :class:`meshtrain.annotate.StepContext`), the generation engine and the
+planner read this one object, so a plan cannot describe a kernel that does not run. The flash backend's
+eligibility rules (:func:`flash_backend`: cuDNN needs an NVIDIA GPU and bf16/fp16, packed documents need
+Hopper; splash needs a TPU) live here and nowhere else. Example::
+
+    step = resolve_step(plan, "tpu")         # or Target("gpu", (9, 0)); None: the plan's devices
+    step.attention.backend                   # FlashBackend.SPLASH for a local-flash recipe
+    step.attention.describe()                # "splash: Pallas TPU splash-attention kernel; per device ..."
+    step.batch_splits                        # micro-batches per step (pp's, else grad_accum)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.annotate import StepContext
+from meshtrain.errors import ConfigError
+from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
+from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
+from meshtrain.strategies import Context, FlashBackend, LoadBalance, Pipeline, Schedule
+
+#: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
+#: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
+#: memory: cuDNN keeps f32 softmax statistics of ``(b · CUDNN_MAX_SEGMENTS, n, T)`` per layer for the
+#: backward (at head dim 64 and 32 segments, as many bytes as the layer's queries), so the bound is
+#: a fixed count rather than a fraction of ``T``, which would make them grow as ``T²``. A row of
+#: ``T`` tokens holds about ``T / L + 1`` documents of mean length ``L``: at 32, the fallback stays rare
+#: for documents well above 64 tokens at ``T`` = 2,048 (256 at 8,192). ``flash_attention(..., max_segments=)``
+#: overrides it per call.
+CUDNN_MAX_SEGMENTS = 32
+#: cuDNN's ragged layout (packed documents) needs this compute capability or newer (Hopper; JAX refuses it below).
+PACKED_MIN_CAPABILITY = (9, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The platform a step is compiled for: ``platform`` (``cpu``, ``gpu``, ``tpu``; the planner's compile-only
+    targets too) and, for a GPU, its ``compute_capability`` (``(9, 0)`` for H100; ``None``: unknown, taken as new
+    enough). Example: ``Target("gpu", (8, 0))`` for an A100."""
+
+    platform: str
+    compute_capability: Optional[Tuple[int, int]] = None
+
+    @classmethod
+    def of(cls, target: "Target | str | None", mesh=None) -> "Target":
+        """``target`` as a :class:`Target`: a string names the platform; ``None`` reads ``mesh``'s devices (a
+        compile-only XLA:GPU device reports its target's capability), else JAX's default backend."""
+        if isinstance(target, Target):
+            return target
+        device = _first_device(mesh)
+        if target is None:
+            target = getattr(device, "platform", None) or getattr(getattr(mesh, "abstract_device", None),
+                                                                  "platform", None) or jax.default_backend()
+        platform = str(getattr(target, "value", target)).lower()
+        platform = "gpu" if platform == "cuda" else platform  # an NVIDIA device's own name (ROCm keeps "rocm")
+        capability = parse_capability(getattr(device, "compute_capability", None)) if device is not None else None
+        return cls(platform, capability if platform == "gpu" else None)
+
+    @property
+    def gpu(self) -> bool:
+        return self.platform in ("gpu", "cuda")
+
+    @property
+    def name(self) -> str:
+        """``cpu``, ``gpu`` or ``tpu`` (what the plan's kernel line prints)."""
+        return "gpu" if self.gpu else self.platform
+
+
+def _first_device(mesh):
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.devices.flat[0]
+    return None
+
+
+def parse_capability(text) -> Optional[Tuple[int, int]]:
+    """``"9.0"`` → ``(9, 0)``; ``None`` for anything else (no attribute, a ROCm ``gfx90a``)."""
+    try:
+        major, minor = str(text).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def flash_backend(requested: "FlashBackend | str" = FlashBackend.AUTO, *, platform: Optional[str] = None,
+                  dtype=jnp.float32, segmented: bool = False,
+                  compute_capability: Optional[Tuple[int, int]] = None) -> Tuple[FlashBackend, str]:
+    """``(backend, reason)`` for flash attention on ``platform`` (default: JAX's default backend): the one place
+    the fused kernels' eligibility is decided.
+
+    ``auto``: ``splash`` on TPU, ``cudnn`` on GPU for bf16/fp16 (``segmented``, packed documents: cuDNN's ragged
+    layout, which needs ``compute_capability`` ≥ 9.0; ``None``, unknown, is taken as new enough), else ``xla``.
+    Asking for a backend the platform lacks (``cudnn`` off GPU, or for packed documents below Hopper; ``splash``
+    off TPU) raises a ``ConfigError`` naming the fix.
+    Example: ``flash_backend("auto", platform="cpu")`` → ``(FlashBackend.XLA, "...")``.
+    """
+    try:
+        requested = FlashBackend(getattr(requested, "value", requested))
+    except ValueError:
+        raise ConfigError(f"flash backend {requested!r}; use one of {[b.value for b in FlashBackend]}") from None
+    platform = platform or jax.default_backend()
+    gpu = platform in ("gpu", "cuda")
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    old_gpu = segmented and compute_capability is not None and tuple(compute_capability) < PACKED_MIN_CAPABILITY
+    sm = "sm{}{}".format(*compute_capability) if compute_capability is not None else ""
+    if requested is FlashBackend.CUDNN and not gpu:
+        raise ConfigError(f"flash backend 'cudnn' needs an NVIDIA GPU; this platform is {platform!r}: use "
+                          f"flash_backend 'auto' or 'xla'")
+    if requested is FlashBackend.CUDNN and old_gpu:
+        raise ConfigError(f"flash backend 'cudnn' on packed documents (segment ids) needs cuDNN's ragged layout, "
+                          f"Hopper (sm90) or newer; this GPU is {sm}: use flash_backend 'auto' or 'xla'")
+    if requested is FlashBackend.SPLASH and platform != "tpu":
+        raise ConfigError(f"flash backend 'splash' (Pallas TPU kernel) needs a TPU; this platform is {platform!r}: "
+                          f"use flash_backend 'auto' or 'xla'")
+    if requested is not FlashBackend.AUTO:
+        return requested, f"{requested.value} (requested)"
+    if platform == "tpu":
+        return FlashBackend.SPLASH, "splash: Pallas TPU splash-attention kernel"
+    if gpu and half and not segmented:
+        return FlashBackend.CUDNN, "cudnn: cuDNN fused attention via jax.nn.dot_product_attention"
+    if gpu and half and not old_gpu:
+        return FlashBackend.CUDNN, (f"cudnn: cuDNN fused attention, packed documents as ragged segments (Hopper or "
+                                    f"newer; a step with a row of more than {CUDNN_MAX_SEGMENTS} documents, "
+                                    f"flash.CUDNN_MAX_SEGMENTS, runs blockwise XLA)")
+    why = (f"packed documents need cuDNN's ragged layout, Hopper (sm90) or newer; this GPU is {sm}" if gpu and half
+           else f"{jnp.dtype(dtype).name} on {platform}")
+    return FlashBackend.XLA, f"xla: blockwise online softmax with recomputing backward ({why})"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """The attention every layer of the stack runs (the layers are identical, so one choice serves them all).
+
+    ``kind``: the recipe's (:class:`AttentionKind`); ``layout``: how a context kind lays the sequence on the mesh
+    (``layout.kind`` is what runs: ``usp`` over a size-1 axis runs ``ring`` or ``ulysses``; a context kind whose
+    axes are all size 1 runs ``flash`` on each device); ``backend``: the flash kernel inside (``None`` for dense
+    attention, or when ``refused`` says why the requested one cannot run here); ``segmented``: whether the
+    decision assumed packed documents (segment ids); ``reason`` / ``where``: what the plan's kernel line prints.
+    """
+
+    kind: AttentionKind
+    layout: ContextLayout
+    backend: Optional[FlashBackend]
+    reason: str
+    where: str
+    segmented: bool = False
+    refused: Optional[str] = None
+
+    @property
+    def context_kernel(self) -> bool:
+        """Whether the step runs a context-parallel kernel under ``shard_map`` (a sharded sequence)."""
+        return self.layout.sharded
+
+    @property
+    def fused(self) -> bool:
+        """Whether a fused kernel (cuDNN or splash) runs: its custom call is in the compiled step."""
+        return self.backend in (FlashBackend.CUDNN, FlashBackend.SPLASH)
+
+    def describe(self) -> str:
+        """``"cudnn: cuDNN fused attention ...; per device under shard_map ..."`` (or ``"refused: ..."``)."""
+        return f"refused: {self.refused}" if self.refused else f"{self.reason}{'; ' if self.where else ''}{self.where}"
+
+    def check(self) -> None:
+        """Raise the ``ConfigError`` a refused backend carries (the kernels call this before running)."""
+        if self.refused:
+            raise ConfigError(self.refused)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedStep:
+    """Everything a step needs, decided once by :func:`resolve_step` (see the module docstring).
+
+    ``target``: the platform compiled for; ``attention``: the kernel every layer runs; ``remat``, ``layer_loop``,
+    ``scan_unroll``: the layer stack (``loop_for(n_layers)`` resolves ``auto``); ``grad_accum``: accumulation
+    steps (1 under a pipeline); ``schedule``, ``pipeline_micro_batches``, ``repeats``: the pipeline's (``None`` /
+    1 / 1 without one); ``param_dtype`` / ``compute_dtype``: precision; ``extras``: room for later precision
+    settings (FP8 matmuls, LoRA adapters) as ``(name, value)`` pairs, empty for now."""
+
+    target: Target
+    attention: AttentionChoice
+    remat: Remat
+    layer_loop: LayerLoop
+    scan_unroll: int
+    grad_accum: int
+    schedule: Optional[Schedule]
+    pipeline_micro_batches: int
+    repeats: int
+    param_dtype: str
+    compute_dtype: str
+    extras: Tuple[Tuple[str, Any], ...] = ()
+
+    @property
+    def batch_splits(self) -> int:
+        """Micro-batches one step splits the batch into: the pipeline's, else the accumulation steps."""
+        return self.pipeline_micro_batches if self.schedule is not None else self.grad_accum
+
+    def loop_for(self, n_layers: int) -> Tuple[LayerLoop, int]:
+        """``(SCAN or UNROLLED, layers per iteration)`` for a stack of ``n_layers`` (:func:`resolve_layer_loop`)."""
+        return resolve_layer_loop(self.layer_loop, n_layers, self.remat, self.scan_unroll)
+
+    def for_generation(self) -> "ResolvedStep":
+        """The step the generation engine runs: no remat (nothing to differentiate) and dense attention over the
+        KV cache (decode attends one token to the cache; prefill writes the cache the same way)."""
+        dense = AttentionChoice(AttentionKind.DENSE, ContextLayout(AttentionKind.DENSE), None,
+                                "dense (generation: XLA dot-product attention over the KV cache)", "partitioned by XLA")
+        return dataclasses.replace(self, attention=dense, remat=Remat.NONE)
+
+
+def packed_batch(plan) -> bool:
+    """Whether the plan's batch carries segment ids (packed documents); a plan without a batch is taken as packed."""
+    return plan.batch is None or any(path.split("/")[-1] == "segment_ids" for path, _ in plan.batch.leaves())
+
+
+def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> ResolvedStep:
+    """The one :class:`ResolvedStep` of ``plan`` compiled for ``target`` (a :class:`Target`, ``"cpu"`` /
+    ``"gpu"`` / ``"tpu"``, or ``None``: the platform of the plan's devices). ``mesh`` replaces the plan's mesh (the
+    planner traces the step on a 1-device mesh, where no context axis shards the sequence). Pure: it reads the
+    recipe, the rules, the mesh sizes and the batch layout, and builds nothing."""
+    recipe = plan.recipe
+    mesh = plan.mesh if mesh is None else mesh
+    target = Target.of(target, mesh)
+    sizes = dict(plan.mesh_sizes) if mesh is plan.mesh else dict(mesh.shape)
+    pipeline = recipe.dimension(Pipeline)
+    attention = resolve_attention(recipe_attention_kind(recipe), recipe.dimension(Context), plan.rules, sizes, target,
+                                  packed_batch(plan), recipe.compute_dtype)
+    return ResolvedStep(
+        target=target, attention=attention, remat=recipe.remat, layer_loop=recipe.layer_loop,
+        scan_unroll=recipe.scan_unroll, grad_accum=1 if pipeline else recipe.grad_accum,
+        schedule=pipeline.schedule if pipeline else None,
+        pipeline_micro_batches=pipeline.micro_batches if pipeline else 1,
+        repeats=pipeline.repeats if pipeline else 1, param_dtype=recipe.param_dtype,
+        compute_dtype=recipe.compute_dtype)
+
+
+def recipe_attention_kind(recipe) -> AttentionKind:
+    """A recipe's attention kind: its ``cp`` dimension's kind, else its ``local_attention``."""
+    context = recipe.dimension(Context)
+    return AttentionKind(context.kind.value if context is not None else recipe.local_attention.value)
+
+
+def resolve_attention(kind: AttentionKind, context: Optional[Context], rules, mesh_sizes: Mapping[str, int],
+                      target: Target, segmented: bool, dtype) -> AttentionChoice:
+    """The :class:`AttentionChoice` for attention ``kind`` with the recipe's ``cp`` dimension ``context`` (or
+    ``None``) under activation ``rules`` on a mesh of ``mesh_sizes``, for ``target``, on a batch with or without
+    segment ids (``segmented``), in compute ``dtype``."""
+    kind = AttentionKind(kind)
+    requested = context.flash_backend if context is not None else FlashBackend.AUTO
+    balance = context.load_balance if context is not None else LoadBalance.ZIGZAG
+    layout = context_layout(kind, rules, dict(mesh_sizes), balance)
+    runs = layout.kind if layout.sharded else kind
+    if runs is AttentionKind.DENSE:
+        return AttentionChoice(kind, layout, None, "dense (XLA dot-product attention)", "")
+    if layout.sharded and runs is not AttentionKind.ULYSSES:
+        return AttentionChoice(kind, layout, FlashBackend.XLA, (
+            f"{runs.value} context attention under shard_map, blockwise XLA flash blocks inside (its chunks' "
+            f"positions are permuted, which the fused kernels do not take)"), "", segmented)
+    if kind in CONTEXT_KINDS and not layout.sharded:
+        requested = FlashBackend.XLA  # one device holds the whole sequence: the context kinds' measured local kernel
+    elif runs is AttentionKind.ULYSSES and requested is FlashBackend.AUTO:
+        requested = FlashBackend.XLA  # whole sequences per head group: the context kernels' local default
+    where = "inside the ulysses all-to-all's shard_map" if runs is AttentionKind.ULYSSES else ""
+    capability = target.compute_capability if target.gpu else None
+    try:
+        backend, why = flash_backend(requested, platform=target.platform, dtype=dtype, segmented=segmented,
+                                     compute_capability=capability)
+    except ConfigError as exc:
+        return AttentionChoice(kind, layout, None, "", where, segmented, refused=str(exc))
+    where = where or ("per device under shard_map over the batch and head split" if backend is not FlashBackend.XLA
+                      else "partitioned by XLA")
+    return AttentionChoice(kind, layout, backend, why, where, segmented)
+
+
+def active_attention(ctx, kind: Optional[AttentionKind] = None, *, dtype, segmented: bool) -> AttentionChoice:
+    """The attention the kernels run inside step context ``ctx``: its resolved step's choice, or (a context built
+    by hand, or ``kind`` other than the step's) :func:`resolve_attention` for the call's ``dtype`` and segment ids."""
+    resolved = ctx.resolved
+    if resolved is not None and (kind is None or AttentionKind(kind) is resolved.attention.kind):
+        return resolved.attention
+    kind = ctx.attention if kind is None else kind
+    return resolve_attention(kind, ctx.dimension(Context), ctx.rules, dict(ctx.mesh.shape), Target.of(None, ctx.mesh),
+                             segmented, dtype)
+
+
+def step_context_for(plan, mesh=None) -> StepContext:
+    """The one step context of ``plan`` (its resolved step, rules, mesh and dimensions) for the train step, the
+    eval step and the planner's compiled estimate; ``mesh`` replaces the plan's (the planner traces on a 1-device
+    abstract mesh)."""
+    mesh = plan.mesh if mesh is None else mesh
+    step = resolve_step(plan, mesh=mesh)
+    r = plan.recipe
+    return StepContext(mesh, plan.rules, frozenset(r.replicate_indivisible), step.remat, step.attention.kind,
+                       tuple(r.strategies), step.layer_loop, step.scan_unroll, resolved=step)
+
+
+def batch_splits(recipe) -> int:
+    """Micro-batches one step of ``recipe`` splits the batch into: its pipeline's (``pp``'s ``micro_batches``),
+    else its ``grad_accum`` (what :attr:`ResolvedStep.batch_splits` reads, for callers holding only a recipe)."""
+    pipeline = recipe.dimension(Pipeline)
+    return pipeline.micro_batches if pipeline is not None else recipe.grad_accum
+
+
+def batch_splits_option(recipe) -> str:
+    """The :meth:`~meshtrain.Recipe.with_options` name that sets :func:`batch_splits` for ``recipe``."""
+    return "pipeline_micro_batches" if recipe.dimension(Pipeline) is not None else "grad_accum"
