@@ -15,7 +15,7 @@ import json
 import sys
 from typing import List, Union
 
-from meshtrain.cli import add_device_args
+from meshtrain.commands.common import add_device_args
 from meshtrain.errors import ConfigError
 from meshtrain.generation.api import Loaded, load
 from meshtrain.generation.engine import check_prompts, check_stop_ids

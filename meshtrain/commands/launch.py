@@ -37,7 +37,7 @@ from typing import List, Optional
 from meshtrain import distributed, supervisor
 from meshtrain.checkpoint import peers
 from meshtrain.commands import launch_fit, launch_guard
-from meshtrain.cli import COMMANDS
+from meshtrain.commands.common import COMMANDS
 from meshtrain.errors import ConfigError
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
 from meshtrain.train.watchdog import ENV_ATTEMPT

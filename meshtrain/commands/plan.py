@@ -51,7 +51,7 @@ from meshtrain.abstract import abstract_state, list_params
 from meshtrain.analysis import gpu_aot
 from meshtrain.annotate import ModelRules
 from meshtrain.batch_layout import BatchLayout, BatchSpec
-from meshtrain.cli import add_device_args, setup_devices
+from meshtrain.commands.common import add_device_args, setup_devices
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
 from meshtrain.data.mlm import KEYS
 from meshtrain.errors import ConfigError, MeshtrainError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.cli import add_device_args
+from meshtrain.commands.common import add_device_args
 from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
 from meshtrain.errors import ConfigError
 from meshtrain.settings import add_flags, given_flags, settings_of
