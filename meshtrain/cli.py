@@ -62,6 +62,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     warnings.formatwarning = _one_line_warning
     try:
+        if getattr(args, "prepare", None) is not None:
+            args.prepare(args)  # --config / --set read before the devices start (they may set distributed.devices)
         if getattr(args, "xla_flags", "none") == "auto":
             apply_scheduling_flags()  # read once, when the backend starts: before setup_devices
         if getattr(args, "setup_devices", True):

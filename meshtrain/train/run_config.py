@@ -167,13 +167,20 @@ class RunConfig:
     def from_yaml_file(cls, path: str) -> "RunConfig":
         return cls.from_dict(read_yaml(path), where=path)
 
-    def with_values(self, values: Mapping[str, Any]) -> "RunConfig":
-        """A copy with dotted keys replaced; a ``str`` value is parsed by the setting's type (``--set``)."""
+    def with_values(self, values: Mapping[str, Any], *, unchecked: typing.Collection[str] = ()) -> "RunConfig":
+        """A copy with dotted keys replaced; a ``str`` value is parsed by the setting's type (``--set``).
+        Keys in ``unchecked`` (flags, typed by argparse) keep an out-of-range value for the command's own
+        check, which names the flag (``--steps 0: ...``)."""
         sections = {name: {} for name in SECTIONS}
         for key, value in values.items():
             s = setting_at(key)
             path = key.split(".")
-            sections[path[0]][".".join(path[1:])] = _coerce(s, value, key)
+            try:
+                value = _coerce(s, value, key)
+            except ConfigError:
+                if key not in unchecked:
+                    raise
+            sections[path[0]][".".join(path[1:])] = value
         changed = {}
         for name, updates in sections.items():
             if not updates:
@@ -345,3 +352,24 @@ def read_yaml(path: str) -> Any:
                           f"`meshtrain config show` prints") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {path!r}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+#: The run configuration a training run records in its folder: ``--config <run>/config.yaml`` reruns it.
+CONFIG_FILE = "config.yaml"
+
+
+def recorded(cfg: TrainConfig) -> Dict[str, Dict[str, Any]]:
+    """The training sections of ``cfg``'s RunConfig (what the run header and ``config.yaml`` hold)."""
+    return {k: v for k, v in RunConfig.from_train_config(cfg).to_dict().items() if k != "generation"}
+
+
+def write_record(run_dir: str, cfg: TrainConfig) -> str:
+    """Write ``<run_dir>/config.yaml`` (the run's resolved configuration); its path."""
+    import os
+
+    path = os.path.join(run_dir, CONFIG_FILE)
+    text = ("# meshtrain run configuration (resolved); rerun with: meshtrain train --config " + path
+            + " --out NEW_FOLDER\n" + yaml.safe_dump(recorded(cfg), sort_keys=False, default_flow_style=False))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
