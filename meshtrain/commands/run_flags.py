@@ -106,6 +106,8 @@ def given_flag_values(args, keys: Iterable[str], *, recipe_options: bool = False
         out["distributed.devices"] = args.devices
     if getattr(args, "peak_tflops", None) is not None and "monitor.peak_flops_per_device" in keys:
         out["monitor.peak_flops_per_device"] = args.peak_tflops * 1e12
+    if getattr(args, "weight_memory", None) is not None and "generation.weight_memory" in keys:
+        out["generation.weight_memory"] = args.weight_memory   # generate --offload-weights
     if recipe_options:
         out.update({f"recipe.options.{k}": v for k, v in recipe_overrides(args).items()})
     return out

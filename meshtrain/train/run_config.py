@@ -303,8 +303,8 @@ def _from_text(s: Setting, text: str) -> Any:
     """A ``--set`` / YAML string as the setting's type; left as text when it does not parse (coerce
     then names the key and the type)."""
     kind = s.base_type
-    if s.optional and text.strip().lower() in ("null", "none", "~", ""):
-        return None
+    if s.optional and text.strip().lower() in ("null", "none", "~", "") and text not in (s.choices or ()):
+        return None   # (`none` is a value where the setting has it: load_balance, remat, ...)
     try:
         if kind is bool:
             return {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}[text.lower()]
