@@ -243,3 +243,13 @@ def test_train_config_round_trips_through_the_run_config():
     assert cfg.train_config().recipe_options == (("load_balance", "none"), ("attention", "ring"))
     with pytest.raises(ConfigError, match="recipe.options.load_balance='left': use one of"):
         cfg.with_values({"recipe.options.load_balance": "left"})
+
+
+@pytest.mark.parametrize("command", ["plan", "train", "config show"])
+def test_an_explicit_flag_beats_the_file_even_with_the_default_value(command, run_yaml):
+    """defaults < --config < flags < --set: `--model small` (the default's value) still overrides the
+    file's tiny, and --set overrides a flag."""
+    got = resolved(COMMANDS[command] + ["--config", run_yaml, "--model", "small", "--grad-accum", "2",
+                                        "--set", "recipe.options.grad_accum=4"]).config
+    assert (got.model.name, got.recipe.name, got.recipe.options.grad_accum) == ("small", "fsdp_tp", 4)
+    assert resolved(COMMANDS[command] + ["--config", run_yaml]).config.model.name == "tiny"
