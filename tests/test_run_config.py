@@ -153,6 +153,7 @@ def test_config_show_round_trips(run_yaml, tmp_path, capsys):
     (["--config", "FILE:loop: {stepz: 3}"], "unknown setting 'loop.stepz'; loop has: eval_batches,"),
     (["--config", "FILE:recipe: {options: {remat: most}}"], "recipe.options.remat='most': use one of"),
     (["--config", "FILE:loop: {steps: [}"], "not valid YAML"),
+    (["--config", "FILE:model: {name: 5}"], "model.name=5: use a string, e.g. 'small'"),
     (["--config", "/nonexistent/run.yaml"], "--config '/nonexistent/run.yaml': cannot read it"),
 ])
 @pytest.mark.parametrize("command", ["config show", "train", "plan"])

@@ -290,13 +290,12 @@ def _coerce(s: Setting, value: Any, key: str) -> Any:
         value = _from_text(s, value)
     elif s.base_type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if s.base_type is str and value is not None and not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r}: use a string" + (f", e.g. {s.default!r}" if s.default else ""))
     try:
         return s.coerce(value, key)
-    except RecipeError as exc:
-        kind = s.base_type
-        if kind in (int, float, bool) or s.choices:
-            raise ConfigError(str(exc)) from None
-        raise ConfigError(f"{key}={value!r}: {exc}") from None
+    except RecipeError as exc:   # its message names the key and what it accepts
+        raise ConfigError(str(exc)) from None
 
 
 def _from_text(s: Setting, text: str) -> Any:

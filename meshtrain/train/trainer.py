@@ -101,6 +101,8 @@ class Trainer:
                  path_rules: Optional[PathRules] = None, hooks: Sequence[Hook] = (), rules: Annotations = None):
         self.cfg = config
         self.user_hooks = tuple(hooks)
+        # Only a run that the configuration alone describes gets a config.yaml that `train --config` reruns.
+        self._config_only = all(x is None for x in (model, tx, loss_fn, data, eval_data, path_rules, rules))
         if model is None and data is None:
             task = builtin_task(config)
             if loss_fn is not None:
@@ -259,7 +261,7 @@ class Trainer:
         if self.is_main:  # the first of data, weights' source and model folder that has a tokenizer
             any(copy_tokenizer(p, self.run_dir) for p in (self.cfg.data, self.cfg.init_from, self.cfg.model))
         model = dataclasses.asdict(self.task.model_cfg) if dataclasses.is_dataclass(self.task.model_cfg) else None
-        if self.is_main:  # the resolved run configuration, as a --config file that reruns this run
+        if self.is_main and self._config_only:  # the resolved run configuration: a --config file that reruns it
             try:
                 run_config.write_record(self.run_dir, self.cfg)
             except OSError as exc:
