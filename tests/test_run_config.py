@@ -254,3 +254,15 @@ def test_an_explicit_flag_beats_the_file_even_with_the_default_value(command, ru
                                         "--set", "recipe.options.grad_accum=4"]).config
     assert (got.model.name, got.recipe.name, got.recipe.options.grad_accum) == ("small", "fsdp_tp", 4)
     assert resolved(COMMANDS[command] + ["--config", run_yaml]).config.model.name == "tiny"
+
+
+def test_the_generation_section_names_the_engines_weight_choices():
+    """train.run_config cannot import meshtrain.generation (which imports train): its choices are the
+    enums' values, kept equal here."""
+    from meshtrain.generation.weights import WeightFormat, WeightMemory
+    from meshtrain.train.run_config import GenerationSection
+
+    assert setting_at("generation.quantize").choices == tuple(f.value for f in WeightFormat)
+    assert setting_at("generation.weight_memory").choices == tuple(m.value for m in WeightMemory)
+    assert GenerationSection().quantize == WeightFormat.NONE.value
+    assert GenerationSection().weight_memory == WeightMemory.DEVICE.value

@@ -34,7 +34,6 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import yaml
 
 from meshtrain.errors import ConfigError, RecipeError
-from meshtrain.generation.weights import WeightFormat, WeightMemory
 from meshtrain.recipes import AttentionKind, dimension_settings, recipe_settings
 from meshtrain.settings import Setting, setting, settings_of
 from meshtrain.train.config import TrainConfig
@@ -128,10 +127,12 @@ class GenerationSection:
     seed: int = setting(0, "seeds the sampling", minimum=0)
     stop_ids: Optional[str] = setting(None, "comma-separated token ids that end a prompt's generation (the stop "
                                       "token is kept in the output)")
-    quantize: WeightFormat = setting(WeightFormat.NONE, "store the weights as restored (none), in bf16, or int8 "
-                                     "weight-only (per-channel scales)")
-    weight_memory: WeightMemory = setting(WeightMemory.DEVICE, "device, or host: layer weights in pinned host "
-                                          "memory, copied in per layer", cli=False)  # CLI: --offload-weights
+    # The values of meshtrain.generation.weights' WeightFormat and WeightMemory (a test keeps them equal):
+    # `generation` imports `train`, so `train` names them without importing it.
+    quantize: str = setting("none", "store the weights as restored (none), in bf16, or int8 weight-only "
+                            "(per-channel scales)", choices=("none", "bf16", "int8"))
+    weight_memory: str = setting("device", "device, or host: layer weights in pinned host memory, copied in per "
+                                 "layer", choices=("device", "host"), cli=False)  # CLI: --offload-weights
     recipe: Optional[str] = setting(None, "recipe to generate under (default: the run's, or fsdp when the run's has "
                                     "a pipeline)")
     mesh: Optional[str] = setting(None, "mesh size overrides, e.g. fsdp=4,tensor=2 (default: the recipe's)")
