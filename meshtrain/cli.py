@@ -8,64 +8,18 @@ or file-size limit (a ``DiskError``) the same way with exit code 74 (``meshtrain
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 import warnings
 from typing import List, Optional
 
 from meshtrain import distributed, peer_errors
-from meshtrain.distributed import add_distributed_args
-from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.errors import MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
 
-COMMANDS = ("recipes", "plan", "train", "generate", "ckpt", "launch", "data", "import", "export")
-#: Sub-commands whose module name differs from the command (``import`` is a keyword).
-_MODULES = {"import": "hf_import", "export": "hf_export"}
-
-
-def add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", type=int, default=None,
-                        help="number of devices (per process in a multi-process run); without an accelerator, "
-                             "simulate this many CPU devices (default: all accelerators, or 8 CPU devices)")
-
-    add_distributed_args(parser)
-
-
-#: Simulated CPU devices beyond this take minutes to start and most of the host's memory.
-MAX_SIMULATED_DEVICES = 512
-
-
-def _no_accelerator_expected() -> bool:
-    """True when JAX will run on CPU (``JAX_PLATFORMS=cpu``, or no GPU/TPU plugin installed)."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    import importlib.util
-
-    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
-
-
-def setup_devices(requested: Optional[int], default_cpu: int = 8) -> None:
-    """Set the simulated CPU device count before JAX starts its backends.
-
-    Only the CPU backend reads ``jax_num_cpu_devices``; on a GPU/TPU machine the accelerators are
-    used and ``--devices N`` picks the first N of them (:func:`meshtrain.mesh.select_devices`).
-    """
-    import jax
-
-    if requested is not None and requested < 1:
-        raise ConfigError(f"--devices {requested}: give a positive number of devices")
-    if requested is not None and requested > MAX_SIMULATED_DEVICES and _no_accelerator_expected():
-        raise ConfigError(f"--devices {requested}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices per process "
-                          f"(each costs host threads and memory); to plan a run on {requested} devices use "
-                          f"`meshtrain plan --devices {requested}` (no devices needed)")
-    if "JAX_NUM_CPU_DEVICES" in os.environ and requested is None:
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", requested or default_cpu)
-    except RuntimeError:  # backends already started (e.g. called twice in one process)
-        pass
+# Shared with the command modules (which must not import this module: it imports them).
+from meshtrain.commands.common import (COMMANDS, MAX_SIMULATED_DEVICES, MODULES as _MODULES,  # noqa: E402,F401
+                                       add_device_args, setup_devices)
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -108,6 +62,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     warnings.formatwarning = _one_line_warning
     try:
+        if getattr(args, "prepare", None) is not None:
+            args.prepare(args)  # --config / --set read before the devices start (they may set distributed.devices)
         if getattr(args, "xla_flags", "none") == "auto":
             apply_scheduling_flags()  # read once, when the backend starts: before setup_devices
         if getattr(args, "setup_devices", True):

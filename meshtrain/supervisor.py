@@ -31,68 +31,30 @@ import dataclasses
 import os
 import signal
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 from meshtrain.errors import EXIT_BAD_INPUT, EXIT_HANG, ConfigError
+from meshtrain.train.config import Resume
+from meshtrain.train.run_config import RunConfig
 from meshtrain.train.watchdog import append_event
 
 #: Exit statuses that a restart cannot fix, or that mean "stop": bad input, Ctrl-C.
 NO_RESTART = (EXIT_BAD_INPUT, 130)
 
 
-def option_value(cmd: List[str], flag: str) -> Optional[str]:
-    """The value of ``flag`` in ``cmd`` (``--out X`` or ``--out=X``), else ``None``."""
-    for i, a in enumerate(cmd):
-        if a == flag and i + 1 < len(cmd):
-            return cmd[i + 1]
-        if a.startswith(flag + "="):
-            return a.partition("=")[2]
-    return None
-
-
-def with_resume(cmd: List[str]) -> List[str]:
-    """``cmd`` with ``--resume latest`` in place of any ``--resume [VALUE]`` it had."""
-    out, skip = [], False
-    for i, a in enumerate(cmd):
-        if skip:
-            skip = False
-            continue
-        if a == "--resume":
-            skip = i + 1 < len(cmd) and cmd[i + 1] in ("latest", "no")
-            continue
-        if a.startswith("--resume="):
-            continue
-        out.append(a)
-    return out + ["--resume", "latest"]
-
-
-def check_command(cmd: List[str], max_restarts: int, backoff: float) -> str:
+def check_command(command: str, config: RunConfig, max_restarts: int, backoff: float) -> str:
     """The run folder of a command launched with ``--max-restarts``; ConfigError if it cannot restart."""
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts}: give the number of restarts allowed (>= 0)")
     if not (backoff >= 0 and backoff != float("inf")):
         raise ConfigError(f"--restart-backoff {backoff:g}: give the seconds to wait before a restart (>= 0)")
-    if cmd[0] != "train":
-        raise ConfigError(f"--max-restarts restarts training runs; the command is {cmd[0]!r}: launch `train ...`")
-    out = option_value(cmd, "--out")
-    if not out:
+    if command != "train":
+        raise ConfigError(f"--max-restarts restarts training runs; the command is {command!r}: launch `train ...`")
+    if not config.checkpoint.out:
         raise ConfigError("--max-restarts needs the launched command's --out (the run folder it resumes from and "
                           "writes events.jsonl to), e.g. meshtrain launch --processes 2 --max-restarts 3 -- train "
                           "--ckpt-every 10 --out runs/job")
-    return out
-
-
-def with_option(cmd: List[str], flag: str, value: str) -> List[str]:
-    """``cmd`` with ``flag value`` in place of any ``flag X`` / ``flag=X`` it had."""
-    out, skip = [], False
-    for i, a in enumerate(cmd):
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        elif not a.startswith(flag + "="):
-            out.append(a)
-    return out + [flag, value]
+    return config.checkpoint.out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,20 +65,51 @@ class Layout:
     grad_accum: int
 
 
-def elastic_layouts(cmd: List[str], processes: int) -> List[Layout]:
+def elastic_layouts(config: RunConfig, given: Collection[str], processes: int) -> List[Layout]:
     """The layouts an elastic job shrinks through: process counts that divide the first, largest
-    first, with the gradient accumulation that keeps every device's micro-batch. ConfigError when the
-    command cannot keep its global batch on fewer processes."""
-    for flag, why in (("--mesh", "the mesh must be re-resolved over the devices present; leave it to the recipe"),
-                      ("--micro-batches", "give --grad-accum instead (it is scaled on each shrink)")):
-        if option_value(cmd, flag) is not None:
-            raise ConfigError(f"--elastic: remove {flag} from the command: {why}")
-    if option_value(cmd, "--batch-size") is None:
+    first, with the gradient accumulation that keeps every device's micro-batch. ``given``: the dotted
+    keys the command set (flags, ``--config``, ``--set``). ConfigError when the command cannot keep its
+    global batch on fewer processes."""
+    for key, flag, why in (
+            ("recipe.mesh", "--mesh", "the mesh must be re-resolved over the devices present; leave it to the recipe"),
+            ("recipe.options.micro_batches", "--micro-batches", "give --grad-accum instead (it is scaled on each "
+                                                                  "shrink)")):
+        if key in given:
+            raise ConfigError(f"--elastic: remove {flag} from the command ({key}): {why}")
+    if "data.batch_size" not in given:
         raise ConfigError("--elastic needs the command's --batch-size: the global batch it keeps on fewer processes "
                           "(the default is rounded to the device count)")
-    accum = option_value(cmd, "--grad-accum")
-    base = int(accum) if accum and accum.isdigit() else 1
+    base = config.recipe.options.grad_accum or 1
     return [Layout(n, base * processes // n) for n in range(processes, 0, -1) if processes % n == 0]
+
+
+def attempt_config(config: RunConfig, attempt: int, layout: Optional[Layout] = None) -> RunConfig:
+    """The configuration of attempt ``attempt``: a restart resumes from the newest checkpoint
+    (``checkpoint.resume: latest``); an elastic one also takes the layout's gradient accumulation."""
+    values: Dict[str, Any] = {}
+    if attempt:
+        values["checkpoint.resume"] = Resume.LATEST
+    if layout is not None:
+        values["recipe.options.grad_accum"] = layout.grad_accum
+    return config.with_values(values)
+
+
+#: The keys :func:`attempt_config` may change: always written to an attempt's file.
+CHANGED_KEYS = ("checkpoint.resume", "recipe.options.grad_accum")
+
+
+def write_attempt_config(run_dir: str, attempt: int, config: RunConfig, given: Collection[str]) -> str:
+    """Write attempt ``attempt``'s configuration to ``<run_dir>/launch/attempt-<k>.yaml`` (the settings the
+    command gave and those the supervisor changed; the rest keep their defaults in the child) and return
+    its path, which the children get as ``--config``."""
+    folder = os.path.join(run_dir, "launch")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"attempt-{attempt}.yaml")
+    keys = set(given) | {k for k in CHANGED_KEYS if k != "recipe.options.grad_accum"
+                         or config.recipe.options.grad_accum is not None}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# meshtrain launch: attempt {attempt}'s configuration\n" + config.to_yaml(only=keys))
+    return path
 
 
 def describe(process: Optional[int], status: int) -> str:

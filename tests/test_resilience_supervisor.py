@@ -13,9 +13,9 @@ import pytest
 
 import processes
 from meshtrain.cli import main
-from meshtrain.commands import launch_fit
+from meshtrain.commands import launch as launch_cmd, launch_fit
 from meshtrain.errors import ConfigError
-from meshtrain.supervisor import Layout, Supervisor, describe, elastic_layouts, with_option, with_resume
+from meshtrain.supervisor import Layout, Supervisor, attempt_config, describe, elastic_layouts
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 #: HANG_S: the hang bound that holds on an idle machine; the runs get it scaled to the machine's speed
@@ -83,19 +83,31 @@ def test_restart_flags_are_checked_before_anything_starts(extra, message, capsys
     assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], err
 
 
-@pytest.mark.parametrize("cmd, want", [
-    (["train", "--out", "r"], ["train", "--out", "r", "--resume", "latest"]),
-    (["train", "--resume", "--out", "r"], ["train", "--out", "r", "--resume", "latest"]),
-    (["train", "--resume", "no", "--out", "r"], ["train", "--out", "r", "--resume", "latest"]),
-    (["train", "--resume=latest"], ["train", "--resume", "latest"]),
+@pytest.mark.parametrize("cmd, resume", [
+    (["train", "--out", "r"], "no"),
+    (["train", "--resume", "--out", "r"], "latest"),
+    (["train", "--resume", "no", "--out", "r"], "no"),
+    (["train", "--set", "checkpoint.resume=latest", "--out", "r"], "latest"),
 ])
-def test_restarts_resume_and_causes_are_named(cmd, want):
-    assert with_resume(cmd) == want
-    assert with_option(["train", "--grad-accum", "2", "--out", "r"], "--grad-accum", "4") == \
-        ["train", "--out", "r", "--grad-accum", "4"]
-    assert elastic_layouts(["train", "--batch-size", "8"], 2) == [Layout(2, 1), Layout(1, 2)]
-    assert elastic_layouts(["train", "--batch-size", "8", "--grad-accum=2"], 6) == \
+def test_restarts_resume_and_causes_are_named(cmd, resume):
+    """The supervisor changes the typed configuration: a restart resumes, an elastic one scales
+    grad_accum; what the command gave is read from its flags, --config or --set."""
+    parsed = launch_cmd.parse_train(cmd)
+    assert parsed.config.checkpoint.resume.value == resume
+    assert attempt_config(parsed.config, 1).checkpoint.resume.value == "latest"
+    assert attempt_config(parsed.config, 0) == parsed.config
+    shrunk = attempt_config(launch_cmd.parse_train(["train", "--grad-accum", "2", "--out", "r"]).config, 1, Layout(1, 4))
+    assert shrunk.recipe.options.grad_accum == 4 and shrunk.checkpoint.out == "r"
+
+    def layouts(argv, n):
+        got = launch_cmd.parse_train(["train", *argv])
+        return elastic_layouts(got.config, got.given, n)
+
+    assert layouts(["--batch-size", "8"], 2) == [Layout(2, 1), Layout(1, 2)]
+    assert layouts(["--batch-size", "8", "--grad-accum=2"], 6) == \
         [Layout(6, 2), Layout(3, 4), Layout(2, 6), Layout(1, 12)]
+    assert layouts(["--set", "data.batch_size=8", "--set", "recipe.options.grad_accum=2"], 2) == \
+        [Layout(2, 2), Layout(1, 4)]
     assert describe(1, 137) == "process 1 killed by SIGKILL"
     assert describe(0, 134) == "coordinator (process 0) lost: killed by SIGABRT"
     assert describe(0, 75) == "process 0 found a hang (watchdog, exit 75)"
@@ -248,7 +260,8 @@ def test_chaos_benchmark_reports_its_figures(tmp_path):
 def tiny_fits():
     """The pre-flight estimate of the tiny fsdp job on 2 × 2 and 1 × 2 devices (planned in a child process)."""
     layouts = [Layout(2, 1), Layout(1, 2)]
-    fits = launch_fit.check_layouts(TRAIN + ["--out", "x"], layouts, 2, 2 ** 40)
+    given = launch_cmd.parse_train(TRAIN + ["--out", "x"])
+    fits = launch_fit.check_layouts(given.config.to_dict(only=given.given), layouts, 2, 2 ** 40)
     assert [(f.processes, f.devices) for f in fits] == [(2, 4), (1, 2)] and fits[0].needs < fits[1].needs
     return layouts, fits
 

@@ -15,13 +15,20 @@ import json
 import sys
 from typing import List, Union
 
-from meshtrain.cli import add_device_args
+from meshtrain.commands.common import add_device_args
+from meshtrain.commands.run_flags import add_run_flags, preparer, resolved_of
 from meshtrain.errors import ConfigError
 from meshtrain.generation.api import Loaded, load
 from meshtrain.generation.engine import check_prompts, check_stop_ids
 from meshtrain.generation.runs import read_run
 from meshtrain.generation.sampling import Sampling
-from meshtrain.generation.weights import WeightFormat, WeightMemory
+from meshtrain.generation.weights import WeightMemory
+from meshtrain.settings import settings_of
+from meshtrain.train.run_config import GenerationSection
+
+
+#: The run configuration's settings `meshtrain generate` reads.
+GENERATE_KEYS = tuple(f"generation.{s.name}" for s in settings_of(GenerationSection)) + ("distributed.devices",)
 
 
 def add_parser(sub):
@@ -38,30 +45,20 @@ def add_parser(sub):
                      "e.g. 1,2,3 (repeat for a batch)")
     src.add_argument("--prompts", metavar="FILE", help="one prompt per line: text, or in a .jsonl file a JSON "
                      "string (text) or list of token ids per line")
-    p.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate per prompt (0: only "
-                   "score the prompts, with --prompt-logprobs)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
-                   "probability reaches p (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
-    p.add_argument("--stop-ids", default=None, metavar="IDS", help="comma-separated token ids that end a prompt's "
-                   "generation (the stop token is kept in the output)")
+    # The generation section of the run configuration: --max-new-tokens, --temperature, --top-k, --top-p,
+    # --seed, --stop-ids, --quantize, --recipe, --mesh (help and defaults from there), --config and --set
+    add_run_flags(p, GENERATE_KEYS)
     p.add_argument("--prompt-logprobs", action="store_true",
                    help="also report log p(each prompt token after the first | the tokens before it)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line: new_ids, new_text "
                    "(with a tokenizer), new_logprobs, prompt_logprobs (with --prompt-logprobs)")
-    p.add_argument("--quantize", choices=[f.value for f in WeightFormat], default=WeightFormat.NONE.value,
-                   help="store the weights as restored (none), in bf16, or int8 weight-only (per-channel scales)")
-    p.add_argument("--offload-weights", dest="weight_memory", action="store_const", const=WeightMemory.HOST,
-                   default=WeightMemory.DEVICE, help="keep the layer weights in host memory (pinned_host) and copy "
-                   "each layer to the devices inside the step when it runs (ZeRO-Inference): device memory holds "
-                   "one layer's weights")
-    p.add_argument("--recipe", default=None, help="recipe to generate under (default: the run's, or fsdp when "
-                   "the run's has a pipeline)")
-    p.add_argument("--mesh", default=None, help="mesh size overrides, e.g. fsdp=4,tensor=2 (default: the recipe's)")
+    p.add_argument("--offload-weights", dest="weight_memory", action="store_const", const=WeightMemory.HOST.value,
+                   default=None, help="keep the layer weights in host memory (pinned_host) and copy each layer to "
+                   "the devices inside the step when it runs (ZeRO-Inference): device memory holds one layer's "
+                   "weights (generation.weight_memory: host)")
     add_device_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, prepare=preparer(GENERATE_KEYS))
+
 
 
 def _ids(text: str, flag: str) -> List[int]:
@@ -97,14 +94,18 @@ def read_prompts(args) -> List[Union[str, List[int]]]:
 
 
 def run(args) -> int:
+    gen = resolved_of(args, GENERATE_KEYS).config.generation
+    if gen.max_new_tokens is None:
+        raise ConfigError("give --max-new-tokens N (tokens to generate per prompt; 0: only score the prompts), or "
+                          "generation.max_new_tokens in --config / --set")
     info = read_run(args.run_dir, args.step)  # unknown step, not a decoder: before anything is restored
     prompts = read_prompts(args)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    stop_ids = check_stop_ids(info.cfg, _ids(args.stop_ids, "--stop-ids") if args.stop_ids else [])
-    check_prompts(info.cfg, Loaded(None, info.tokenizer, info).encode(prompts), args.max_new_tokens)
-    loaded = load(args.run_dir, step=info.step, recipe=args.recipe, mesh=args.mesh, devices=args.devices,
-                  quantize=args.quantize, weight_memory=args.weight_memory)
-    out = loaded.generate(prompts, args.max_new_tokens, sampling, stop_ids=stop_ids,
+    sampling = Sampling(gen.temperature, gen.top_k, gen.top_p, gen.seed)
+    stop_ids = check_stop_ids(info.cfg, _ids(gen.stop_ids, "--stop-ids") if gen.stop_ids else [])
+    check_prompts(info.cfg, Loaded(None, info.tokenizer, info).encode(prompts), gen.max_new_tokens)
+    loaded = load(args.run_dir, step=info.step, recipe=gen.recipe, mesh=gen.mesh, devices=args.devices,
+                  quantize=gen.quantize, weight_memory=gen.weight_memory)
+    out = loaded.generate(prompts, gen.max_new_tokens, sampling, stop_ids=stop_ids,
                           prompt_logprobs=args.prompt_logprobs)
     for i, g in enumerate(out.generations):
         if args.json:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshtrain.cli import add_device_args
+from meshtrain.commands.common import add_device_args
 from meshtrain.train.interop import import_hf
 
 

@@ -36,10 +36,12 @@ from typing import List, Optional
 
 from meshtrain import distributed, supervisor
 from meshtrain.checkpoint import peers
-from meshtrain.commands import launch_fit, launch_guard
-from meshtrain.cli import COMMANDS
+from meshtrain.commands import launch_fit, launch_guard, train
+from meshtrain.commands.common import COMMANDS
+from meshtrain.commands.run_flags import Resolved, add_config_args
 from meshtrain.errors import ConfigError
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
+from meshtrain.train.run_config import RunConfig
 from meshtrain.train.watchdog import ENV_ATTEMPT
 
 #: Flags of the launched command that the launcher sets itself.
@@ -78,6 +80,7 @@ def add_parser(sub):
     p.add_argument("--elastic", action="store_true",
                    help="with --max-restarts: each restart runs on fewer processes (the largest count that divides "
                         "--processes), the mesh re-resolved and --grad-accum scaled to keep the global batch")
+    add_config_args(p)   # passed to the launched command (--config FILE and every --set after its own flags)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the meshtrain command to run in every process, after --, e.g. -- train --steps 10")
     p.set_defaults(run=run, setup_devices=False)
@@ -306,21 +309,58 @@ class ProcessGroup:
             _say(text)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """Parses the launched command as the child would (no abbreviations); an error is the launcher's."""
+
+    def __init__(self, *a, **k):
+        k.setdefault("allow_abbrev", False)
+        super().__init__(*a, **k)
+
+    def error(self, message):
+        raise ConfigError(f"the launched command: {message}")
+
+
+def parse_command(cmd: List[str]) -> argparse.Namespace:
+    """The arguments of a launched ``train ...`` command, parsed as the child would."""
+    parser = _CommandParser(prog="meshtrain")
+    train.add_parser(parser.add_subparsers(dest="command", parser_class=_CommandParser))
+    return parser.parse_args(cmd)
+
+
+def parse_train(cmd: List[str]) -> Resolved:
+    """The run configuration of a launched ``train ...`` command (its flags, --config and --set)."""
+    return train.resolve_args(parse_command(cmd))
+
+
+def with_config_args(args, cmd: List[str]) -> List[str]:
+    """``cmd`` with the launcher's ``--config``/``--set`` (none given: ``cmd`` as it is)."""
+    if not args.config and not args.set_values:
+        return cmd
+    if args.config and any(a == "--config" or a.startswith("--config=") for a in cmd):
+        raise ConfigError("--config is given to both `meshtrain launch` and the launched command; give it once")
+    extra = (["--config", args.config] if args.config else []) + [x for v in args.set_values or () for x in ("--set", v)]
+    return cmd + extra
+
+
 def peer_folder(cmd: List[str]) -> Optional[Path]:
     """The RAM folder of the launched run's in-memory peer copies (``train --out``), else None."""
-    out = supervisor.option_value(cmd, "--out")
-    if cmd[0] != "train" or not out:
+    if cmd[0] != "train":
         return None
-    return peers.store_folder(Path(out).expanduser().absolute() / "checkpoints")
+    try:
+        out = parse_train(cmd).config.checkpoint.out
+    except ConfigError:   # the children report it
+        return None
+    return peers.store_folder(Path(out).expanduser().absolute() / "checkpoints") if out else None
 
 
 def run(args) -> int:
-    cmd = _command(args)
+    cmd = with_config_args(args, _command(args))
     check_host_memory(args.processes, host_memory_bytes())
     if args.elastic and args.max_restarts is None:
         raise ConfigError("--elastic applies to restarts: add --max-restarts K")
     if args.max_restarts is not None:
-        supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
+        supervisor.check_command(cmd[0], parse_train(cmd).config if cmd[0] == "train" else RunConfig(),
+                                 args.max_restarts, args.restart_backoff)
     guard = Guard()
     try:
         folder = peer_folder(cmd)
@@ -334,23 +374,30 @@ def run(args) -> int:
 def _run(args, cmd: List[str], guard: Guard) -> int:
     if args.max_restarts is None:
         return _attempt(args, cmd, args.port, guard=guard)[0]
-    run_dir = supervisor.check_command(cmd, args.max_restarts, args.restart_backoff)
+    # The supervisor changes the typed configuration (resume, gradient accumulation) and hands each
+    # attempt's children `train --config <run>/launch/attempt-<k>.yaml`.
+    parsed = parse_command(cmd)
+    resolved = train.resolve_args(parsed)
+    config, given = resolved.config, resolved.given
+    config.train_config()   # a value the children would refuse is refused here, once
+    run_dir = supervisor.check_command(cmd[0], config, args.max_restarts, args.restart_backoff)
     if args.port and args.max_restarts:
         _say(f"--port {args.port} is used for the first attempt; restarts take a free port (the old one may linger)")
-    if supervisor.option_value(cmd, "--ckpt-every") in (None, "0"):
+    if not config.checkpoint.ckpt_every:
         _say("the command saves no checkpoints before its last step (no --ckpt-every N): a restart starts again "
              "from step 0")
-    layouts = supervisor.elastic_layouts(cmd, args.processes) if args.elastic else None
+    layouts = supervisor.elastic_layouts(config, given, args.processes) if args.elastic else None
+    passed = ["--xla-flags", parsed.xla_flags]   # process set-up, not run configuration
 
     def layout(k: int) -> supervisor.Layout:
         return layouts[min(k, len(layouts) - 1)]
 
     def attempt(k: int):
-        run_cmd, n = (supervisor.with_resume(cmd) if k else cmd), args.processes
-        if layouts and k:
-            n = layout(k).processes
-            run_cmd = supervisor.with_option(run_cmd, "--grad-accum", str(layout(k).grad_accum))
-        return _attempt(args, run_cmd, args.port if not k else 0, k, processes=n, guard=guard)
+        child = supervisor.attempt_config(config, k, layout(k) if layouts and k else None)
+        path = supervisor.write_attempt_config(run_dir, k, child, given)
+        n = layout(k).processes if layouts and k else args.processes
+        return _attempt(args, ["train", "--config", path, *passed], args.port if not k else 0, k, processes=n,
+                        guard=guard)
 
     def explain(k: int, status: int) -> Optional[str]:
         """Why a shrunk attempt exited 2, when it is the memory check: the smallest device count that fits."""
@@ -359,7 +406,7 @@ def _run(args, cmd: List[str], guard: Guard) -> int:
             return None
         per = args.devices_per_process or int(os.environ.get("JAX_NUM_CPU_DEVICES") or 8)
         try:
-            fits = launch_fit.check_layouts(cmd, layouts, per, host)
+            fits = launch_fit.check_layouts(config.to_dict(only=given), layouts, per, host)
         except (OSError, subprocess.SubprocessError, ValueError, TypeError):
             return None
         return launch_fit.explain(fits, layout(k), per)
@@ -389,3 +436,4 @@ def _attempt(args, cmd: List[str], port: int, attempt: Optional[int] = None, pro
                          grace=args.grace, guard=guard)
     status = group.run()
     return status, (group.first[0] if group.first else None), group.signalled
+

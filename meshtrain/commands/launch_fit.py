@@ -8,8 +8,10 @@ estimate (:func:`meshtrain.train.preflight.estimate_bytes`, the planner's for th
 as ``meshtrain train`` checks it) is compared with a device's share of the host's memory in that
 layout (host memory ÷ devices per process, :data:`~meshtrain.train.preflight.HEADROOM` usable)::
 
-    python -m meshtrain.commands.launch_fit '{"command": [...], "layouts": [[2, 1], [1, 2]],
-                                              "devices_per_process": 2}'
+    python -m meshtrain.commands.launch_fit '{"config": {"model": {"name": "tiny"}, ...},
+                                              "layouts": [[2, 1], [1, 2]], "devices_per_process": 2}'
+
+(``config``: the launched run's configuration, :meth:`~meshtrain.train.run_config.RunConfig.to_dict`.)
 
 prints one JSON line per layout: ``{"processes", "devices", "needs", "detail"}`` (bytes per device).
 """
@@ -21,15 +23,15 @@ import json
 import os
 import subprocess
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 
-from meshtrain.cli import build_parser
-from meshtrain.commands.train import config_from_args, decoder_memory_estimate
+from meshtrain.commands.train import decoder_memory_estimate
 from meshtrain.plan import fmt_bytes
-from meshtrain.supervisor import Layout, with_option
+from meshtrain.supervisor import Layout
 from meshtrain.train.preflight import HEADROOM, estimate_bytes
+from meshtrain.train.run_config import RunConfig
 from meshtrain.train.trainer import Trainer
 
 #: Seconds the child may take to plan every layout (JAX import, abstract state, plans: no arrays).
@@ -70,14 +72,14 @@ def explain(fits: Sequence[Fit], layout: Layout, devices_per_process: int) -> Op
             f"recipe that shards more (--recipe fsdp), --remat full, or a smaller --batch-size/--seq-len/--model")
 
 
-def check_layouts(command: List[str], layouts: Sequence[Layout], devices_per_process: int,
+def check_layouts(config: Dict[str, Any], layouts: Sequence[Layout], devices_per_process: int,
                   host_bytes: int) -> List[Fit]:
     """Run the check in a child process (JAX with enough simulated devices for the largest layout)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                JAX_NUM_CPU_DEVICES=str(max(l.processes for l in layouts) * devices_per_process))
     for name in ("MESHTRAIN_DISTRIBUTED", "MESHTRAIN_COORDINATOR", "MESHTRAIN_NUM_PROCESSES", "MESHTRAIN_PROCESS_ID"):
         env.pop(name, None)
-    request = json.dumps({"command": command, "layouts": [[l.processes, l.grad_accum] for l in layouts],
+    request = json.dumps({"config": config, "layouts": [[l.processes, l.grad_accum] for l in layouts],
                           "devices_per_process": devices_per_process})
     done = subprocess.run([sys.executable, "-m", "meshtrain.commands.launch_fit", request], env=env,
                           capture_output=True, text=True, timeout=FIT_TIMEOUT_S)
@@ -89,8 +91,8 @@ def _plan_layouts(request: dict) -> List[dict]:
     per = request["devices_per_process"]
     out = []
     for processes, accum in request["layouts"]:
-        args = build_parser().parse_args(with_option(list(request["command"]), "--grad-accum", str(accum)))
-        config = config_from_args(args)
+        run = RunConfig.from_dict(request["config"]).with_values({"recipe.options.grad_accum": accum})
+        config = run.train_config()
         plan = Trainer(config, memory_estimate=None).build_plan(jax.devices()[:processes * per])
         check = estimate_bytes(plan, decoder_memory_estimate(config.model))
         out.append({"processes": processes, "devices": processes * per, "needs": check.estimate_bytes,

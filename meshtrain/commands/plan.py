@@ -51,8 +51,9 @@ from meshtrain.abstract import abstract_state, list_params
 from meshtrain.analysis import gpu_aot
 from meshtrain.annotate import ModelRules
 from meshtrain.batch_layout import BatchLayout, BatchSpec
-from meshtrain.cli import add_device_args, setup_devices
-from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
+from meshtrain.commands.common import add_device_args, setup_devices
+from meshtrain.commands.recipe_flags import recipe_overrides
+from meshtrain.commands.run_flags import add_run_flags, resolve, write_back
 from meshtrain.data.mlm import KEYS
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
@@ -71,9 +72,10 @@ CHECKS = ("none", "compile", "lower", "tpu", "gpu")
 def add_parser(sub):
     p = sub.add_parser("plan", help="show how a model is laid out on the mesh, its memory, collectives and "
                                     "step time (no training)")
-    p.add_argument("--model", default="tiny",
-                   help="model config name (tiny, small, llama3-8b, vit-tiny, bert-tiny, ...) or module:function, a "
-                        "function rngs -> nnx.Module (module may be a path/to/file.py)")
+    # --model, --rules, --recipe (or auto), --mesh and the recipe's flags: the run configuration's (the same
+    # names, help and defaults as `meshtrain train`), with --config and --set
+    add_run_flags(p, PLAN_FLAG_KEYS, recipe_options=True, with_defaults=True)
+    p.add_argument("--list-params", action="store_true", help=LIST_PARAMS_HELP)
     p.add_argument("--batch", default=None,
                    help="the global batch for any model: name=DIMSxDIMS[:dtype][@axis/axis],... e.g. "
                         "images=16x8x8x1:float32,labels=16:int32 (leading dimension = batch; default axes: batch on "
@@ -81,15 +83,12 @@ def add_parser(sub):
     p.add_argument("--loss", default=None,
                    help="module:function, the loss (model, batch) -> (loss_sum, weight[, metrics]) for estimates "
                         "from the compiled step (default: the built-in model's loss)")
-    add_model_rules_args(p)
-    p.add_argument("--recipe", default="fsdp", help="recipe name, .yaml file, or 'auto' to search all built-ins")
-    p.add_argument("--mesh", default=None, help="override mesh sizes, e.g. fsdp=4,tensor=2")
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch (default: data-parallel size; with --recipe auto: one per device)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: model max)")
-    add_recipe_flags(p)
-    p.add_argument("--hardware", default="cpu",
-                   help="chip to estimate for: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu")
+    p.add_argument("--hardware", default=None,
+                   help="chip to estimate for: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu "
+                        "(default: cpu)")
     p.add_argument("--slices", type=int, default=None,
                    help="TPU slices or GPU nodes the devices span (default: the chip's own fast-link domain: 8 GPUs "
                         "per node, a TPU pod): mesh axes spanning more than devices/slices use the slow links (DCN, "
@@ -111,17 +110,24 @@ def add_parser(sub):
                    help="a built-in decoder: also the generation memory per device (weights as trained, bf16, int8; "
                         "the KV cache of --batch-size rows x --seq-len slots)")
     add_device_args(p)
-    p.set_defaults(run=run, setup_devices=False)
+    p.set_defaults(run=run, setup_devices=False, prepare=prepare)
 
 
-def add_model_rules_args(p) -> None:
-    p.add_argument("--rules", default=None, metavar="FILE.yaml",
-                   help="rules for a model you did not write: paths: {REGEX: [logical names, one per dimension]} "
-                        "for parameters without axes, logical: {NAME: mesh axis, list of them, or null} for the "
-                        "model's own logical names (README, 'Your own model')")
-    p.add_argument("--list-params", action="store_true",
-                   help="print every parameter's path, shape, dtype and logical names (with --rules: as the rules "
-                        "give them), and stop; write path rules against these paths")
+#: The run configuration's settings that ``plan`` has flags for (generated), and those that feed its own
+#: flags of the same name when given (``--batch-size``, ``--seq-len``: else the plan's defaults, the
+#: data-parallel size and the model's maximum; ``--hardware``: else cpu).
+PLAN_FLAG_KEYS = ("model.name", "model.rules", "recipe.name", "recipe.mesh")
+PLAN_OWN_KEYS = ("data.batch_size", "data.seq_len", "monitor.hardware")
+LIST_PARAMS_HELP = ("print every parameter's path, shape, dtype and logical names (with --rules: as the rules give "
+                    "them), and stop; write path rules against these paths")
+
+
+def prepare(args) -> None:
+    """Resolve ``--config``/``--set`` with the flags and put the values where the plan reads them."""
+    resolved = resolve(args, PLAN_FLAG_KEYS + PLAN_OWN_KEYS + ("distributed.devices",), recipe_options=True)
+    write_back(args, resolved, PLAN_FLAG_KEYS + ("distributed.devices",), if_given=PLAN_OWN_KEYS)
+    args.hardware = args.hardware or "cpu"
+    args.resolved = resolved
 
 
 def list_params_text(choice: "ModelChoice", infos=None) -> str:

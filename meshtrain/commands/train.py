@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.cli import add_device_args
-from meshtrain.commands.recipe_flags import add_recipe_flags, recipe_overrides
+from meshtrain.commands.common import add_device_args
+from meshtrain.commands.run_flags import Resolved, add_peak_tflops, add_run_flags, preparer, resolved_of, train_keys
 from meshtrain.errors import ConfigError
-from meshtrain.settings import add_flags, given_flags, settings_of
 from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
 from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.train.config import TrainConfig
@@ -20,27 +19,27 @@ def add_parser(sub):
                        description="Train a model with a recipe. With no arguments: the `small` decoder on the "
                                    "Python standard library's source, over all devices (8 simulated CPU devices "
                                    "without an accelerator).")
-    add_flags(p, settings_of(TrainConfig))  # one flag per TrainConfig setting, its help and default from there
+    # one flag per setting of the run configuration's training sections (help and default from there),
+    # the recipe's flags, --config and --set
+    add_run_flags(p, train_keys(), recipe_options=True)
     add_device_args(p)
-    add_recipe_flags(p)
     # Flags that are not TrainConfig fields: a unit conversion, and process set-up done before JAX starts.
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s per device for MFU (default: known accelerators; omitted on CPU)")
+    add_peak_tflops(p)
     p.add_argument("--xla-flags", choices=("auto", "none"), default="auto",
                    help="auto: add meshtrain's XLA scheduling flags for the backend (GPU: latency-hiding "
                         "scheduler, pipelined/combined collectives; TPU: async collective fusion) to XLA_FLAGS / "
                         "LIBTPU_INIT_ARGS, keeping any flag you set; none: leave them alone")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, prepare=preparer(train_keys(), recipe_options=True))
+
+
+def resolve_args(args) -> Resolved:
+    """The run configuration of ``meshtrain train``'s arguments (defaults < --config < flags < --set)."""
+    return resolved_of(args, train_keys(), recipe_options=True)
 
 
 def config_from_args(args) -> TrainConfig:
-    """The :class:`TrainConfig` of the flags given (the others keep its defaults)."""
-    values = given_flags(args, settings_of(TrainConfig))
-    values["devices"] = args.devices
-    if args.peak_tflops is not None:
-        values["peak_flops_per_device"] = args.peak_tflops * 1e12
-    values["recipe_options"] = tuple(recipe_overrides(args).items())
-    return TrainConfig(**values)
+    """The :class:`TrainConfig` of the arguments (the settings not given keep their defaults)."""
+    return resolve_args(args).config.train_config()
 
 
 def decoder_memory_estimate(model_name: str):
@@ -72,18 +71,20 @@ def decoder_memory_estimate(model_name: str):
 
 def check_flags(args) -> None:
     """Refuse ``--seq-len`` for an image model; warn that ``--dcn`` in a single-process run places
-    nothing on slow links. The other flags are checked by :class:`TrainConfig`."""
+    nothing on slow links. The other settings are checked by :class:`TrainConfig`."""
     import warnings
 
     import jax
 
-    if args.seq_len is not None and isinstance(model_config_for(args.model), ViTConfig):
-        raise ConfigError(f"--seq-len does not apply to {args.model} (an image model: its sequence is the image's "
-                          f"patches); drop --seq-len")
-    if args.dcn and jax.process_count() == 1:
+    resolved = resolve_args(args)
+    cfg = resolved.config
+    if resolved.given_here("data.seq_len") and isinstance(model_config_for(cfg.model.name), ViTConfig):
+        raise ConfigError(f"--seq-len does not apply to {cfg.model.name} (an image model: its sequence is the "
+                          f"image's patches); drop --seq-len (data.seq_len)")
+    if cfg.distributed.dcn and jax.process_count() == 1:
         # A warning, not an error: the layout is valid (one process's devices split into the DCN groups)
         # and the same command line then runs unchanged under `meshtrain launch`, srun or mpirun.
-        warnings.warn(f"--dcn {args.dcn} in a single-process run: no axis crosses a slow link (there are no other "
+        warnings.warn(f"--dcn {cfg.distributed.dcn} in a single-process run: no axis crosses a slow link (there are no other "
                       f"processes or slices; the devices are only regrouped); it takes effect under `meshtrain "
                       f"launch`, srun or mpirun")
 
@@ -98,11 +99,12 @@ def check_context(trainer: Trainer, config: TrainConfig) -> None:
 
 
 def run(args) -> int:
+    resolved = resolve_args(args)
     check_flags(args)
-    config = config_from_args(args)
+    config = resolved.config.train_config()
     trainer = Trainer(config, memory_estimate=decoder_memory_estimate(config.model))
     check_context(trainer, config)
-    if args.batch_size is None:
+    if not resolved.given_here("data.batch_size"):
         multiple = trainer.batch_multiple()
         if config.batch_size % multiple:
             fitted = -(-config.batch_size // multiple) * multiple

@@ -39,7 +39,8 @@ from meshtrain.train.hooks import (CheckpointHook, EvalHook, Hook, MetricsHook, 
 from meshtrain.train.loop import Interrupted, Run, TrainingError, TrainSummary, close_loop, run_loop, summary
 from meshtrain.train.metrics import Stopwatch, open_outputs
 from meshtrain.train.preflight import Estimate, check_memory
-from meshtrain.train.rundir import RunLock, copy_tokenizer, restart_changes, resume_step, work_after
+from meshtrain.train import run_config
+from meshtrain.train.rundir import RunLock, copy_tokenizer, file_error, restart_changes, resume_step, work_after
 from meshtrain.train.sources import initial_params
 from meshtrain.train.step import LossFn, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
@@ -101,6 +102,8 @@ class Trainer:
                  path_rules: Optional[PathRules] = None, hooks: Sequence[Hook] = (), rules: Annotations = None):
         self.cfg = config
         self.user_hooks = tuple(hooks)
+        # Only a run that the configuration alone describes gets a config.yaml that `train --config` reruns.
+        self._config_only = all(x is None for x in (model, tx, loss_fn, data, eval_data, path_rules, rules))
         if model is None and data is None:
             task = builtin_task(config)
             if loss_fn is not None:
@@ -260,7 +263,14 @@ class Trainer:
         if self.is_main:  # the first of data, weights' source and model folder that has a tokenizer
             any(copy_tokenizer(p, self.run_dir) for p in (self.cfg.data, self.cfg.init_from, self.cfg.model))
         model = dataclasses.asdict(self.task.model_cfg) if dataclasses.is_dataclass(self.task.model_cfg) else None
-        return {"run_settings": plain_settings(self.cfg, skip=("recipe_options",)), "model_config": model}
+        if self.is_main and self._config_only:  # the resolved run configuration: a --config file that reruns it
+            try:
+                run_config.write_record(self.run_dir, self.cfg)
+            except OSError as exc:
+                path = os.path.join(self.run_dir, run_config.CONFIG_FILE)
+                raise file_error(path, exc, "before the first step") from None
+        return {"run_settings": plain_settings(self.cfg, skip=("recipe_options",)), "model_config": model,
+                "run_config": run_config.recorded(self.cfg)}
 
     def _notice(self, text: str) -> None:
         if self.is_main:
