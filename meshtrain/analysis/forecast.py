@@ -314,3 +314,25 @@ def forecast_text(plan, cfg, hardware) -> str:
     if not has_analytic_model(cfg) or getattr(plan, "batch", None) is None:
         return ""
     return forecast_step(plan, cfg, hardware).line()
+
+
+def with_forecast(out, plan, cfg, args):
+    """``meshtrain plan``'s report with the forecast added: a ``forecast`` object in the JSON dict, a
+    forecast line after the text report's step-time line (unchanged when the model has no analytic
+    FLOPs). ``args``: the plan command's (``--hardware``, ``--slices``)."""
+    from meshtrain.analysis.compiled import has_analytic_model
+
+    if plan is None or not has_analytic_model(cfg) or getattr(plan, "batch", None) is None:
+        return out
+    hardware = getattr(args, "hardware", "cpu") or "cpu"
+    slices = getattr(args, "slices", None) or 1
+    if slices > 1:
+        from meshtrain.analysis.planner import PlanRequest  # lazy: the planner imports this module's users
+
+        hardware = PlanRequest(None, plan.num_devices, hardware, slices=slices).hw()
+    fc = forecast_step(plan, cfg, hardware)
+    if isinstance(out, dict):
+        return {**out, "forecast": fc.to_dict()}
+    lines = out.split("\n")
+    at = next((i + 1 for i, ln in enumerate(lines) if ln.startswith("step time")), len(lines))
+    return "\n".join(lines[:at] + [fc.line()] + lines[at:])
