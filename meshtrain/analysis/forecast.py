@@ -195,8 +195,13 @@ def attention_kernel(plan, hw: Hardware) -> Kernel:
 
 
 def _packed(plan) -> bool:
-    keys = getattr(getattr(plan, "batch", None), "keys", None) or ()
-    return "segment_ids" in keys
+    """Whether the batch carries segment ids (packed documents): a ``BatchSpec``'s keys or a layout's tree."""
+    batch = getattr(plan, "batch", None)
+    keys = getattr(batch, "keys", None)
+    if keys is None or callable(keys):
+        tree = getattr(batch, "tree", None)
+        keys = tree.keys() if isinstance(tree, dict) else ()
+    return "segment_ids" in tuple(keys)
 
 
 def forecast_step(plan, cfg, hardware: "Hardware | str", *, kernel: "Kernel | str | None" = None, cost=None,
