@@ -137,3 +137,20 @@ def test_plan_json_has_the_forecast_and_the_report_its_line():
     lines = text.stdout.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("step time"))
     assert lines[at + 1].startswith("forecast ≈ ") and "bottleneck matmul" in lines[at + 1]
+
+
+def test_published_figures_calibration_exact_and_held_out_within_25_percent_or_a_stated_reason():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "forecast_vs_published.py"), "--json", "--strict"],
+                        text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = {r["case"]: r for r in json.loads(out.stdout)}
+    assert rows["v5p Llama2-70B"]["role"] == "calibration" and abs(rows["v5p Llama2-70B"]["ratio"] - 1) < 0.02
+    held = [r for r in rows.values() if r["role"] == "held-out"]
+    assert len(held) >= 6
+    for r in held:
+        assert r["within_25"] or r["reason"], r  # a miss names its reason
+    # at the time of writing: 5 of 6 within 25 % (v6e Llama3.1-8B at 1.25, its reason stated)
+    assert sum(r["within_25"] for r in held) >= 5, [(r["case"], round(r["ratio"], 3)) for r in held]
+    assert 0.75 <= rows["v4 PaLM 540B"]["ratio"] <= 1.25 and rows["v4 PaLM 540B"]["compared"] == "MFU"

@@ -94,7 +94,7 @@ EFFICIENCY: Dict[Tuple[str, str], Efficiency] = {
     ("ampere", "hbm"): Efficiency(0.80, 0.70, 0.90, _ASSUMED),
     ("ampere", "link"): Efficiency(0.75, 0.60, 0.85, _ASSUMED),
     ("ampere", "host"): Efficiency(0.80, 0.60, 0.90, _ASSUMED),
-    ("tpu", "matmul"): Efficiency(0.74, 0.66, 0.80, _V5P),
+    ("tpu", "matmul"): Efficiency(0.70, 0.62, 0.78, _V5P + ", remat dots"),
     ("tpu", Kernel.SPLASH.value): Efficiency(0.40, 0.30, 0.50, _ASSUMED + ": splash fwd+bwd ~40 % of MXU peak"),
     ("tpu", Kernel.XLA.value): Efficiency(0.05, 0.03, 0.08, _ASSUMED),
     ("tpu", "hbm"): Efficiency(0.80, 0.70, 0.90, _ASSUMED),
