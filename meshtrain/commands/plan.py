@@ -514,6 +514,7 @@ def _gpu_target(args) -> None:
 
 def run(args) -> int:
     from meshtrain.analysis import report  # lazy: analysis (~50 ms) off the CLI's path
+    from meshtrain.analysis.forecast import with_forecast
 
     check_counts(args)
     check_flags(args)
@@ -535,6 +536,7 @@ def run(args) -> int:
         check_seq_len(choice, args)
         result = report.auto(args, choice.cfg)
         out = report.auto_dict(result, args) if args.json else report.auto_text(result, args)
+        out = with_forecast(out, result.winner.plan, choice.cfg, args)
     else:
         plan, _ = build(args, choice)
         warn_dcn(plan, args)
@@ -551,6 +553,7 @@ def run(args) -> int:
                               + (f" with --loss {args.loss}" if args.loss else "")
                               + f" on the --batch layout failed: {type(exc).__name__}: {exc}; check that the loss "
                                 f"reads the batch's keys and returns (loss_sum, weight[, metrics])") from None
+        out = with_forecast(out, plan, choice.cfg, args)
     if args.generate and args.recipe != "auto":
         out = _with_generation(out, plan, choice, args)
     print(json.dumps(out, default=str) if args.json else out)
