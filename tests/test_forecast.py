@@ -54,7 +54,7 @@ def measured_h200_rows():
 def _plan(cfg, recipe_name, shape, opts, devices=1):
     packing = opts.pop("packing", "packed")
     recipe = mt.get_recipe(recipe_name).with_options(
-        **{"param_dtype": "float32", "compute_dtype": "bfloat16", "remat": shape["remat"], "attention": "flash", **opts})
+        **{"param_dtype": "float32", "compute_dtype": "bfloat16", "remat": shape["remat"], "local_attention": "flash", **opts})
     abstract = mt.abstract_state(model_factory(cfg), optax.adamw(1e-4, weight_decay=0.1))
     keys = ("inputs", "targets", "positions") + (("segment_ids",) if packing == "packed" else ())
     return mt.make_plan(abstract, recipe, recipe.mesh.abstract(devices), batch=mt.BatchSpec(shape["batch"],
@@ -85,7 +85,7 @@ def test_the_planner_picks_the_kernel_the_device_reported():
     assert attention_kernel(packed, h200) is Kernel.CUDNN_PACKED
     assert attention_kernel(packed, a100) is Kernel.XLA  # cuDNN's ragged layout needs Hopper
     assert attention_kernel(plain, v5p) is Kernel.SPLASH
-    dense = _plan(cfg, "fsdp", shape, {"attention": "dense"})
+    dense = _plan(cfg, "fsdp", shape, {"local_attention": "dense"})
     assert attention_kernel(dense, h200) is Kernel.DENSE
     # the blockwise kernel is the bottleneck on a packed batch without cuDNN; matmuls with it
     assert forecast_step(packed, cfg, "h200", kernel="xla").bottleneck == "attention"

@@ -219,7 +219,7 @@ def planner_figures(res: Dict[str, object]) -> Dict[str, object]:
     cfg = DecoderConfig(**res["config"])
     recipe = mt.get_recipe(res["recipe"]).with_options(
         param_dtype=res["param_dtype"], compute_dtype=res["compute_dtype"], remat=res["remat"],
-        attention=res["attention"], offload=res.get("offload", "none"))
+        local_attention=res["attention"], offload=res.get("offload", "none"))
     abstract = mt.abstract_state(model_factory(cfg), optax.adamw(1e-4, weight_decay=0.1))
     spec = mt.BatchSpec(res["batch"], res["seq_len"])
     packed = res.get("packing") != "unpacked"

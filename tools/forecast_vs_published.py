@@ -127,7 +127,7 @@ def forecast_case(case: Case) -> Dict[str, object]:
 
     cfg = _config(case.model)
     recipe = mt.get_recipe(case.recipe).with_mesh(**dict(case.mesh)).with_options(
-        param_dtype="float32", compute_dtype="bfloat16", remat=case.remat, attention="flash",
+        param_dtype="float32", compute_dtype="bfloat16", remat=case.remat, local_attention="flash",
         replicate_indivisible=("kv_heads", "vocab"))  # PaLM: one K/V head; 256k vocab ∤ 12
     abstract = mt.abstract_state(model_factory(cfg), optax.adamw(1e-4))
     batch = round(case.batch_per_chip * case.chips)

@@ -50,7 +50,10 @@ from meshtrain.analysis.layout import layout_of, per_device_bytes
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.analysis.steptime import (Backend, _communication, _step_flops, backend_of, collective_seconds,
                                          axis_links, Link, executed_flops, hbm_traffic)
+from meshtrain.analysis.gpu_aot import hardware_target
+from meshtrain.parallel.resolved import resolve_step
 from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.strategies import FlashBackend
 
 
 class Kernel(str, enum.Enum):
@@ -109,7 +112,6 @@ HOST_LINK = {"h100": (64e9, "PCIe Gen5 x16: 64 GB/s per direction"),
              "a100": (32e9, "PCIe Gen4 x16: 32 GB/s per direction")}
 _TPU_HOST_LINK = (32e9, "assumed: PCIe Gen4 x16 per TPU chip, 32 GB/s per direction")
 #: Compute capability per GPU profile (picks cuDNN's packed layout: Hopper or newer).
-CAPABILITY = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0), "b200": (10, 0)}
 
 
 def family(hw: Hardware) -> str:
@@ -173,35 +175,16 @@ class Forecast:
 
 
 def attention_kernel(plan, hw: Hardware) -> Kernel:
-    """The kernel ``plan``'s attention runs on ``hw``: dense, or flash's backend for that platform (cuDNN on
-    GPUs, its packed layout when the batch has segment ids, splash on TPU, blockwise XLA on CPU)."""
-    if plan.recipe.attention is AttentionKind.DENSE:
+    """The kernel ``plan``'s attention runs on ``hw``: read from :func:`meshtrain.parallel.resolved.resolve_step`
+    for the platform ``hw`` compiles for (the one decision the step's kernels make; never re-derived here)."""
+    choice = resolve_step(plan, hardware_target(hw)).attention
+    if choice.kind is AttentionKind.DENSE:
         return Kernel.DENSE
-    fam = family(hw)
-    if fam == "tpu":
+    if choice.backend is FlashBackend.SPLASH:
         return Kernel.SPLASH
-    if fam == "cpu":
-        return Kernel.XLA
-    requested = str(getattr(getattr(plan.recipe, "flash_backend", None), "value", "auto") or "auto")
-    if requested in ("xla", "cudnn"):
-        base = Kernel(requested)
-    elif plan.recipe.compute_dtype not in ("bfloat16", "float16"):
-        return Kernel.XLA
-    else:
-        base = Kernel.CUDNN
-    if base is Kernel.CUDNN and _packed(plan):
-        return Kernel.CUDNN_PACKED if CAPABILITY.get(hw.name, (9, 0)) >= (9, 0) else Kernel.XLA
-    return base
-
-
-def _packed(plan) -> bool:
-    """Whether the batch carries segment ids (packed documents): a ``BatchSpec``'s keys or a layout's tree."""
-    batch = getattr(plan, "batch", None)
-    keys = getattr(batch, "keys", None)
-    if keys is None or callable(keys):
-        tree = getattr(batch, "tree", None)
-        keys = tree.keys() if isinstance(tree, dict) else ()
-    return "segment_ids" in tuple(keys)
+    if choice.backend is FlashBackend.CUDNN:
+        return Kernel.CUDNN_PACKED if choice.segmented else Kernel.CUDNN
+    return Kernel.XLA
 
 
 def forecast_step(plan, cfg, hardware: "Hardware | str", *, kernel: "Kernel | str | None" = None, cost=None,
