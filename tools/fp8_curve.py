@@ -53,14 +53,23 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--out", default="runs/fp8-curve")
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per run")
+    p.add_argument("--runs", default="bf16,fp8-delayed", help="which runs to train (comma-separated); the others "
+                   "are read from --out (two processes can train one each, side by side)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for name, extra in (("bf16", []), ("fp8-delayed", ["--fp8", "delayed"])):
-        rc, wall, (train, evals) = run(os.path.join(args.out, name), args.steps, extra, args.timeout)
+        out = os.path.join(args.out, name)
+        if name in args.runs.split(","):
+            rc, wall, (train, evals) = run(out, args.steps, extra, args.timeout)
+        else:
+            rc, wall, (train, evals) = "(read back)", float("nan"), read_metrics(os.path.join(out, "metrics.jsonl"))
         results[name] = (train, evals)
         last = train[-1] if train else (None, float("nan"))
         ev = evals[-1][1] if evals else float("nan")
+        if not train:
+            print(f"{name}: exit {rc}, no metrics", flush=True)
+            continue
         print(f"{name}: exit {rc}, step {last[0]}, final train loss {last[1]:.4f}, eval loss {ev:.4f}, "
               f"wall {wall:.0f} s", flush=True)
     (tb, eb), (tf, ef) = results["bf16"], results["fp8-delayed"]
