@@ -45,7 +45,7 @@ import contextlib
 import contextvars
 import dataclasses
 from functools import partial
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -282,10 +282,3 @@ def value_and_grad(summed: Callable, paths: Sequence[Tuple[str, ...]]):
         return (total, (weight, metrics, new_state)), grads
 
     return fn
-
-
-def meta_bytes(model_state_abstract, paths) -> int:
-    """Bytes of the FP8 meta in an abstract model state (per copy; it is replicated)."""
-    return sum(int(jnp.dtype(_get(model_state_abstract, p).dtype).itemsize) * int(_get(model_state_abstract, p).size)
-               for p in paths)
-
