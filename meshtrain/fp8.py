@@ -53,7 +53,8 @@ from flax import nnx
 from flax.linen import fp8_ops
 from jax import lax
 
-from meshtrain.recipes import Fp8
+from meshtrain.errors import ConfigError
+from meshtrain.recipes import Fp8, Schedule
 
 E4M3 = jnp.float8_e4m3fn  #: forward inputs (weights and activations)
 E5M2 = jnp.float8_e5m2    #: gradients
@@ -252,6 +253,17 @@ def _with(tree, path, value):
     out = dict(tree)
     out[key] = value if len(path) == 1 else _with(tree[key], path[1:], value)
     return out
+
+
+def check_pipeline(paths, pipeline) -> None:
+    """FP8 meta needs the autodiff pipelines with one layer group per stage (gpipe, circular with
+    ``repeats=1``): 1F1B writes its own VJP (the meta would never update) and ``repeats > 1`` picks a
+    stage's group with a gather, whose transpose cannot add the ``fm32`` meta."""
+    if not paths or pipeline is None:
+        return
+    if pipeline.schedule is Schedule.ONE_F_ONE_B or (pipeline.schedule is Schedule.CIRCULAR and pipeline.repeats > 1):
+        raise ConfigError(f"fp8 with the pipeline schedule {pipeline.schedule.value} (repeats {pipeline.repeats}) "
+                          f"is not supported: use schedule gpipe (or circular with repeats 1), or fp8 none")
 
 
 def value_and_grad(summed: Callable, paths: Sequence[Tuple[str, ...]]):

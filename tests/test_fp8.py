@@ -131,6 +131,14 @@ def test_plan_places_and_counts_the_meta():
         assert sh.spec == PartitionSpec() or all(a is None for a in sh.spec)
 
 
+def test_fp8_with_1f1b_is_refused_naming_the_fix():
+    recipe, mesh = h.mesh_for("pp_fsdp")
+    recipe = recipe.with_options(fp8="delayed", schedule="1f1b")
+    plan = mt.make_plan(fp8_abstract(), recipe, mesh, batch=mt.BatchSpec(BATCH, SEQ))
+    with pytest.raises(mt.errors.ConfigError, match="fp8 with the pipeline schedule 1f1b .* use schedule gpipe"):
+        mt.make_train_step(plan)
+
+
 # -- parity with one device ----------------------------------------------------------------------
 _BASELINES = {}
 

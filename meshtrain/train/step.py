@@ -112,9 +112,10 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
         _, _, new_model_state = nnx.split(model, nnx.Param, ...)
         return total, (weight, metrics, nnx.to_pure_dict(new_model_state))
 
+    # FP8 scales/histories (model state) are differentiated too and overwritten, never optimised
+    meta = fp8.meta_paths(graphdef, plan.abstract.params, plan.abstract.model_state)
+    fp8.check_pipeline(meta, pipeline)
     if pipeline is None or pipeline.schedule is not Schedule.ONE_F_ONE_B:
-        # FP8 scales/histories (model state) are differentiated too and overwritten, never optimised
-        meta = fp8.meta_paths(graphdef, plan.abstract.params, plan.abstract.model_state)
         return fp8.value_and_grad(summed, meta)
 
     def one_f_one_b(params, model_state, batch):
