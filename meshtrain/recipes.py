@@ -114,6 +114,16 @@ class Offload(str, enum.Enum):
     OPTIMIZER = "optimizer"
 
 
+class Fp8(str, enum.Enum):
+    """FP8 matmuls (:mod:`meshtrain.fp8`): ``none``; ``delayed`` (each tensor's scale from the amax
+    history of earlier steps, as the Transformer Engine; ``fp8_amax_history`` entries); ``current``
+    (each tensor's scale from its own amax in this step: one more reduction per matmul input)."""
+
+    NONE = "none"
+    DELAYED = "delayed"
+    CURRENT = "current"
+
+
 DTYPES = ("float32", "bfloat16")
 
 S = TypeVar("S", bound=Strategy)
@@ -166,6 +176,9 @@ class Recipe:
     remat: Remat = setting(Remat.NONE, "activation recomputation policy for the layer stack")
     param_dtype: str = setting("float32", "parameter storage dtype", choices=DTYPES)
     compute_dtype: str = setting("float32", "matmul dtype", choices=DTYPES)
+    fp8: Fp8 = setting(Fp8.NONE, "FP8 (e4m3 forward, e5m2 gradient) dense matmuls with per-tensor scales: "
+                       "delayed or current scaling")
+    fp8_amax_history: int = setting(1024, "delayed FP8 scaling: amax history length per tensor", minimum=1)
     grad_accum: int = setting(1, "gradient accumulation: micro-batches per optimizer step (a pipeline's "
                               "micro-batches are pp's micro_batches)", minimum=1)
     local_attention: LocalAttention = setting(LocalAttention.DENSE, "attention kernel per device when no cp "

@@ -47,6 +47,7 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, Optional
 
+from meshtrain import fp8
 from meshtrain.abstract import abstract_state, list_params
 from meshtrain.analysis import gpu_aot
 from meshtrain.annotate import ModelRules
@@ -449,7 +450,8 @@ def build(args, choice: Optional[ModelChoice] = None):
     else:  # more devices than this machine has (an accelerator host asked for a pod): plan abstractly
         mesh = recipe.mesh.abstract(n)
     try:
-        abstract = abstract_state(choice.factory, optax.adamw(1e-3), annotations=choice.rules)
+        abstract = abstract_state(fp8.recipe_factory(choice.factory, recipe), optax.adamw(1e-3),
+                                  annotations=choice.rules)
     except MeshtrainError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's factory: say what calling it did

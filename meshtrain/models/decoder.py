@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain import fp8
 from meshtrain.annotate import constrain, scan_layers
 from meshtrain.errors import ConfigError
 from meshtrain.models.moe import MoE, MoEConfig, find_moe_stats, pop_moe_stats
@@ -170,11 +171,13 @@ class Attention(nnx.Module):
             self.bk_kh = _param(rngs, zeros, (k, h), ("kv_heads", "head_dim"))
             self.bv_kh = _param(rngs, zeros, (k, h), ("kv_heads", "head_dim"))
         self.theta, self.rope_scaling, self.qkv_bias = cfg.rope_theta, cfg.rope_scaling, cfg.qkv_bias
+        # FP8 scales of each projection (None unless built by meshtrain.fp8.fp8_factory)
+        self.fp8_q, self.fp8_k, self.fp8_v, self.fp8_o = (fp8.dot_meta() for _ in range(4))
 
     def _qkv(self, x_btd, positions_bt):
-        q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...])
-        k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...])
-        v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...])
+        q = fp8.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...], self.fp8_q)
+        k = fp8.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...], self.fp8_k)
+        v = fp8.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...], self.fp8_v)
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...], k + self.bk_kh[...], v + self.bv_kh[...]
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
@@ -187,7 +190,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x_btd, positions_bt)
         o = attention(q, k, v, segment_ids_bt=segment_ids_bt)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...])
+        return fp8.einsum("btnh,nhd->btd", o, self.wo_nhd[...], self.fp8_o)
 
     def cached(self, x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, index):
         """Attention of ``t`` new tokens written into one layer's KV cache at slot ``index``: returns the
@@ -201,7 +204,7 @@ class Attention(nnx.Module):
         o = jax.nn.dot_product_attention(q, k_bskh.astype(q.dtype), v_bskh.astype(q.dtype),
                                          mask=allowed_bts[:, None]).astype(q.dtype)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...]), k_bskh, v_bskh
+        return fp8.einsum("btnh,nhd->btd", o, self.wo_nhd[...], self.fp8_o), k_bskh, v_bskh
 
 
 class MLP(nnx.Module):
@@ -214,11 +217,13 @@ class MLP(nnx.Module):
         self.up_df = _param(rngs, _init(0, 1), (d, f), ("embed", "mlp"))
         self.down_fd = _param(rngs, _init(0, 1), (f, d), ("mlp", "embed"))
         self.activation = cfg.mlp_activation
+        self.fp8_gate, self.fp8_up, self.fp8_down = (fp8.dot_meta() for _ in range(3))  # None unless FP8
 
     def __call__(self, x_btd):
-        h_btf = ACTIVATIONS[self.activation](x_btd @ self.gate_df[...]) * (x_btd @ self.up_df[...])
+        gate_btf = fp8.einsum("btd,df->btf", x_btd, self.gate_df[...], self.fp8_gate)
+        h_btf = ACTIVATIONS[self.activation](gate_btf) * fp8.einsum("btd,df->btf", x_btd, self.up_df[...], self.fp8_up)
         h_btf = constrain(h_btf, ("batch", "seq", "mlp"))
-        return h_btf @ self.down_fd[...]
+        return fp8.einsum("btf,fd->btd", h_btf, self.down_fd[...], self.fp8_down)
 
 
 class Block(nnx.Module):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain import fp8
 from meshtrain.annotate import constrain
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.moe import STAT_KEYS, capacity_for, check_capacity_factor, experts, route
@@ -126,6 +127,10 @@ class MoE(nnx.Module):
             self.shared_gate_df = p(_init(0, 1), (d, s), ("embed", "mlp"))
             self.shared_up_df = p(_init(0, 1), (d, s), ("embed", "mlp"))
             self.shared_down_fd = p(_init(0, 1), (s, d), ("mlp", "embed"))
+        # FP8 scales (None unless built by meshtrain.fp8.fp8_factory): routed experts' gate/up/down, shared ones
+        self.fp8_gate, self.fp8_up, self.fp8_down = (fp8.dot_meta() for _ in range(3))
+        if cfg.n_shared:
+            self.fp8_shared_gate, self.fp8_shared_up, self.fp8_shared_down = (fp8.dot_meta() for _ in range(3))
 
     def __call__(self, x_btd):
         cfg = self.cfg
@@ -134,10 +139,19 @@ class MoE(nnx.Module):
         cap = None if cfg.capacity_factor is None else capacity_for(cfg.capacity_factor, x_btd.shape[1], cfg.top_k,
                                                                     cfg.n_experts)
         r = route(logits_bte, cfg.top_k, capacity=cap, norm_topk=cfg.norm_topk)
-        y_btd = experts(x_btd, r, self.gate_edf[...], self.up_edf[...], self.down_efd[...], capacity=cap)
+        # FP8: the experts' input and weights in e4m3 and their output's gradient in e5m2, quantized here
+        # with per-tensor scales over all shards (inside the dispatch kernel's shard_map an amax would be
+        # per device); the hidden activation inside the kernel stays in the compute dtype.
+        xq_btd, w_gate = fp8.qdq_inputs(self.fp8_gate, x_btd, self.gate_edf[...])
+        _, w_up = fp8.qdq_inputs(self.fp8_up, x_btd, self.up_edf[...])
+        w_down = fp8.qdq_kernel(self.fp8_down, self.down_efd[...])
+        y_btd = fp8.qdq_output_grad(self.fp8_down, experts(xq_btd, r, w_gate, w_up, w_down, capacity=cap))
         if cfg.n_shared:
-            h = jax.nn.silu(x_btd @ self.shared_gate_df[...]) * (x_btd @ self.shared_up_df[...])
-            y_btd = y_btd + constrain(h, ("batch", "seq", "mlp")) @ self.shared_down_fd[...]
+            m_gate, m_up, m_down = self.fp8_shared_gate, self.fp8_shared_up, self.fp8_shared_down
+            h = jax.nn.silu(fp8.einsum("btd,df->btf", x_btd, self.shared_gate_df[...], m_gate)) * \
+                fp8.einsum("btd,df->btf", x_btd, self.shared_up_df[...], m_up)
+            y_btd = y_btd + fp8.einsum("btf,fd->btd", constrain(h, ("batch", "seq", "mlp")), self.shared_down_fd[...],
+                                       m_down)
         stats = dict(r.stats)
         stats["penalty"] = cfg.aux_coef * stats["aux_loss"] + cfg.z_coef * stats["z_loss"]
         setattr(self, STATS_NAME, nnx.Intermediate(stats))  # the latest call's statistics (cf. Module.sow)

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshtrain import fp8
 from meshtrain.annotate import current_step_context, step_context  # noqa: F401 (re-exported)
 from meshtrain.errors import ConfigError
 from meshtrain.losses import (RESERVED_METRICS, LossFn, next_token_loss,  # noqa: F401 (re-export)
@@ -112,8 +113,11 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
         _, _, new_model_state = nnx.split(model, nnx.Param, ...)
         return total, (weight, metrics, nnx.to_pure_dict(new_model_state))
 
+    # FP8 scales/histories (model state) are differentiated too and overwritten, never optimised
+    meta = fp8.meta_paths(graphdef, plan.abstract.params, plan.abstract.model_state)
+    fp8.check_pipeline(meta, pipeline)
     if pipeline is None or pipeline.schedule is not Schedule.ONE_F_ONE_B:
-        return jax.value_and_grad(summed, has_aux=True)
+        return fp8.value_and_grad(summed, meta)
 
     def one_f_one_b(params, model_state, batch):
         # 1F1B: the backward is written out per stage inside the schedule (no jax.grad over the pipeline).

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import optax
 
+from meshtrain import fp8
 from meshtrain.abstract import Annotations, ModelFactory, abstract_state
 from meshtrain.annotate import ModelRules, PathRules
 from meshtrain.batch_layout import BatchLayout
@@ -131,8 +132,9 @@ class Trainer:
     def build_plan(self, devices=None) -> ShardingPlan:
         """The run's :class:`ShardingPlan` (recipe + overrides, mesh over the devices, batch layout)."""
         recipe, mesh = self._recipe_and_mesh(devices)
-        tx = self.tx or default_optimizer(self.cfg, abstract_state(self.factory, annotations=self.path_rules).param_axes)
-        abstract = abstract_state(self.factory, tx, annotations=self.path_rules)
+        factory = fp8.recipe_factory(self.factory, recipe)  # the recipe's fp8: dense layers get their scales
+        tx = self.tx or default_optimizer(self.cfg, abstract_state(factory, annotations=self.path_rules).param_axes)
+        abstract = abstract_state(factory, tx, annotations=self.path_rules)
         return make_plan(abstract, recipe, mesh, batch=self._layout())
 
     def _recipe_and_mesh(self, devices=None):

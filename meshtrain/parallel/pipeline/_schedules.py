@@ -120,7 +120,9 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
     stage_fn = _stage_fn(layer_fn)
 
     def stage(w_s, g, x, side):
-        w_g = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(g, 0), 0, keepdims=False), w_s)
+        # one group per stage: a static index (no gather, whose transpose cannot add the fm32 FP8 meta)
+        w_g = jax.tree.map(lambda a: a[0] if r == 1 else
+                           jax.lax.dynamic_index_in_dim(a, jnp.maximum(g, 0), 0, keepdims=False), w_s)
         return stage_fn(w_g, x, side)
 
     run = jax.vmap(stage, spmd_axis_name=STAGE)
