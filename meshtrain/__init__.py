@@ -42,102 +42,42 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __geta
 
 __version__ = "0.1.0"
 
-#: Where each public name lives (``mt.models`` and the other submodules load as submodules): ``mt.<name>`` imports its module on first use (PEP 562), so
-#: ``import meshtrain`` (and ``meshtrain launch``, the supervisor) loads no JAX. Keep in step with
-#: the ``TYPE_CHECKING`` imports above (tests/test_code_rules.py checks both name the same objects).
+
+def _names(module: str, names: str) -> dict:
+    return dict.fromkeys(names.split(), module)
+
+
+#: Where each public name lives: ``mt.<name>`` imports its module on first use (PEP 562), so ``import
+#: meshtrain`` (and ``meshtrain launch``, the supervisor) loads no JAX; ``mt.models`` and the other
+#: submodules load as submodules. Keep in step with the ``TYPE_CHECKING`` imports above
+#: (tests/test_code_rules.py checks that both name the same objects).
 _EXPORTS = {
-    "AbstractState": "meshtrain.abstract",
-    "ModelFactory": "meshtrain.abstract",
-    "ParamInfo": "meshtrain.abstract",
-    "abstract_state": "meshtrain.abstract",
-    "list_params": "meshtrain.abstract",
-    "ModelRules": "meshtrain.annotate",
-    "PathRules": "meshtrain.annotate",
-    "StepContext": "meshtrain.annotate",
-    "constrain": "meshtrain.annotate",
-    "remat": "meshtrain.annotate",
-    "scan_layers": "meshtrain.annotate",
-    "LOGICAL_AXES": "meshtrain.axes",
-    "MESH_AXES": "meshtrain.axes",
-    "register_logical_axis": "meshtrain.axes",
-    "BatchLayout": "meshtrain.batch_layout",
-    "BatchLeaf": "meshtrain.batch_layout",
-    "CheckpointError": "meshtrain.checkpoint",
-    "Checkpointer": "meshtrain.checkpoint",
-    "Restored": "meshtrain.checkpoint",
-    "SaveResult": "meshtrain.checkpoint",
-    "inspect_checkpoint": "meshtrain.checkpoint",
-    "ConfigError": "meshtrain.errors",
-    "MeshError": "meshtrain.errors",
-    "MeshtrainError": "meshtrain.errors",
-    "PlanError": "meshtrain.errors",
-    "RecipeError": "meshtrain.errors",
-    "RulesError": "meshtrain.errors",
-    "AxisTypes": "meshtrain.mesh",
-    "MeshSpec": "meshtrain.mesh",
-    "attention": "meshtrain.parallel.attention",
-    "sequence_permutation": "meshtrain.parallel.context",
-    "PipelineParts": "meshtrain.parallel.pipeline",
-    "BatchSpec": "meshtrain.plan",
-    "LeafPlan": "meshtrain.plan",
-    "ShardingPlan": "meshtrain.plan",
-    "make_plan": "meshtrain.plan",
-    "master_weights": "meshtrain.precision",
-    "BUILTIN_RECIPES": "meshtrain.recipes",
-    "AttentionKind": "meshtrain.recipes",
-    "LayerLoop": "meshtrain.recipes",
-    "LocalAttention": "meshtrain.recipes",
-    "Offload": "meshtrain.recipes",
-    "Recipe": "meshtrain.recipes",
-    "Remat": "meshtrain.recipes",
-    "Schedule": "meshtrain.recipes",
-    "get_recipe": "meshtrain.recipes",
-    "register_recipe": "meshtrain.recipes",
-    "AxisRules": "meshtrain.rules",
-    "Rule": "meshtrain.rules",
-    "FSDP": "meshtrain.strategies",
-    "HSDP": "meshtrain.strategies",
-    "Context": "meshtrain.strategies",
-    "ContextKind": "meshtrain.strategies",
-    "DataParallel": "meshtrain.strategies",
-    "Expert": "meshtrain.strategies",
-    "FlashBackend": "meshtrain.strategies",
-    "LoadBalance": "meshtrain.strategies",
-    "Pipeline": "meshtrain.strategies",
-    "Strategy": "meshtrain.strategies",
-    "Tensor": "meshtrain.strategies",
-    "ZeRO": "meshtrain.strategies",
-    "ZeroStage": "meshtrain.strategies",
-    "register_strategy": "meshtrain.strategies",
-    "TrainState": "meshtrain.state",
-    "abstract_train_state": "meshtrain.state",
-    "init_state": "meshtrain.state",
-    "state_shardings": "meshtrain.state",
-    "LossFn": "meshtrain.losses",
-    "next_token_loss": "meshtrain.losses",
-    "Hook": "meshtrain.train.hooks",
-    "StepInfo": "meshtrain.train.loop",
-    "Stop": "meshtrain.train.loop",
-    "NonFinite": "meshtrain.train.step",
-    "make_eval_step": "meshtrain.train.step",
-    "make_grad_fn": "meshtrain.train.step",
-    "make_train_step": "meshtrain.train.step",
-    "generate": "meshtrain.generation",
+    **_names("meshtrain.abstract", "AbstractState ModelFactory ParamInfo abstract_state list_params"),
+    **_names("meshtrain.annotate", "ModelRules PathRules StepContext constrain remat scan_layers"),
+    **_names("meshtrain.axes", "LOGICAL_AXES MESH_AXES register_logical_axis"),
+    **_names("meshtrain.batch_layout", "BatchLayout BatchLeaf"),
+    **_names("meshtrain.checkpoint", "CheckpointError Checkpointer Restored SaveResult inspect_checkpoint"),
+    **_names("meshtrain.errors", "ConfigError MeshError MeshtrainError PlanError RecipeError RulesError"),
+    **_names("meshtrain.mesh", "AxisTypes MeshSpec"),
+    **_names("meshtrain.parallel.attention", "attention"),
+    **_names("meshtrain.parallel.context", "sequence_permutation"),
+    **_names("meshtrain.parallel.pipeline", "PipelineParts"),
+    **_names("meshtrain.plan", "BatchSpec LeafPlan ShardingPlan make_plan"),
+    **_names("meshtrain.precision", "master_weights"),
+    **_names("meshtrain.recipes", "BUILTIN_RECIPES AttentionKind LayerLoop LocalAttention Offload Recipe Remat "
+                                  "Schedule get_recipe register_recipe"),
+    **_names("meshtrain.rules", "AxisRules Rule"),
+    **_names("meshtrain.strategies", "FSDP HSDP Context ContextKind DataParallel Expert FlashBackend LoadBalance "
+                                     "Pipeline Strategy Tensor ZeRO ZeroStage register_strategy"),
+    **_names("meshtrain.state", "TrainState abstract_train_state init_state state_shardings"),
+    **_names("meshtrain.losses", "LossFn next_token_loss"),
+    **_names("meshtrain.train.hooks", "Hook"),
+    **_names("meshtrain.train.loop", "StepInfo Stop"),
+    **_names("meshtrain.train.step", "NonFinite make_eval_step make_grad_fn make_train_step"),
+    **_names("meshtrain.generation", "generate"),
 }
 
-__all__ = [
-    "AbstractState", "AttentionKind", "AxisRules", "AxisTypes", "BUILTIN_RECIPES", "BatchLayout", "BatchLeaf",
-    "BatchSpec", "CheckpointError",
-    "Checkpointer", "ConfigError", "Restored", "SaveResult", "inspect_checkpoint",
-    "LOGICAL_AXES", "LeafPlan", "LossFn", "MESH_AXES", "MeshError", "MeshSpec", "MeshtrainError", "ModelFactory",
-    "ModelRules", "NonFinite", "ParamInfo", "PathRules", "PlanError", "Recipe", "RecipeError", "Remat", "Rule", "RulesError",
-    "ShardingPlan", "StepContext", "StepInfo", "Stop", "Hook", "TrainState", "abstract_state", "abstract_train_state", "list_params", "attention",
-    "constrain", "get_recipe", "init_state", "make_eval_step", "make_grad_fn", "make_plan", "make_train_step", "models",
-    "next_token_loss", "register_logical_axis", "register_recipe", "register_strategy", "remat", "state_shardings",
-    "sequence_permutation", "PipelineParts", "Schedule", "LayerLoop", "Offload", "master_weights", "scan_layers",
-    "Strategy", "DataParallel", "FSDP", "ZeRO", "ZeroStage", "HSDP", "Tensor", "Context", "ContextKind", "LoadBalance",
-    "FlashBackend", "Expert", "Pipeline", "LocalAttention", "generate",
-]
+__all__ = [*_EXPORTS, "models"]
 
 
 #: Submodules ``mt.<module>`` reaches on first use (the CLI entry point is not one of them).
