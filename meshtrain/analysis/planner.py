@@ -45,6 +45,7 @@ from meshtrain.parallel.pipeline import bubble_warning, config_for
 from meshtrain.parallel.resolved import batch_splits, batch_splits_option, recipe_attention_kind, resolve_step
 from meshtrain.plan import BatchSpec, fmt_bytes, make_plan
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule, get_recipe
+from meshtrain.strategies import Pipeline
 
 AUTO_REMATS = (Remat.NONE, Remat.DOTS_NO_BATCH, Remat.FULL)
 
