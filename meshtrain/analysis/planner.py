@@ -107,8 +107,8 @@ class PlanRequest:
     def dtypes(self, recipe: Recipe) -> Dict[str, object]:
         compute = self.compute_dtype or ("bfloat16" if self.hw().name != "cpu" else recipe.compute_dtype)
         out: Dict[str, object] = {"compute_dtype": compute, "param_dtype": self.param_dtype or recipe.param_dtype}
-        if self.attention and recipe_attention_kind(recipe) is AttentionKind.DENSE:
-            out["attention"] = AttentionKind(self.attention)
+        if self.attention and recipe_attention_kind(recipe) is AttentionKind.DENSE:  # no cp: the local kernel
+            out["local_attention"] = AttentionKind(self.attention).value
         return out
 
 
