@@ -45,6 +45,7 @@ from meshtrain.parallel.pipeline import bubble_warning, config_for
 from meshtrain.parallel.resolved import batch_splits, batch_splits_option, recipe_attention_kind, resolve_step
 from meshtrain.plan import BatchSpec, fmt_bytes, make_plan
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule, get_recipe
+from meshtrain.strategies import Pipeline
 
 AUTO_REMATS = (Remat.NONE, Remat.DOTS_NO_BATCH, Remat.FULL)
 
@@ -106,8 +107,8 @@ class PlanRequest:
     def dtypes(self, recipe: Recipe) -> Dict[str, object]:
         compute = self.compute_dtype or ("bfloat16" if self.hw().name != "cpu" else recipe.compute_dtype)
         out: Dict[str, object] = {"compute_dtype": compute, "param_dtype": self.param_dtype or recipe.param_dtype}
-        if self.attention and recipe_attention_kind(recipe) is AttentionKind.DENSE:
-            out["attention"] = AttentionKind(self.attention)
+        if self.attention and recipe_attention_kind(recipe) is AttentionKind.DENSE:  # no cp: the local kernel
+            out["local_attention"] = AttentionKind(self.attention).value
         return out
 
 
