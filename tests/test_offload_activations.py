@@ -7,6 +7,7 @@ import re
 
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers import mesh_for, run_steps, tiny_abstract
 
@@ -103,7 +104,7 @@ needs_plugin = pytest.mark.skipif(not gpu_aot.available(),
 
 
 def _gpu_step(recipe, cfg):
-    abstract = mt.abstract_state(mt.models.model_factory(cfg), mt.train.config.default_optimizer())
+    abstract = mt.abstract_state(mt.models.model_factory(cfg), optax.adamw(1e-3))
     return gpu_aot.compile_gpu_topology(abstract, recipe, mt.BatchSpec(8, 256), gpu_aot.parse_topology("1xH100"))
 
 
