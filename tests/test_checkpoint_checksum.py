@@ -7,8 +7,10 @@ import random
 
 import pytest
 import xxhash
+from helpers import mesh_for, tiny_abstract
 
-from meshtrain.checkpoint import integrity
+import meshtrain as mt
+from meshtrain.checkpoint import CheckpointError, Checkpointer, integrity
 from meshtrain.checkpoint.saving import SaveTuning
 from meshtrain.checkpoint.types import Checksum, StepStatus
 
@@ -61,3 +63,22 @@ def test_unknown_algorithm_is_reported_not_raised(tmp_path, monkeypatch):
     (step_dir / integrity.MANIFEST).write_text(json.dumps(manifest))
     check = integrity.check_step(step_dir, 7)
     assert check.status is StepStatus.CORRUPT and "checksum 'md5'" in check.reason and "xxh3_128" in check.reason
+
+
+def test_checkpointer_saves_xxh3_manifests_and_refuses_a_flipped_byte(tmp_path):
+    recipe, mesh = mesh_for("fsdp")
+    plan = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(16, 64))
+    state = mt.init_state(plan, seed=0)
+    with Checkpointer(tmp_path / "ck", save_every=1, async_save=False) as ckpt:
+        ckpt.maybe_save(1, state, data_state={}, metadata={})
+    step_dir = tmp_path / "ck" / "1"
+    manifest = integrity.read_manifest(step_dir)
+    assert manifest["algorithm"] == "xxh3_128"
+    big = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(big.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    big.write_bytes(bytes(data))
+    assert integrity.check_step(step_dir, 1).status is StepStatus.CORRUPT
+    with Checkpointer(tmp_path / "ck", save_every=1, async_save=False) as ckpt:
+        with pytest.raises(CheckpointError, match="step 1 .* corrupt: checksum mismatch: .* manifest's xxh3_128"):
+            ckpt.restore(plan, step=1)

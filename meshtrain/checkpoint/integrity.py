@@ -25,6 +25,8 @@ and is never restored automatically. Checking needs no JAX::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import hashlib
 import json
@@ -35,7 +37,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import xxhash
 
@@ -251,18 +253,33 @@ def write_json_atomic(path: Path, obj, sort_keys: bool = True) -> None:
     fsync_dir(path.parent)
 
 
-def write_manifest(step_dir: Path, step: int, mapped: bool = True, checksum: Checksum = Checksum.SHA256) -> dict:
+_SAVE_CHECKSUM: contextvars.ContextVar = contextvars.ContextVar("meshtrain_manifest_checksum",
+                                                               default=Checksum.SHA256)
+
+
+@contextlib.contextmanager
+def manifest_checksum(checksum: Checksum) -> Iterator[None]:
+    """Manifests written in this block (this thread) use ``checksum`` unless :func:`write_manifest` is
+    given one; the save thread sets ``Checksum.XXH3_128`` here. Outside it: SHA-256, the format's first."""
+    token = _SAVE_CHECKSUM.set(Checksum(checksum))
+    try:
+        yield
+    finally:
+        _SAVE_CHECKSUM.reset(token)
+
+
+def write_manifest(step_dir: Path, step: int, mapped: bool = True, checksum: Optional[Checksum] = None) -> dict:
     """Checksum every file under ``step_dir`` and write ``meshtrain-manifest.json`` there.
 
     Called by process 0 on the (still temporary) step folder once all processes wrote their shards.
     Raises ``OSError`` on a write failure (e.g. disk full); the step then never commits. ``mapped``:
     hash from the page cache (see :func:`digest_range`; ``False`` reads the files, as before);
     ``checksum``: the block checksum, recorded as the manifest's ``algorithm`` and as each file's key
-    (the Checkpointer passes ``Checksum.XXH3_128``). Example::
+    (default: :func:`manifest_checksum`'s, which the Checkpointer sets to ``Checksum.XXH3_128``). Example::
 
         write_manifest(Path("ck/100.orbax-checkpoint-tmp"), 100, checksum=Checksum.XXH3_128)
     """
-    checksum = Checksum(checksum)
+    checksum = Checksum(checksum if checksum is not None else _SAVE_CHECKSUM.get())
     present = _files(step_dir)
     sized = {rel: (p, p.stat().st_size) for rel, p in present.items() if rel not in MUTABLE_FILES}
     digests = hash_files(sized, mapped=mapped, checksum=checksum)   # files just written: from the page cache

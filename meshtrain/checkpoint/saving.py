@@ -252,8 +252,11 @@ class Saver:
             raise CheckpointError(f"cannot find the folder being written for step {step} in {self.directory} "
                                   f"(found {[p.name for p in candidates]})")
         integrity.write_json_atomic(target / META_FILE, self._inflight_meta, sort_keys=False)  # tree order
-        # hashed from the page cache, or with 8 MiB reads (bench_checkpoint --compare)
-        integrity.write_manifest(target, step, mapped=self.tuning.mapped_hashing, checksum=self.tuning.checksum)
+        with integrity.manifest_checksum(self.tuning.checksum):   # XXH3-128 unless the benchmark asks for SHA-256
+            if self.tuning.mapped_hashing:
+                integrity.write_manifest(target, step)              # hashed from the page cache
+            else:                                                   # 8 MiB reads (bench_checkpoint --compare)
+                integrity.write_manifest(target, step, mapped=False)
 
     # -- saving -------------------------------------------------------------------------------------
 
