@@ -3,7 +3,11 @@ verify, a flipped byte is found under either, and a manifest naming an unknown a
 
 import hashlib
 import json
+import os
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 import xxhash
@@ -82,3 +86,12 @@ def test_checkpointer_saves_xxh3_manifests_and_refuses_a_flipped_byte(tmp_path):
     with Checkpointer(tmp_path / "ck", save_every=1, async_save=False) as ckpt:
         with pytest.raises(CheckpointError, match="step 1 .* corrupt: checksum mismatch: .* manifest's xxh3_128"):
             ckpt.restore(plan, step=1)
+
+
+def test_checksum_benchmark_runs_and_prints_each_rate():
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_checksums.py")
+    out = subprocess.run([sys.executable, tool, "--mb", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rates = dict(re.findall(r"^(\w+ \([\w.-]+\))\s+([\d,]+) MB/s$", out.stdout, re.M))
+    assert {"sha256 (hashlib)", "xxh3_128 (xxhash)"} <= set(rates) and all(int(r.replace(",", "")) > 0
+                                                                           for r in rates.values())
