@@ -30,6 +30,7 @@ import jax
 from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, load_yaml, resolve_layer_loop
+from meshtrain.remat_policies import DEFAULT_OFFLOAD, checkpoint_policy
 from meshtrain.rules import AxisRules
 from meshtrain.strategies import Strategy
 
@@ -55,6 +56,8 @@ class StepContext:
     #: the plan's :class:`meshtrain.parallel.resolved.ResolvedStep` (``None`` for a context built by hand): the
     #: kernels run the attention it chose
     resolved: Optional[object] = None
+    #: the activation names ``Remat.OFFLOAD`` keeps in host memory (the recipe's ``offload_activations``)
+    offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD
 
     def dimension(self, cls: Type[S]) -> Optional[S]:
         """The recipe's dimension of type ``cls`` (e.g. ``ctx.dimension(Context)``), or ``None``."""
@@ -78,13 +81,6 @@ def current_step_context() -> Optional[StepContext]:
     return _ACTIVE.get()
 
 
-_POLICIES = {
-    Remat.FULL: jax.checkpoint_policies.nothing_saveable,
-    Remat.DOTS: jax.checkpoint_policies.checkpoint_dots,
-    Remat.DOTS_NO_BATCH: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 def remat(fn, policy: Optional[Remat] = None, *, prevent_cse: bool = False):
     """Wrap a layer function in ``jax.checkpoint`` with the recipe's remat policy.
 
@@ -94,13 +90,14 @@ def remat(fn, policy: Optional[Remat] = None, *, prevent_cse: bool = False):
     (unrolled), or XLA merges the recomputation with the forward pass and nothing is saved
     (:func:`scan_layers` does this for you).
     """
+    ctx = _ACTIVE.get()
     if policy is None:
-        ctx = _ACTIVE.get()
         policy = ctx.remat if ctx is not None else Remat.NONE
     policy = Remat(policy)
     if policy is Remat.NONE:
         return fn
-    return jax.checkpoint(fn, policy=_POLICIES[policy], prevent_cse=prevent_cse)
+    offloaded = ctx.offloaded if ctx is not None else DEFAULT_OFFLOAD
+    return jax.checkpoint(fn, policy=checkpoint_policy(policy, offloaded), prevent_cse=prevent_cse)
 
 
 def scan_layers(layer, carry, layers, *, length: Optional[int] = None):

@@ -22,6 +22,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
 from meshtrain.axes import LOGICAL_AXES
 from meshtrain.errors import MeshtrainError, RecipeError
 from meshtrain.mesh import AxisTypes, MeshSpec
+from meshtrain.remat_policies import DEFAULT_OFFLOAD, Remat, parse_offload_names
 from meshtrain.rules import TABLES, AxisRules
 from meshtrain.settings import Setting, coerce_all, setting, settings_of
 from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel, Expert, FlashBackend,  # noqa: F401
@@ -29,21 +30,6 @@ from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel
                                   ResolvedStrategies, resolve_strategies)
 from meshtrain.strategies import strategies as registered_strategies
 from meshtrain.yaml_files import load_yaml  # noqa: F401 (re-exported: rules files and run configurations read YAML through it)
-
-
-class Remat(str, enum.Enum):
-    """What the backward pass recomputes, per scanned layer.
-
-    * ``none``: save everything (fastest, most memory);
-    * ``full``: save only layer inputs, recompute the layer (least memory);
-    * ``dots``: save matmul outputs, recompute the cheap element-wise work in between;
-    * ``dots_no_batch``: save only matmuls without batch dims (weight matmuls, not attention scores).
-    """
-
-    NONE = "none"
-    FULL = "full"
-    DOTS = "dots"
-    DOTS_NO_BATCH = "dots_no_batch"
 
 
 class LocalAttention(str, enum.Enum):
@@ -189,6 +175,8 @@ class Recipe:
     scan_unroll: int = setting(1, "layers per scan iteration", minimum=1)
     offload: Offload = setting(Offload.NONE, "optimizer: keep the optimizer state (and f32 master weights) in "
                                "pinned host memory between steps")
+    offload_activations: str = setting(",".join(DEFAULT_OFFLOAD), "with remat offload: the named activations "
+                                       "(comma-separated) kept in pinned host memory until the backward pass")
     replicate_indivisible: Tuple[str, ...] = setting((), "logical names that may be replicated when a dimension "
                                                      "does not divide its mesh axes", cli=False)
     max_replicated_fraction: float = setting(0.02, "at most this share of the bytes a recipe shards may stay "
@@ -203,6 +191,8 @@ class Recipe:
             set_("strategies", Strategies(resolve_strategies(self.strategies)))
         set_("replicate_indivisible", tuple(self.replicate_indivisible))
         coerce_all(self, where + ":")
+        set_("offload_activations", ",".join(parse_offload_names(self.offload_activations, where
+                                                                  + ": offload_activations")))
         for name in self.replicate_indivisible:
             check_logical_name(name, f"{where}: replicate_indivisible")
         if not 0.0 <= self.max_replicated_fraction <= 1.0:

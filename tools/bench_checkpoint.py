@@ -4,6 +4,7 @@ save, and the training stall of an async save vs a synchronous one, all in one r
     python tools/bench_checkpoint.py                       # ~200 MB TrainState, 8 simulated CPU devices
     python tools/bench_checkpoint.py --compare             # the same, earlier settings vs current, alternating
     python tools/bench_checkpoint.py --compare --before main --busy 1   # vs background_start off, busy host
+    python tools/bench_checkpoint.py --compare --before sha256          # XXH3-128 manifest vs SHA-256
     python tools/bench_checkpoint.py --dir /mnt/fast --mb 400 --json
 
 What is measured (same state, same folder, same process):
@@ -11,7 +12,7 @@ What is measured (same state, same folder, same process):
 * raw write: the state's byte count written with ``os.write`` in 8 MiB chunks, then ``fsync``
   (``raw_fsync``), and the same without ``fsync`` (``raw_buffered``, page-cache speed).
 * sync save: ``Checkpointer(async_save=False).maybe_save`` wall time until the step is committed
-  with its manifest (write + SHA-256 of every file + rename); throughput = state bytes / time.
+  with its manifest (write + block checksums of every file + rename); throughput = state bytes / time.
 * host memory: the process's peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``
   right before the save, after ``malloc_trim``; a 1 ms ``VmRSS`` sampler where the reset is not
   allowed) minus its resident memory just before the save, for a sync save and for an async save
@@ -40,6 +41,7 @@ stall ratio = median async ``blocking_s`` / median sync ``blocking_s``, both in 
 * ``before``: ``--before issue14`` (default): the settings up to issue 14 (zstd chunks, the
   manifest hashed with 8 MiB ``read`` calls, a copy before sync saves too); ``--before main``: the
   Checkpointer's defaults, Orbax's blocking part on the calling thread (``background_start=False``);
+  ``--before sha256``: today's save path with the SHA-256 manifest saves wrote before XXH3-128;
 * ``after``: what the Trainer uses: ``--compression`` (default ``none``), the manifest hashed from
   the page cache, no copy before a synchronous save, and ``background_start=True`` (Orbax's
   blocking part in a worker thread; the loop only enqueues the copy of the saved buffers).
@@ -75,6 +77,7 @@ import optax  # noqa: E402
 import meshtrain as mt  # noqa: E402
 from meshtrain.checkpoint import Checkpointer, Compression  # noqa: E402
 from meshtrain.checkpoint.saving import SaveTuning, tuned  # noqa: E402
+from meshtrain.checkpoint.types import Checksum  # noqa: E402
 
 CHUNK = 8 << 20
 IDLE_PAUSE_S = 0.05
@@ -136,14 +139,20 @@ class Setting:
     mapped_hashing: bool       # manifest hashed from the page cache (mmap) instead of 8 MiB reads
     copy_before_sync_save: bool
     background_start: bool = False   # Orbax's blocking part in a worker thread (async saves)
+    checksum: Checksum = Checksum.XXH3_128   # the manifest's block checksum
 
     def checkpointer(self, folder: Path, **kw) -> Checkpointer:
-        with tuned(SaveTuning(mapped_hashing=self.mapped_hashing, copy_before_sync_save=self.copy_before_sync_save)):
+        with tuned(SaveTuning(mapped_hashing=self.mapped_hashing, copy_before_sync_save=self.copy_before_sync_save,
+                              checksum=self.checksum)):
             return Checkpointer(folder, compression=self.compression, background_start=self.background_start, **kw)
 
 
-BEFORE = {"issue14": Setting("zstd", mapped_hashing=False, copy_before_sync_save=True),
-          "main": Setting("none", mapped_hashing=True, copy_before_sync_save=False, background_start=False)}
+BEFORE = {"issue14": Setting("zstd", mapped_hashing=False, copy_before_sync_save=True, checksum=Checksum.SHA256),
+          "main": Setting("none", mapped_hashing=True, copy_before_sync_save=False, background_start=False,
+                          checksum=Checksum.SHA256),
+          # issue 37: the current save path with the SHA-256 manifest it wrote before XXH3-128
+          "sha256": Setting("none", mapped_hashing=True, copy_before_sync_save=False, background_start=True,
+                            checksum=Checksum.SHA256)}
 
 
 # -- host memory ------------------------------------------------------------------------------------
@@ -303,7 +312,8 @@ def main(argv=None) -> dict:
                     help="also measure the earlier settings (--before), alternating with the current ones")
     ap.add_argument("--before", choices=sorted(BEFORE), default="issue14",
                     help="what --compare compares with: issue14 (default: zstd, hashing with reads, a copy before sync "
-                         "saves) or main (the Checkpointer's defaults: Orbax's blocking part on the calling thread)")
+                         "saves), main (Orbax's blocking part on the calling thread) or sha256 (today's save path "
+                         "with a SHA-256 manifest instead of XXH3-128)")
     ap.add_argument("--busy", type=int, default=0,
                     help="run this many `yes > /dev/null` busy loops beside the benchmark (default 0)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")

@@ -40,6 +40,7 @@ from meshtrain.mesh import MeshSpec
 from meshtrain.models.decoder import Decoder, DecoderConfig
 from meshtrain.precision import cast_floats
 from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.remat_policies import DEFAULT_OFFLOAD
 from meshtrain.rules import AxisRules
 
 #: Probe sizes: distinct primes, so every dimension of a saved tensor factors into them.
@@ -171,6 +172,9 @@ class ActivationModel:
     #: normalisations (scale vectors): per layer, and outside the layers (the final norm)
     layer_norms: int = 0
     outer_norms: int = 0
+    #: saved tensors the remat policy keeps in host memory (``Remat.OFFLOAD``): not in :attr:`tensors`,
+    #: so every device figure leaves them out; :meth:`host_bytes_per_device` counts them
+    host_tensors: Tuple[SavedTensor, ...] = ()
 
     # -- per-tensor figures and results, computed once per model (it is immutable) ----------------
     @functools.cached_property
@@ -215,6 +219,14 @@ class ActivationModel:
             return int(total)
 
         return self._memo(("bytes", tuple(sizes.values()), split, weight_fraction), compute)
+
+    def host_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
+                              split: ActivationSplit = ActivationSplit()) -> int:
+        """Bytes of the saved tensors one device keeps in host memory for one micro-batch (``Remat.OFFLOAD``:
+        each offloaded tensor divided like its device copy would be)."""
+        sizes = config_sizes(cfg, batch_size // split.micro_batches, seq_len)
+        return int(sum(t.count * t.elements(sizes) * np.dtype(t.dtype).itemsize / t.divisor(split)
+                       for t in self.host_tensors))
 
     def layer_bytes_per_device(self, cfg, batch_size: int, seq_len: int,
                                split: ActivationSplit = ActivationSplit()) -> int:
@@ -306,16 +318,19 @@ def _probe_state(tie_embeddings: bool):
 @functools.lru_cache(maxsize=None)
 def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "float32",
                       tie_embeddings: bool = False, attention: "AttentionKind | str" = AttentionKind.DENSE,
-                      lanes: int = 1) -> ActivationModel:
+                      lanes: int = 1, offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD) -> ActivationModel:
     """Trace the probe decoder's loss VJP abstractly and turn its residuals into formulas.
 
     ``attention``: ``dense`` saves the ``T × T`` probabilities; every other kind is traced as
     ``flash`` (the context-parallel kinds save the same q, k, v, output and log-sum-exp per device,
     divided by the context split). ``lanes``: pad every activation's minor dimension to a multiple of it
-    (128: XLA:TPU's tiled layouts; measured on v5p, e.g. ``f32[2,1024,16,8]`` takes 16 MiB, not 1)."""
+    (128: XLA:TPU's tiled layouts; measured on v5p, e.g. ``f32[2,1024,16,8]`` takes 16 MiB, not 1).
+    ``offloaded``: the names ``Remat.OFFLOAD`` keeps in host memory (traced: the residuals in host memory
+    become :attr:`ActivationModel.host_tensors`)."""
     if lanes != 1:
-        base = saved_activations(remat, compute_dtype, tie_embeddings, attention)
-        return dataclasses.replace(base, tensors=tuple(dataclasses.replace(t, lanes=lanes) for t in base.tensors))
+        base = saved_activations(remat, compute_dtype, tie_embeddings, attention, 1, offloaded)
+        pad = lambda ts: tuple(dataclasses.replace(t, lanes=lanes) for t in ts)  # noqa: E731
+        return dataclasses.replace(base, tensors=pad(base.tensors), host_tensors=pad(base.host_tensors))
     from flax import nnx
 
 
@@ -325,7 +340,7 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     graphdef, params, rest = abstract.graphdef, abstract.params, abstract.model_state
     mesh = MeshSpec(ici={"data": 1}).abstract(1)
     kind = AttentionKind.DENSE if AttentionKind(attention) is AttentionKind.DENSE else AttentionKind.FLASH
-    ctx = StepContext(mesh, AxisRules.defaults(), frozenset(), remat, kind)
+    ctx = StepContext(mesh, AxisRules.defaults(), frozenset(), remat, kind, offloaded=tuple(offloaded))
     dtype = jnp.dtype(compute_dtype)
     ids = jax.ShapeDtypeStruct((p["B"], p["T"]), jnp.int32)
     batch = {"inputs": ids, "targets": ids, "positions": ids, "segment_ids": ids}
@@ -337,8 +352,8 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
                 return next_token_loss(m, batch)[0]
         return jax.tree.leaves(jax.vjp(loss, params)[1])
 
-    with jax.sharding.use_abstract_mesh(mesh):
-        saved = jax.eval_shape(residuals, params, batch)
+    with jax.sharding.use_abstract_mesh(mesh):  # a jaxpr's avals say which residuals live in host memory
+        saved = jax.make_jaxpr(residuals)(params, batch).out_avals
     param_shapes = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
     shapes_only = {s for s, _ in param_shapes}
     groups: Dict[Tuple, int] = {}
@@ -354,12 +369,14 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
             for v, k in e:
                 exps[v] = exps.get(v, 0) + k
         minor, minor_const = _factor(int(x.shape[-1])) if x.shape else ((), 1)
-        key = (tuple(sorted(exps.items())), const, str(x.dtype), cast, minor, minor_const)
+        host = getattr(x, "memory_space", None) == jax.memory.Space.Host
+        key = (tuple(sorted(exps.items())), const, str(x.dtype), cast, minor, minor_const, host)
         groups[key] = groups.get(key, 0) + 1
-    tensors = tuple(SavedTensor(e, c, dt, n, cast, mi, mc)
-                    for (e, c, dt, cast, mi, mc), n in sorted(groups.items(), key=str))
+    tensors = {h: tuple(SavedTensor(e, c, dt, n, cast, mi, mc)
+                        for (e, c, dt, cast, mi, mc, host), n in sorted(groups.items(), key=str) if host is h)
+               for h in (False, True)}
     leaves = jax.tree.leaves(params)
     mlp_matrices = sum(p["f"] in x.shape for x in leaves)
     layer_norms = sum(tuple(x.shape) == (p["L"], p["d"]) for x in leaves)
     outer_norms = sum(tuple(x.shape) == (p["d"],) for x in leaves)
-    return ActivationModel(remat, str(dtype), tensors, mlp_matrices, layer_norms, outer_norms)
+    return ActivationModel(remat, str(dtype), tensors[False], mlp_matrices, layer_norms, outer_norms, tensors[True])

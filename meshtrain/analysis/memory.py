@@ -231,13 +231,19 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return sum(b for _, b in self.components)
+        """Device bytes: every component but :attr:`host`."""
+        return sum(b for c, b in self.components if c is not Component.HOST)
+
+    @property
+    def host(self) -> int:
+        """Bytes per device kept in host memory during the step (``remat=offload``'s activations)."""
+        return self[Component.HOST]
 
     def __getitem__(self, component: Component) -> int:
         return dict(self.components).get(Component(component), 0)  # a component this estimate has not: 0 bytes
 
     def largest(self, k: int = 3) -> List[Tuple[Component, int]]:
-        return sorted(self.components, key=lambda cb: -cb[1])[:k]
+        return sorted((cb for cb in self.components if cb[0] is not Component.HOST), key=lambda cb: -cb[1])[:k]
 
     def verdict(self, capacity_bytes: float) -> Fit:
         if self.total > capacity_bytes:

@@ -35,6 +35,7 @@ from meshtrain.parallel.context import attention_block_shape, plan_layout
 from meshtrain.parallel.resolved import Target, resolve_step
 from meshtrain.plan import gradient_shardings
 from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.remat_policies import parse_offload_names
 from meshtrain.strategies import FlashBackend
 
 
@@ -48,7 +49,19 @@ def analytic_terms(plan, cfg, backend=None) -> Tuple[Tuple[MemoryTerm, ...], Tup
              + state_term(Component.OPTIMIZER, "optimizer state", s.per["optimizer"], OPTIMIZER_FORMULA)
              + acts + temporary_terms(s)
              + state_term(Component.BATCH, "batch", s.per["batch"], BATCH_FORMULA))
-    return terms, component_formulas(s)
+    host = host_terms(s)  # remat=offload only: other plans keep their components (and golden dumps) as they were
+    return terms + host, component_formulas(s) + (((Component.HOST, HOST_FORMULA),) if host else ())
+
+
+HOST_FORMULA = ("activations remat=offload saves to pinned host memory and copies back in the backward pass "
+                "(the recipe's offload_activations; not in the device's total)")
+
+
+def host_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
+    """The saved tensors the remat policy keeps in host memory (``Remat.OFFLOAD``), per device's share."""
+    host = s.model.host_bytes_per_device(s.acfg, s.B, s.T, s.split) if not s.straight else 0
+    return (MemoryTerm(Component.HOST, "offloaded activations", host, "the named activations of every layer: "
+                       + s.plan.recipe.offload_activations),) if host else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +226,8 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
         moe.activation_config(cfg) if moe is not None else cfg,  # MoE: the dense-equivalent MLP width
         moe.weight_config(cfg) if moe is not None else cfg,  # MoE: every expert's weights are cast
         weight_fraction,
-        saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
+        saved_activations(remat, lay.compute_dtype, cfg.tie_embeddings, attention, lanes,
+                          parse_offload_names(plan.recipe.offload_activations)),
         saved_activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, attention, lanes),
         cfg.n_layers, c, B // (split.batch * split.micro_batches), T // max(lay.context, lay.sequence, 1), tpu,
         loop, unroll, straight, gpu, narrow_gpu and step.attention.backend is FlashBackend.CUDNN,  # straight: unrolled

@@ -19,6 +19,7 @@ class Component(str, enum.Enum):
     TEMPORARIES = "temporaries"
     BATCH = "batch"
     OTHER = "other"  # model state, step counter, non-donated outputs (estimates for any model)
+    HOST = "host memory"  # activations remat=offload keeps in pinned host memory: not in the device's total
 
 
 @dataclasses.dataclass(frozen=True, slots=True)  # thousands per planner search: no __dict__ each

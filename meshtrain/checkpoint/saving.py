@@ -30,7 +30,8 @@ from meshtrain.checkpoint.housekeeping import WriterLock, warn
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT
 from meshtrain.checkpoint.layout import describe_tree, state_bytes, to_nested
 from meshtrain.checkpoint.retention import RetentionPolicy
-from meshtrain.checkpoint.types import CheckpointDiskError, CheckpointError, Compression, SaveResult, StepStatus, Verify
+from meshtrain.checkpoint.types import (Checksum, CheckpointDiskError, CheckpointError, Compression, SaveResult,
+                                       StepStatus, Verify)
 from meshtrain.errors import disk_hint, is_disk_full, is_file_size_limit
 from meshtrain.plan import fmt_bytes as plan_fmt_bytes
 
@@ -46,11 +47,14 @@ FREE_MARGIN = 256 << 10
 class SaveTuning:
     """How a save is carried out (benchmark-only: ``tools/bench_checkpoint.py --compare``).
 
-    ``mapped_hashing``: hash the new files from the page cache (``integrity.sha256_range``) instead
-    of 8 MiB reads. ``copy_before_sync_save``: copy the arrays before a *synchronous* save too."""
+    ``mapped_hashing``: hash the new files from the page cache (``integrity.digest_range``) instead
+    of 8 MiB reads. ``copy_before_sync_save``: copy the arrays before a *synchronous* save too.
+    ``checksum``: the manifest's block checksum."""
 
     mapped_hashing: bool = True
     copy_before_sync_save: bool = False
+    #: the manifest's block checksum (``sha256``: what saves wrote before XXH3-128)
+    checksum: Checksum = Checksum.XXH3_128
 
 
 _TUNING: contextvars.ContextVar = contextvars.ContextVar("meshtrain_save_tuning", default=SaveTuning())
@@ -226,10 +230,11 @@ class Saver:
             raise CheckpointError(f"cannot find the folder being written for step {step} in {self.directory} "
                                   f"(found {[p.name for p in candidates]})")
         integrity.write_json_atomic(target / META_FILE, self._inflight_meta, sort_keys=False)  # tree order
-        if self.tuning.mapped_hashing:
-            integrity.write_manifest(target, step)              # hashed from the page cache
-        else:                                                   # 8 MiB reads (bench_checkpoint --compare)
-            integrity.write_manifest(target, step, mapped=False)
+        with integrity.manifest_checksum(self.tuning.checksum):   # XXH3-128 unless the benchmark asks for SHA-256
+            if self.tuning.mapped_hashing:
+                integrity.write_manifest(target, step)              # hashed from the page cache
+            else:                                                   # 8 MiB reads (bench_checkpoint --compare)
+                integrity.write_manifest(target, step, mapped=False)
 
     # -- saving -------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import fp8
 from meshtrain.annotate import constrain, scan_layers
@@ -183,6 +184,8 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        # names remat=offload can keep in host memory (meshtrain.remat_policies.ACTIVATION_NAMES)
+        q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
         return rope(q, positions_bt, self.theta, self.rope_scaling), rope(k, positions_bt, self.theta,
                                                                           self.rope_scaling), v
 
@@ -190,6 +193,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x_btd, positions_bt)
         o = attention(q, k, v, segment_ids_bt=segment_ids_bt)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
+        o = checkpoint_name(o, "attn_context")
         return fp8.einsum("btnh,nhd->btd", o, self.wo_nhd[...], self.fp8_o)
 
     def cached(self, x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, index):
@@ -222,7 +226,7 @@ class MLP(nnx.Module):
     def __call__(self, x_btd):
         gate_btf = fp8.einsum("btd,df->btf", x_btd, self.gate_df[...], self.fp8_gate)
         h_btf = ACTIVATIONS[self.activation](gate_btf) * fp8.einsum("btd,df->btf", x_btd, self.up_df[...], self.fp8_up)
-        h_btf = constrain(h_btf, ("batch", "seq", "mlp"))
+        h_btf = checkpoint_name(constrain(h_btf, ("batch", "seq", "mlp")), "mlp_hidden")
         return fp8.einsum("btf,fd->btd", h_btf, self.down_fd[...], self.fp8_down)
 
 

@@ -32,6 +32,7 @@ import math
 from jax.extend import core as jcore
 
 from meshtrain.recipes import Remat
+from meshtrain.remat_policies import DEFAULT_OFFLOAD
 
 
 def matmul_params(cfg) -> int:
@@ -73,18 +74,31 @@ class StepFlops:
         return (self.executed - self.recompute) / 3
 
 
-def step_flops(cfg, batch_size: int, seq_len: int, remat: "Remat | str" = Remat.NONE) -> StepFlops:
+def _offloaded_producer_flops(cfg, seq_len: int, offloaded) -> float:
+    """Forward FLOPs per token of the matmuls whose outputs ``remat=offload`` brings back instead of recomputing:
+    the q/k/v projections and attention's ``P·V`` (its context); the MLP's hidden activation still needs its
+    gate and up projections recomputed (their outputs are what its backward reads)."""
+    L, n, kv, h, d = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    per_name = {"q_proj": 2.0 * L * d * n * h, "k_proj": 2.0 * L * d * kv * h, "v_proj": 2.0 * L * d * kv * h,
+                "attn_context": attention_flops_per_token(cfg, seq_len, causal_once=False) / 6}
+    return sum(per_name.get(name, 0.0) for name in offloaded)
+
+
+def step_flops(cfg, batch_size: int, seq_len: int, remat: "Remat | str" = Remat.NONE,
+               offloaded=DEFAULT_OFFLOAD) -> StepFlops:
     """Model and executed FLOPs of one step on ``batch_size × seq_len`` tokens.
 
     Executed: forward ``2·N + 4·L·n·h·T`` per token (dense attention: full square), backward twice
-    that, plus recomputation: ``full`` re-runs the whole forward, ``dots_no_batch`` re-runs the
-    attention matmuls (they have a batch dimension so are not saved), ``dots`` and ``none`` re-run
-    no matmul.
+    that, plus recomputation: ``full`` re-runs the whole forward, ``offload`` the forward less the matmuls
+    whose outputs come back from host memory (``offloaded`` names: q/k/v projections, attention's ``P·V``),
+    ``dots_no_batch`` re-runs the attention matmuls (they have a batch dimension so are not saved), ``dots``
+    and ``none`` re-run no matmul.
     """
     remat = Remat(remat)
     tokens = batch_size * seq_len
     fwd = 2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal_once=False) / 3
     recompute = {Remat.NONE: 0.0, Remat.DOTS: 0.0, Remat.FULL: fwd,
+                 Remat.OFFLOAD: fwd - _offloaded_producer_flops(cfg, seq_len, offloaded),
                  Remat.DOTS_NO_BATCH: attention_flops_per_token(cfg, seq_len, causal_once=False) / 3}[remat]
     return StepFlops(model_flops_per_token(cfg, seq_len) * tokens, (3 * fwd + recompute) * tokens,
                      recompute * tokens)

@@ -26,6 +26,7 @@ from meshtrain.annotate import StepContext
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
+from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
 from meshtrain.strategies import Context, FlashBackend, LoadBalance, Pipeline, Schedule
 
 #: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
@@ -196,6 +197,8 @@ class ResolvedStep:
     param_dtype: str
     compute_dtype: str
     extras: Tuple[Tuple[str, Any], ...] = ()
+    #: the activation names ``Remat.OFFLOAD`` keeps in host memory (the recipe's ``offload_activations``)
+    offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD
 
     @property
     def batch_splits(self) -> int:
@@ -237,7 +240,7 @@ def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> Re
         schedule=pipeline.schedule if pipeline else None,
         pipeline_micro_batches=pipeline.micro_batches if pipeline else 1,
         repeats=pipeline.repeats if pipeline else 1, param_dtype=recipe.param_dtype,
-        compute_dtype=recipe.compute_dtype)
+        compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations))
 
 
 def recipe_attention_kind(recipe) -> AttentionKind:
@@ -297,7 +300,8 @@ def step_context_for(plan, mesh=None) -> StepContext:
     step = resolve_step(plan, mesh=mesh)
     r = plan.recipe
     return StepContext(mesh, plan.rules, frozenset(r.replicate_indivisible), step.remat, step.attention.kind,
-                       tuple(r.strategies), step.layer_loop, step.scan_unroll, resolved=step)
+                       tuple(r.strategies), step.layer_loop, step.scan_unroll, resolved=step,
+                       offloaded=step.offloaded)
 
 
 def batch_splits(recipe) -> int:
