@@ -32,24 +32,12 @@ jax.config.update("jax_platforms", "cpu")
 import pytest  # noqa: E402
 
 
-SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.txt")
-
-
-def slow_tests():
-    """``{(file, function)}`` from tests/slow.txt: the tests the fast tier leaves out."""
-    with open(SLOW_LIST) as f:
-        entries = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    return {tuple(e.split("::", 1)) for e in entries}
-
-
 def pytest_configure(config):
     # pytest-xdist (3.x) hands out --dist loadfile's files by test count, most first, unless told not to:
     # a slow file of few tests (test_peers, test_device_check) would start last and run alone at the end.
     # Keep the collection order instead: the slowest files first (SLOWEST_FILES).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
-    config.addinivalue_line("markers", "slow: left out of the fast tier (`pytest -m 'not slow'`); listed in "
-                                       "tests/slow.txt")
 
 
 #: The slowest files, slowest first (a whole-suite ``--durations`` profile on 2 busy cores, summed per
@@ -72,11 +60,6 @@ def _slowest_first(item):
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowest_first)   # stable: a file's tests keep their order (module fixtures, parameters)
-    slow = slow_tests()
-    for item in items:
-        path = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(SLOW_LIST)))
-        if (path, item.originalname or item.name) in slow:
-            item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser):

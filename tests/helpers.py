@@ -1,4 +1,5 @@
-"""Shared test helpers: meshes, abstract states, deterministic batches, runs of N steps."""
+"""Shared test helpers: meshes, abstract states, deterministic batches, runs of N steps, host copies of
+states and bit-exact comparisons (the checkpoint, pipeline and resharding tests)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 import meshtrain as mt
 
@@ -67,3 +69,41 @@ def run_steps(recipe, mesh, steps=10, abstract=None, batch=TINY_BATCH, seq=TINY_
 def rel_diff(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def host(state):
+    """A host copy that survives buffer donation by later steps."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), state)
+
+
+def assert_bit_exact(expected_host, state):
+    exp, got = jax.tree_util.tree_flatten_with_path(expected_host)[0], jax.tree.leaves(state)
+    assert len(exp) == len(got)
+    for (path, e), g in zip(exp, got):
+        g = np.asarray(g)
+        assert e.dtype == g.dtype and e.shape == g.shape, jax.tree_util.keystr(path)
+        same = np.array_equal(e.reshape(-1).view(np.uint8), g.reshape(-1).view(np.uint8))
+        assert same, f"{jax.tree_util.keystr(path)} differs"
+
+
+def assert_on_mesh(state, plan):
+    want = mt.state_shardings(plan)
+    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
+        assert isinstance(x.sharding, NamedSharding), jax.tree_util.keystr(path)
+        assert x.sharding.mesh == plan.mesh and x.sharding == s, jax.tree_util.keystr(path)
+
+
+def random_state(plan, step: int):
+    """A host TrainState shaped like the plan's with distinct random values (no compile needed)."""
+    rng = np.random.default_rng(step)
+    target = mt.abstract_train_state(plan)
+
+    def leaf(x):
+        if np.issubdtype(x.dtype, np.floating):
+            return rng.standard_normal(x.shape).astype(x.dtype)
+        return np.full(x.shape, step, x.dtype)
+    return jax.tree.map(leaf, target)
+
+
+def device(plan, host_state):
+    return jax.device_put(host_state, mt.state_shardings(plan))

@@ -47,6 +47,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cached_logprobs_equal_one_pass_and_greedy_agrees_across_recipes(name):
     model = make_model(name)
@@ -63,6 +64,7 @@ def test_cached_logprobs_equal_one_pass_and_greedy_agrees_across_recipes(name):
     assert all(c == first for c in continuations.values()), continuations
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_the_training_forward_and_padding_changes_nothing():
     model = make_model("tiny")
     loaded = load(model, recipe="dp", devices=1)
@@ -78,6 +80,7 @@ def test_prompt_logprobs_equal_the_training_forward_and_padding_changes_nothing(
         assert len(g.prompt_logprobs) == len(prompt) - 1
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_respects_top_k_top_p_and_stops():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 64))
     keys = [jax.random.key(i) for i in range(8)]
@@ -122,6 +125,7 @@ def test_unknown_weight_format_or_memory_is_a_one_line_config_error(setting, mes
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["dp", "fsdp_tp"])
 def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     model = make_model("tiny")
@@ -147,6 +151,7 @@ def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     assert gap < 0.1 and firsts
 
 
+@pytest.mark.slow
 def test_pipeline_trained_run_generates_after_restore_on_a_non_pipeline_mesh(tmp_path):
     from meshtrain.train import TrainConfig, Trainer
 
@@ -183,6 +188,7 @@ def test_planned_generation_bytes_equal_the_arrays_and_int8_halves_bf16(recipe):
     assert planned["kv_cache_bf16"] == cache == 2 * c.n_layers * rows * 40 * c.n_kv_heads * c.head_dim * 2 // 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, recipe, devices, fmt", [
     ("tiny", "dp", 1, WeightFormat.NONE),
     ("tiny", "fsdp_tp", 8, WeightFormat.INT8),
@@ -221,6 +227,7 @@ def bench_generate():
     return module
 
 
+@pytest.mark.slow
 def test_int8_greedy_agrees_with_bf16_on_90_percent_of_64_tokens_of_a_trained_model(tmp_path):
     """The issue's bar, measured by tools/bench_generate.py --agreement (4 hand-written + 16 held-out prompts
     x 64 greedy tokens) on a briefly trained tiny model (the trained small main job: BENCHMARKS.md)."""

@@ -139,6 +139,7 @@ def test_gpt2_big_weights_are_sharded_by_the_readme_rules(rules_file):
     assert "fsdp" in str(wte) and "tensor" in str(c_attn), (wte, c_attn)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
 def test_hf_model_matches_one_device_under_every_recipe(name, rules_file, tmp_path):
     model, loss_fn, data, rules = {"gpt2": (gpt2, loss, batches, rules_file),
@@ -169,6 +170,7 @@ def loss(model, batch):
 '''
 
 
+@pytest.mark.slow
 def test_meshtrain_plan_plans_gpt2_from_the_cli_on_8_and_64_devices(tmp_path):
     """The README's command, from the repository's root with the shipped rules file."""
     import sys

@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import put, rel_diff, tiny_abstract, token_batch
+from helpers import assert_bit_exact, assert_on_mesh, host, put, rel_diff, tiny_abstract, token_batch
 from jax.sharding import Mesh
-from test_checkpoint import assert_bit_exact, assert_on_mesh, host
 
 import meshtrain as mt
 from meshtrain.annotate import StepContext, step_context
@@ -88,6 +87,7 @@ def _assert_parity(got, want, steps=STEPS):
         assert rel_diff(g_losses[:steps], w_losses[:steps]) <= 1e-5, (g_losses, w_losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_parity_composed_with_fsdp_and_tp(baseline, composed, schedule):
     got = _composed(composed, schedule)
@@ -96,6 +96,7 @@ def test_parity_composed_with_fsdp_and_tp(baseline, composed, schedule):
     assert baseline[1][-1] < baseline[1][0]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:pipeline bubble")  # m = p on purpose: the smallest valid pipeline
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])  # circular alone: its tables, FLOPs and composed run
 def test_parity_alone_four_stages(baseline, schedule):
@@ -273,6 +274,7 @@ def test_schedule_tables():
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_across_stage_counts(baseline, tmp_path):
     """One pp(2) step, then pp(2) -> fsdp(8) -> pp(4) -> pp(2) through checkpoints (the global layer
     layout): each restore bit-exact and on the new mesh; the next pp(2) step gives the same loss and
@@ -348,6 +350,7 @@ def _model_grads(abstract, recipe, n, batch, loss_fn, init):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,schedule", [("vit-tiny", "gpipe"), ("bert-tiny", "1f1b")])
 def test_vit_and_bert_pipeline_parity(model, schedule):
     import optax

@@ -139,6 +139,7 @@ def hang_s(uninterrupted):
     return max(processes.scaled(HANG_S), int(5 * longest) + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, process", [("kill", 1), ("stop", 1), ("kill", 0), ("full", 1)])
 def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(fault, process, uninterrupted, hang_s,
                                                                              tmp_path):
@@ -180,6 +181,7 @@ def test_a_killed_or_hung_process_restarts_the_job_which_ends_bit_identical(faul
     assert len(pids) == 4 and not [p for p in pids if alive(p)], done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_elastic_restart_finishes_on_one_process_with_the_same_global_batch(uninterrupted, tmp_path):
     """A 2-process run loses process 1; the restart runs on 1 process (2 devices instead of 4) with
     --grad-accum 2: the same batch per device and globally, the loss curve within f32 rounding."""
@@ -197,6 +199,7 @@ def test_elastic_restart_finishes_on_one_process_with_the_same_global_batch(unin
     assert "on 1 process(es) with --grad-accum 2" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_shrunk_run_grows_back_when_relaunched_on_more_processes(uninterrupted, tmp_path):
     """Elastic growth: a 2-process run shrinks to 1 process (--elastic), loses that one too and stops; relaunched
     on 2 processes with --resume it continues on more processes than its last segment had: 3 meshes in the run
@@ -218,6 +221,7 @@ def test_a_shrunk_run_grows_back_when_relaunched_on_more_processes(uninterrupted
     assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in want), (got, want)
 
 
+@pytest.mark.slow
 def test_restarts_stop_after_k_failures_with_the_last_error(tmp_path):
     """Every attempt is killed (the fault fires in each): after --max-restarts 1 the launcher gives up."""
     out = tmp_path / "run"
@@ -231,6 +235,7 @@ def test_restarts_stop_after_k_failures_with_the_last_error(tmp_path):
     assert "giving up after 2 attempt(s): process 1 killed by SIGKILL; exit status 137" in done.stderr
 
 
+@pytest.mark.slow
 def test_chaos_benchmark_reports_its_figures(tmp_path):
     out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_resilience.py"), "--model", "tiny",
                          "--steps", "8", "--seq-len", "32", "--mixes", "kill", "kill,elastic",

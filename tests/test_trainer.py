@@ -34,6 +34,7 @@ def tiny_config(tmp_path, name, **kw):
     return TrainConfig(**base)
 
 
+@pytest.mark.slow
 def test_recipes_give_the_same_losses_as_one_device(tmp_path):
     # the Trainer's wiring (data, plan, step, metrics) end to end; every recipe's step-level parity
     # against one device is in test_parity.py
@@ -46,6 +47,7 @@ def test_recipes_give_the_same_losses_as_one_device(tmp_path):
         assert np.max(np.abs(got - base) / base) <= 1e-4, (recipe, got, base)
 
 
+@pytest.mark.slow
 def test_run_folder_outputs(tmp_path):
     s = Trainer(tiny_config(tmp_path, "out", steps=6, eval_every=3, eval_batches=2)).run()
     names = os.listdir(s.run_dir)
@@ -64,6 +66,7 @@ def test_run_folder_outputs(tmp_path):
         Trainer(tiny_config(tmp_path, "out", steps=2)).run()
 
 
+@pytest.mark.slow
 def test_peak_given_reports_mfu(tmp_path):
     s = Trainer(tiny_config(tmp_path, "mfu", steps=3, peak_flops_per_device=1e12)).run()
     rec = [json.loads(l) for l in open(os.path.join(s.run_dir, "metrics.jsonl")) if '"loss"' in l]
@@ -73,6 +76,7 @@ def test_peak_given_reports_mfu(tmp_path):
     assert rec[-1]["mfu"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_nonfinite_policies(tmp_path):
     def nan_loss(model, batch):
         total, count = next_token_loss(model, batch)
@@ -93,6 +97,7 @@ def cli(*args, cwd=ROOT):
                           cwd=cwd, timeout=600)
 
 
+@pytest.mark.slow
 def test_main_job_defaults_train_and_loss_halves(tmp_path):
     # The no-argument main job, shortened: the default model, recipe, data and devices.
     out = cli("train", "--steps", "25", "--eval-every", "0", "--out", str(tmp_path / "main"))
@@ -127,6 +132,7 @@ def test_batch_multiple_is_data_parallel_size_times_micro_batches(recipe, knobs,
     assert trainer.batch_multiple() == multiple
 
 
+@pytest.mark.slow
 def test_default_batch_is_rounded_up_and_said(tmp_path):
     """The issue's pipeline command, with no --batch-size, runs (tiny: 2 layers over 2 stages, fsdp 4, m=8)."""
     out = cli("train", "--model", "tiny", "--recipe", "pp_fsdp", "--schedule", "1f1b", "--micro-batches", "8",

@@ -28,7 +28,7 @@ from meshtrain.train import TrainConfig, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["dp", "fsdp", "tp", "fsdp_tp", "zero1", "zero2", "hsdp", "fsdp_tp_sp"]
-FAST = [("lm1b", "fsdp_tp"), ("lm1b", "zero2")]  # the fast tier's share; the rest are in tests/slow.txt
+FAST = [("lm1b", "fsdp_tp"), ("lm1b", "zero2")]  # the fast tier's share; the rest are marked slow
 STEPS, BATCH = 3, 16
 
 
@@ -184,6 +184,7 @@ def test_upstream_model_matches_one_device(name, recipe, one_device, tmp_path):
     check_matches_one_device(name, recipe, one_device, tmp_path / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,recipe", SLOW)
 def test_upstream_model_matches_one_device_under_every_recipe(name, recipe, one_device, tmp_path):
     check_matches_one_device(name, recipe, one_device, tmp_path / "run")
