@@ -7,6 +7,7 @@ depends on it: a test run without it gives the same results, only slower.
 """
 
 import os
+import pathlib
 import shutil
 import signal
 import tempfile
@@ -46,7 +47,7 @@ def pytest_configure(config):
 #: alone at the end while the other workers sit idle. The rest keep their order. tests/test_suite_rules.py
 #: checks that each entry names a file.
 SLOWEST_FILES = (
-    "test_generation.py", "test_resilience_supervisor.py", "test_step_options.py", "test_hf_flax_models.py",
+    "test_generation.py", "test_resilience_faults.py", "test_resilience_elastic.py", "test_resilience_supervisor.py", "test_step_options.py", "test_hf_flax_models.py",
     "test_pipeline.py", "test_notebooks.py", "test_moe.py", "test_parity.py", "test_trainer.py", "test_peers.py",
     "test_distributed.py", "test_analysis_small.py", "test_pipeline_moe.py", "test_any_model.py",
     "test_context_any_task.py", "test_device_check.py",
@@ -93,3 +94,29 @@ def small_disk(tmp_path):
 @pytest.fixture
 def update_golden(request):
     return request.config.getoption("--update-golden")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted():
+    """The run folder of the tiny 2-process job under the launcher without faults (tests/launch_jobs.py):
+    the reference that tests/test_resilience_faults.py and tests/test_resilience_elastic.py compare with,
+    launched once per session whichever worker asks first. Read it, never write to it."""
+    from helpers import built_once
+    from launch_jobs import launch
+
+    def build(folder):
+        done = launch(os.path.join(folder, "run"))
+        assert done.returncode == 0, done.stderr[-3000:]
+    return pathlib.Path(built_once("launch-tiny-2x2-uninterrupted", build)) / "run"
+
+
+@pytest.fixture(scope="session")
+def hang_s(uninterrupted):
+    """The hang bound for this machine now: HANG_S times its measured slowdown (x2), and at least 5 times the
+    longest step interval (step, data, checkpoint) of the uninterrupted run beside the same load."""
+    import processes
+    from launch_jobs import HANG_S, records
+
+    steps = [r for r in records(os.path.join(uninterrupted, "metrics.jsonl")) if "loss" in r][1:]   # 1: compiles
+    longest = max((r["step_time_s"] + r.get("data_wait_s", 0) + r.get("ckpt_block_s", 0) for r in steps), default=0)
+    return max(processes.scaled(HANG_S), int(5 * longest) + 1)

@@ -3,6 +3,11 @@ states and bit-exact comparisons (the checkpoint, pipeline and resharding tests)
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +112,27 @@ def random_state(plan, step: int):
 
 def device(plan, host_state):
     return jax.device_put(host_state, mt.state_shardings(plan))
+
+
+def built_once(key: str, build) -> str:
+    """The folder ``build(folder)`` fills, built once per test session and shared by every test and every
+    xdist worker (the others wait on a lock meanwhile): a reference run several test files compare with.
+    The folder lives in the session's cache (conftest.py) and goes with it. Tests only read it.
+
+    Example: ``run = built_once("tiny-2x2-uninterrupted", lambda folder: launch(folder + "/run"))``."""
+    if "MESHTRAIN_TEST_CACHE" not in os.environ:   # outside pytest's conftest: this process only
+        os.environ["MESHTRAIN_TEST_CACHE"] = tempfile.mkdtemp(prefix="meshtrain-tests-")
+    root = os.path.join(os.environ["MESHTRAIN_TEST_CACHE"], "built-once")
+    os.makedirs(root, exist_ok=True)
+    folder = os.path.join(root, key)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # held while one worker builds; pytest-timeout bounds the wait
+        try:
+            if not os.path.exists(os.path.join(folder, ".built")):
+                shutil.rmtree(folder, ignore_errors=True)   # a build that failed part-way starts over
+                os.makedirs(folder)
+                build(folder)
+                open(os.path.join(folder, ".built"), "w").close()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, assert_on_mesh, device, host, mesh_for, random_state,
+from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, assert_on_mesh, device, mesh_for, random_state,
                      tiny_abstract)
 
 import meshtrain as mt
