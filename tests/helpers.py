@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding
 
 import meshtrain as mt
@@ -136,3 +137,14 @@ def built_once(key: str, build) -> str:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return folder
+
+
+#: Prompts of three lengths (left padding in one batch) and the tokens to generate: the generation tests.
+GENERATION_PROMPTS = [[10, 20, 30, 40, 50, 60, 70], [5, 6, 7], [101, 102, 103, 104, 105]]
+GENERATION_NEW = 8
+
+
+def make_decoder(name: str, seed: int = 0):
+    """A built-in decoder (``"tiny"``, ``"tiny-moe"``) with concrete weights and no sharding, as ``load`` takes it."""
+    with nnx.use_eager_sharding(False):
+        return mt.models.Decoder(mt.models.get_config(name), rngs=nnx.Rngs(seed))
