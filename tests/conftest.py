@@ -42,15 +42,19 @@ def pytest_configure(config):
 
 
 #: The slowest files, slowest first (a whole-suite ``--durations`` profile on 2 busy cores, summed per
-#: file). They are collected first: ``--dist loadfile`` hands files to workers in collection order (with
-#: xdist's reordering by test count off, pytest_configure), so a long file collected last would run
-#: alone at the end while the other workers sit idle. The rest keep their order. tests/test_suite_rules.py
+#: file; a file split from a long one placed by its share of the tests' seconds). They are collected
+#: first: ``--dist loadfile`` hands files to workers in collection order (with xdist's reordering by
+#: test count off, pytest_configure), so a long file collected last would run alone at the end while
+#: the other workers sit idle. test_resilience_faults.py comes before test_resilience_elastic.py: it
+#: starts the session's uninterrupted launch (conftest's fixture) that both read. The rest keep their order. tests/test_suite_rules.py
 #: checks that each entry names a file.
 SLOWEST_FILES = (
-    "test_generation.py", "test_resilience_faults.py", "test_resilience_elastic.py", "test_resilience_supervisor.py", "test_step_options.py", "test_hf_flax_models.py",
-    "test_pipeline.py", "test_notebooks.py", "test_moe.py", "test_parity.py", "test_trainer.py", "test_peers.py",
-    "test_distributed.py", "test_analysis_small.py", "test_pipeline_moe.py", "test_any_model.py",
-    "test_context_any_task.py", "test_device_check.py",
+    "test_any_model.py", "test_resilience_faults.py", "test_trainer.py", "test_pipeline.py", "test_parity.py",
+    "test_generation.py", "test_generation_weights.py", "test_distributed.py", "test_peers.py",
+    "test_hf_flax_models.py", "test_step_options.py", "test_notebooks.py", "test_analysis_small.py",
+    "test_hf_flax_encoders.py", "test_resilience_elastic.py", "test_moe.py", "test_pipeline_moe.py",
+    "test_resilience_supervisor.py", "test_context_any_task.py", "test_pipeline_schedules.py",
+    "test_device_check.py",
 )
 
 
