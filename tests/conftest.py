@@ -124,3 +124,19 @@ def hang_s(uninterrupted):
     steps = [r for r in records(os.path.join(uninterrupted, "metrics.jsonl")) if "loss" in r][1:]   # 1: compiles
     longest = max((r["step_time_s"] + r.get("data_wait_s", 0) + r.get("ckpt_block_s", 0) for r in steps), default=0)
     return max(processes.scaled(HANG_S), int(5 * longest) + 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_one_device_losses():
+    """The losses of ``helpers.TINY_TRAINER_RUN`` (the tiny model, 10 steps of 16 × 64 tokens) on one device
+    through the Trainer: the reference of the Trainer-level parity tests (test_trainer.py,
+    test_context_parallel.py), run once per session whichever worker asks first."""
+    import numpy as np
+    from helpers import TINY_TRAINER_RUN, built_once, losses_of
+
+    from meshtrain.train import TrainConfig, Trainer
+
+    def build(folder):
+        run = Trainer(TrainConfig(**TINY_TRAINER_RUN, recipe="dp", devices=1, out=os.path.join(folder, "run"))).run()
+        np.save(os.path.join(folder, "losses.npy"), losses_of(run.run_dir))
+    return np.load(os.path.join(built_once("trainer-tiny-dp-1-device", build), "losses.npy"))

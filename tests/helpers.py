@@ -4,6 +4,7 @@ states and bit-exact comparisons (the checkpoint, pipeline and resharding tests)
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -148,3 +149,19 @@ def make_decoder(name: str, seed: int = 0):
     """A built-in decoder (``"tiny"``, ``"tiny-moe"``) with concrete weights and no sharding, as ``load`` takes it."""
     with nnx.use_eager_sharding(False):
         return mt.models.Decoder(mt.models.get_config(name), rngs=nnx.Rngs(seed))
+
+
+#: The tiny Trainer run the Trainer-level parity tests compare with (test_trainer.py, test_context_parallel.py):
+#: ``TrainConfig(**TINY_TRAINER_RUN, recipe=..., out=...)``; its one-device losses are conftest's session
+#: fixture ``tiny_one_device_losses``.
+TINY_TRAINER_RUN = dict(model="tiny", steps=10, batch_size=16, seq_len=64, eval_every=0, progress="none")
+
+
+def losses_of(run_dir) -> np.ndarray:
+    """The per-step training losses in ``run_dir``/metrics.jsonl, in step order."""
+    by_step = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for rec in map(json.loads, f):
+            if "loss" in rec:
+                by_step[rec["step"]] = rec["loss"]
+    return np.array([by_step[s] for s in sorted(by_step)])

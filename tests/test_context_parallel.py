@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY_TRAINER_RUN
 
 import meshtrain as mt
 from meshtrain.annotate import StepContext, step_context
@@ -191,14 +192,12 @@ def _losses(run_dir):
 
 
 def _config(tmp, name, **kw):
-    base = dict(model="tiny", steps=10, batch_size=16, seq_len=64, eval_every=0, progress="none", out=str(tmp / name))
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**{**TINY_TRAINER_RUN, "out": str(tmp / name), **kw})   # conftest's reference run
 
 
 @pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
-    run = Trainer(_config(tmp_path_factory.mktemp("cp"), "one", recipe="dp", devices=1)).run()
-    return _losses(run.run_dir)
+def one_device_losses(tiny_one_device_losses):
+    return tiny_one_device_losses   # _config's run on one device, once per session (shared with test_trainer.py)
 
 
 @pytest.mark.slow

@@ -119,6 +119,12 @@ def test_every_test_file_keeps_a_fast_test():
         assert fast or not slow, f"{name}: every test is marked @pytest.mark.slow; keep one in the fast tier"
 
 
+def test_tiers_are_marks_not_a_side_list():
+    # tests/slow.txt was read until issue 34; a branch that still adds entries to it would be ignored silently
+    assert not os.path.exists(os.path.join(HERE, "slow.txt")), (
+        "tests/slow.txt is no longer read: put @pytest.mark.slow on each test it lists and delete the file")
+
+
 def test_the_tier_rule_sees_marks_on_functions_classes_and_modules():
     fast, slow = _tests_by_tier(ast.parse(
         "import pytest\n@pytest.mark.slow\ndef test_a(): pass\ndef test_b(): pass\n"

@@ -9,6 +9,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY_TRAINER_RUN
 
 import meshtrain as mt
 from meshtrain.train import TrainConfig, Trainer, TrainingError
@@ -35,14 +36,13 @@ def tiny_config(tmp_path, name, **kw):
 
 
 @pytest.mark.slow
-def test_recipes_give_the_same_losses_as_one_device(tmp_path):
+def test_recipes_give_the_same_losses_as_one_device(tiny_one_device_losses, tmp_path):
     # the Trainer's wiring (data, plan, step, metrics) end to end; every recipe's step-level parity
-    # against one device is in test_parity.py
-    one = Trainer(tiny_config(tmp_path, "one", recipe="dp", devices=1, steps=10)).run()
-    base = losses_of(one.run_dir)
+    # against one device is in test_parity.py. The one-device run (TINY_TRAINER_RUN) is once per session.
+    base = tiny_one_device_losses
     assert len(base) == 10 and base[-1] < base[0]
     for recipe in ("fsdp", "fsdp_tp"):
-        run = Trainer(tiny_config(tmp_path, recipe, recipe=recipe, steps=10)).run()
+        run = Trainer(TrainConfig(**TINY_TRAINER_RUN, recipe=recipe, out=str(tmp_path / recipe))).run()
         got = losses_of(run.run_dir)
         assert np.max(np.abs(got - base) / base) <= 1e-4, (recipe, got, base)
 
