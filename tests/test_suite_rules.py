@@ -1,8 +1,10 @@
-"""Rules for the suite itself: no test can wait without a bound (issue 18).
+"""Rules for the suite itself: no test can wait without a bound (issue 18), the tiers are marks in the
+test files and every file keeps a fast test, and no assertion bounds a measured wall-clock time (issue 34).
 
 A test that reads a child's output or waits for it without a timeout can hold CI to its 90-minute
 limit. Children start through ``tests/processes.py`` (bounded waits, process-group kill on expiry);
-pytest-timeout fails any test that still hangs, with its stack.
+pytest-timeout fails any test that still hangs, with its stack. A test asserting that something took
+less than N seconds fails by load alone: the outcome is asserted, the wait's timeout bounds it.
 """
 
 from __future__ import annotations
