@@ -46,8 +46,8 @@ def pytest_configure(config):
 #: first: ``--dist loadfile`` hands files to workers in collection order (with xdist's reordering by
 #: test count off, pytest_configure), so a long file collected last would run alone at the end while
 #: the other workers sit idle. test_resilience_faults.py comes before test_resilience_elastic.py: it
-#: starts the session's uninterrupted launch (conftest's fixture) that both read. The rest keep their order. tests/test_suite_rules.py
-#: checks that each entry names a file.
+#: starts the session's uninterrupted launch (conftest's fixture) that both read. The rest keep their
+#: order. tests/test_suite_rules.py checks that each entry names a file.
 SLOWEST_FILES = (
     "test_any_model.py", "test_resilience_faults.py", "test_trainer.py", "test_pipeline.py", "test_parity.py",
     "test_generation.py", "test_generation_weights.py", "test_distributed.py", "test_peers.py",
