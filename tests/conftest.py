@@ -24,6 +24,12 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "MESHTRAIN_TEST_CACHE" not in os.
     os.environ["MESHTRAIN_TEST_CACHE"] = _OWN_CACHE
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Reference runs built once per session and shared by the workers (helpers.built_once): always a fresh
+# folder, even where a compilation cache is kept across sessions (a result must not outlive its code).
+_OWN_SESSION = None
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _OWN_SESSION = tempfile.mkdtemp(prefix="meshtrain-tests-session-")
+    os.environ["MESHTRAIN_TEST_SESSION"] = _OWN_SESSION
 
 import jax  # noqa: E402
 
@@ -72,8 +78,9 @@ def pytest_addoption(parser):
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE is not None:
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    for own in (_OWN_CACHE, _OWN_SESSION):
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture

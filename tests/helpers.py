@@ -119,12 +119,13 @@ def device(plan, host_state):
 def built_once(key: str, build) -> str:
     """The folder ``build(folder)`` fills, built once per test session and shared by every test and every
     xdist worker (the others wait on a lock meanwhile): a reference run several test files compare with.
-    The folder lives in the session's cache (conftest.py) and goes with it. Tests only read it.
+    The folder lives in the session's folder (conftest.py's ``MESHTRAIN_TEST_SESSION``) and goes with it.
+    Tests only read it.
 
     Example: ``run = built_once("tiny-2x2-uninterrupted", lambda folder: launch(folder + "/run"))``."""
-    if "MESHTRAIN_TEST_CACHE" not in os.environ:   # outside pytest's conftest: this process only
-        os.environ["MESHTRAIN_TEST_CACHE"] = tempfile.mkdtemp(prefix="meshtrain-tests-")
-    root = os.path.join(os.environ["MESHTRAIN_TEST_CACHE"], "built-once")
+    if "MESHTRAIN_TEST_SESSION" not in os.environ:   # outside pytest's conftest: this process only
+        os.environ["MESHTRAIN_TEST_SESSION"] = tempfile.mkdtemp(prefix="meshtrain-tests-session-")
+    root = os.path.join(os.environ["MESHTRAIN_TEST_SESSION"], "built-once")
     os.makedirs(root, exist_ok=True)
     folder = os.path.join(root, key)
     with open(folder + ".lock", "w") as lock:

@@ -218,3 +218,17 @@ def test_no_assertion_bounds_a_measured_wall_clock_time():
 ])
 def test_the_wall_clock_rule_catches_upper_bounds_on_measured_time(code, flagged):
     assert bool(_measured_durations(code)) is flagged
+
+
+def test_built_once_builds_once_for_concurrent_workers(tmp_path):
+    # two processes ask for the same folder at once (as two xdist workers do): one builds, the other waits
+    script = ("import os, sys, time; sys.path.insert(0, {here!r}); from helpers import built_once\n"
+              "def build(folder):\n"
+              "    open({log!r}, 'a').write('built\\n'); time.sleep(1); open(os.path.join(folder, 'x'), 'w').write('1')\n"
+              "print(open(os.path.join(built_once('k', build), 'x')).read())\n").format(here=HERE, log=str(tmp_path / "log"))
+    env = dict(os.environ, MESHTRAIN_TEST_SESSION=str(tmp_path / "session"))
+    children = [processes.start([sys.executable, "-c", script], stdout=processes.PIPE, stderr=processes.PIPE, env=env)
+                for _ in range(2)]
+    outs = [processes.finish(child, timeout=300) for child in children]
+    assert [(code, out.strip()) for code, out, _ in outs] == [(0, "1"), (0, "1")], outs
+    assert (tmp_path / "log").read_text() == "built\n"
