@@ -7,6 +7,7 @@ depends on it: a test run without it gives the same results, only slower.
 """
 
 import os
+import pathlib
 import shutil
 import signal
 import tempfile
@@ -23,6 +24,12 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "MESHTRAIN_TEST_CACHE" not in os.
     os.environ["MESHTRAIN_TEST_CACHE"] = _OWN_CACHE
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Reference runs built once per session and shared by the workers (helpers.built_once): always a fresh
+# folder, even where a compilation cache is kept across sessions (a result must not outlive its code).
+_OWN_SESSION = None
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _OWN_SESSION = tempfile.mkdtemp(prefix="meshtrain-tests-session-")
+    os.environ["MESHTRAIN_TEST_SESSION"] = _OWN_SESSION
 
 import jax  # noqa: E402
 
@@ -32,36 +39,28 @@ jax.config.update("jax_platforms", "cpu")
 import pytest  # noqa: E402
 
 
-SLOW_LIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.txt")
-
-
-def slow_tests():
-    """``{(file, function)}`` from tests/slow.txt: the tests the fast tier leaves out."""
-    with open(SLOW_LIST) as f:
-        entries = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    return {tuple(e.split("::", 1)) for e in entries}
-
-
 def pytest_configure(config):
     # pytest-xdist (3.x) hands out --dist loadfile's files by test count, most first, unless told not to:
     # a slow file of few tests (test_peers, test_device_check) would start last and run alone at the end.
     # Keep the collection order instead: the slowest files first (SLOWEST_FILES).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
-    config.addinivalue_line("markers", "slow: left out of the fast tier (`pytest -m 'not slow'`); listed in "
-                                       "tests/slow.txt")
 
 
 #: The slowest files, slowest first (a whole-suite ``--durations`` profile on 2 busy cores, summed per
-#: file). They are collected first: ``--dist loadfile`` hands files to workers in collection order (with
-#: xdist's reordering by test count off, pytest_configure), so a long file collected last would run
-#: alone at the end while the other workers sit idle. The rest keep their order. tests/test_suite_rules.py
-#: checks that each entry names a file.
+#: file; a file split from a long one placed by its share of the tests' seconds). They are collected
+#: first: ``--dist loadfile`` hands files to workers in collection order (with xdist's reordering by
+#: test count off, pytest_configure), so a long file collected last would run alone at the end while
+#: the other workers sit idle. test_resilience_faults.py comes before test_resilience_elastic.py: it
+#: starts the session's uninterrupted launch (conftest's fixture) that both read. The rest keep their
+#: order. tests/test_suite_rules.py checks that each entry names a file.
 SLOWEST_FILES = (
-    "test_generation.py", "test_resilience_supervisor.py", "test_step_options.py", "test_hf_flax_models.py",
-    "test_pipeline.py", "test_notebooks.py", "test_moe.py", "test_parity.py", "test_trainer.py", "test_peers.py",
-    "test_distributed.py", "test_analysis_small.py", "test_pipeline_moe.py", "test_any_model.py",
-    "test_context_any_task.py", "test_device_check.py",
+    "test_any_model.py", "test_resilience_faults.py", "test_trainer.py", "test_pipeline.py", "test_parity.py",
+    "test_generation.py", "test_generation_weights.py", "test_distributed.py", "test_peers.py",
+    "test_hf_flax_models.py", "test_step_options.py", "test_notebooks.py", "test_analysis_small.py",
+    "test_hf_flax_encoders.py", "test_resilience_elastic.py", "test_moe.py", "test_pipeline_moe.py",
+    "test_resilience_supervisor.py", "test_context_any_task.py", "test_pipeline_schedules.py",
+    "test_device_check.py",
 )
 
 
@@ -72,11 +71,6 @@ def _slowest_first(item):
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowest_first)   # stable: a file's tests keep their order (module fixtures, parameters)
-    slow = slow_tests()
-    for item in items:
-        path = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(SLOW_LIST)))
-        if (path, item.originalname or item.name) in slow:
-            item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser):
@@ -84,8 +78,9 @@ def pytest_addoption(parser):
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE is not None:
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    for own in (_OWN_CACHE, _OWN_SESSION):
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture
@@ -110,3 +105,45 @@ def small_disk(tmp_path):
 @pytest.fixture
 def update_golden(request):
     return request.config.getoption("--update-golden")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted():
+    """The run folder of the tiny 2-process job under the launcher without faults (tests/launch_jobs.py):
+    the reference that tests/test_resilience_faults.py and tests/test_resilience_elastic.py compare with,
+    launched once per session whichever worker asks first. Read it, never write to it."""
+    from helpers import built_once
+    from launch_jobs import launch
+
+    def build(folder):
+        done = launch(os.path.join(folder, "run"))
+        assert done.returncode == 0, done.stderr[-3000:]
+    return pathlib.Path(built_once("launch-tiny-2x2-uninterrupted", build)) / "run"
+
+
+@pytest.fixture(scope="session")
+def hang_s(uninterrupted):
+    """The hang bound for this machine now: HANG_S times its measured slowdown (x2), and at least 5 times the
+    longest step interval (step, data, checkpoint) of the uninterrupted run beside the same load."""
+    import processes
+    from launch_jobs import HANG_S, records
+
+    steps = [r for r in records(os.path.join(uninterrupted, "metrics.jsonl")) if "loss" in r][1:]   # 1: compiles
+    longest = max((r["step_time_s"] + r.get("data_wait_s", 0) + r.get("ckpt_block_s", 0) for r in steps), default=0)
+    return max(processes.scaled(HANG_S), int(5 * longest) + 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_one_device_losses():
+    """The losses of ``helpers.TINY_TRAINER_RUN`` (the tiny model, 10 steps of 16 × 64 tokens) on one device
+    through the Trainer: the reference of the Trainer-level parity tests (test_trainer.py,
+    test_context_parallel.py), run once per session whichever worker asks first."""
+    import numpy as np
+    from helpers import TINY_TRAINER_RUN, built_once, losses_of
+
+    from meshtrain.train import TrainConfig, Trainer
+
+    def build(folder):
+        run = Trainer(TrainConfig(**TINY_TRAINER_RUN, recipe="dp", devices=1, out=os.path.join(folder, "run"))).run()
+        np.save(os.path.join(folder, "losses.npy"), losses_of(run.run_dir))
+    return np.load(os.path.join(built_once("trainer-tiny-dp-1-device", build), "losses.npy"))

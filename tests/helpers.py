@@ -1,11 +1,20 @@
-"""Shared test helpers: meshes, abstract states, deterministic batches, runs of N steps."""
+"""Shared test helpers: meshes, abstract states, deterministic batches, runs of N steps, host copies of
+states and bit-exact comparisons (the checkpoint, pipeline and resharding tests)."""
 
 from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
+from jax.sharding import NamedSharding
 
 import meshtrain as mt
 from meshtrain.parallel.resolved import batch_splits
@@ -68,3 +77,93 @@ def run_steps(recipe, mesh, steps=10, abstract=None, batch=TINY_BATCH, seq=TINY_
 def rel_diff(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def host(state):
+    """A host copy that survives buffer donation by later steps."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), state)
+
+
+def assert_bit_exact(expected_host, state):
+    exp, got = jax.tree_util.tree_flatten_with_path(expected_host)[0], jax.tree.leaves(state)
+    assert len(exp) == len(got)
+    for (path, e), g in zip(exp, got):
+        g = np.asarray(g)
+        assert e.dtype == g.dtype and e.shape == g.shape, jax.tree_util.keystr(path)
+        same = np.array_equal(e.reshape(-1).view(np.uint8), g.reshape(-1).view(np.uint8))
+        assert same, f"{jax.tree_util.keystr(path)} differs"
+
+
+def assert_on_mesh(state, plan):
+    want = mt.state_shardings(plan)
+    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
+        assert isinstance(x.sharding, NamedSharding), jax.tree_util.keystr(path)
+        assert x.sharding.mesh == plan.mesh and x.sharding == s, jax.tree_util.keystr(path)
+
+
+def random_state(plan, step: int):
+    """A host TrainState shaped like the plan's with distinct random values (no compile needed)."""
+    rng = np.random.default_rng(step)
+    target = mt.abstract_train_state(plan)
+
+    def leaf(x):
+        if np.issubdtype(x.dtype, np.floating):
+            return rng.standard_normal(x.shape).astype(x.dtype)
+        return np.full(x.shape, step, x.dtype)
+    return jax.tree.map(leaf, target)
+
+
+def device(plan, host_state):
+    return jax.device_put(host_state, mt.state_shardings(plan))
+
+
+def built_once(key: str, build) -> str:
+    """The folder ``build(folder)`` fills, built once per test session and shared by every test and every
+    xdist worker (the others wait on a lock meanwhile): a reference run several test files compare with.
+    The folder lives in the session's folder (conftest.py's ``MESHTRAIN_TEST_SESSION``) and goes with it.
+    Tests only read it.
+
+    Example: ``run = built_once("tiny-2x2-uninterrupted", lambda folder: launch(folder + "/run"))``."""
+    if "MESHTRAIN_TEST_SESSION" not in os.environ:   # outside pytest's conftest: this process only
+        os.environ["MESHTRAIN_TEST_SESSION"] = tempfile.mkdtemp(prefix="meshtrain-tests-session-")
+    root = os.path.join(os.environ["MESHTRAIN_TEST_SESSION"], "built-once")
+    os.makedirs(root, exist_ok=True)
+    folder = os.path.join(root, key)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # held while one worker builds; pytest-timeout bounds the wait
+        try:
+            if not os.path.exists(os.path.join(folder, ".built")):
+                shutil.rmtree(folder, ignore_errors=True)   # a build that failed part-way starts over
+                os.makedirs(folder)
+                build(folder)
+                open(os.path.join(folder, ".built"), "w").close()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
+
+
+#: Prompts of three lengths (left padding in one batch) and the tokens to generate: the generation tests.
+GENERATION_PROMPTS = [[10, 20, 30, 40, 50, 60, 70], [5, 6, 7], [101, 102, 103, 104, 105]]
+GENERATION_NEW = 8
+
+
+def make_decoder(name: str, seed: int = 0):
+    """A built-in decoder (``"tiny"``, ``"tiny-moe"``) with concrete weights and no sharding, as ``load`` takes it."""
+    with nnx.use_eager_sharding(False):
+        return mt.models.Decoder(mt.models.get_config(name), rngs=nnx.Rngs(seed))
+
+
+#: The tiny Trainer run the Trainer-level parity tests compare with (test_trainer.py, test_context_parallel.py):
+#: ``TrainConfig(**TINY_TRAINER_RUN, recipe=..., out=...)``; its one-device losses are conftest's session
+#: fixture ``tiny_one_device_losses``.
+TINY_TRAINER_RUN = dict(model="tiny", steps=10, batch_size=16, seq_len=64, eval_every=0, progress="none")
+
+
+def losses_of(run_dir) -> np.ndarray:
+    """The per-step training losses in ``run_dir``/metrics.jsonl, in step order."""
+    by_step = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for rec in map(json.loads, f):
+            if "loss" in rec:
+                by_step[rec["step"]] = rec["loss"]
+    return np.array([by_step[s] for s in sorted(by_step)])

@@ -31,6 +31,7 @@ def small():
     return cfg, runs
 
 
+@pytest.mark.slow
 def test_peak_memory_estimate_within_10_percent_of_xla(small):
     cfg, runs = small
     rows = []
@@ -57,6 +58,7 @@ def unrolled(small):
             for name, o in options.items()}
 
 
+@pytest.mark.slow
 def test_peak_memory_estimate_of_unrolled_layers_within_10_percent_of_xla(small, unrolled):
     cfg, _ = small
     rows = []
@@ -114,6 +116,7 @@ def test_collectives_of_the_other_recipes_agree_per_axis(small):
                 assert ana.get(axes, {}).get("total", 0) == pytest.approx(kinds["total"], rel=TOLERANCE), (name, axes)
 
 
+@pytest.mark.slow
 def test_step_time_ranking_runs_and_compares_orders(small):
     """The ranking machinery on real compiled steps (figures only: timings are a benchmark, see
     tools/bench_planner.py and BENCHMARKS.md), and the comparison logic on fixed numbers."""

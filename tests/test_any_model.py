@@ -198,6 +198,7 @@ CASES = [(r, m) for r in RECIPES for m in MODELS] if FULL else [
     (r, m) for i, r in enumerate(RECIPES) for m in (("vit", "linen") if i % 2 == 0 else ("bert", "nnx_rules"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe, model", CASES)
 def test_recipe_matches_one_device(recipe, model, baseline, tmp_path):
     base = baseline(model)

@@ -145,6 +145,7 @@ def one_device(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_matches_one_device(recipe, model, one_device, tmp_path):
@@ -313,6 +314,7 @@ def _readme_block(kind, name, lang):
     return m.group(1)
 
 
+@pytest.mark.slow
 def test_readme_rules_example_commands_work(tmp_path):
     """The README's Linen model, rules file and commands, as written: list, plan on 8 devices and on an
     AbstractMesh of 16."""

@@ -176,6 +176,7 @@ def _grads(abstract, recipe, mesh, batch, loss_fn, layout=None):
     return float(loss), jax.tree.leaves(jax.tree.map(np.asarray, grads)), metrics
 
 
+@pytest.mark.slow
 def test_any_layout_micro_batched_matches_one_device(clf_abstract):
     """Batch axis not first, a replicated-by-design leaf, metrics: micro-batches × devices = one device."""
     base = image_batch()
@@ -200,6 +201,7 @@ def test_any_layout_micro_batched_matches_one_device(clf_abstract):
     assert abs(float(got[2]["weight"]) - float(np.sum(batch["class_weights"][batch["labels"]]))) <= 1e-4
 
 
+@pytest.mark.slow
 def test_step_metrics_are_sums_over_the_global_weight(clf_abstract):
     batch = image_batch(n=32)
     recipe, mesh = mesh_for("fsdp")

@@ -67,6 +67,7 @@ def test_without_the_plugin_the_check_names_the_extra(capsys, monkeypatch):
 PACKED = ("inputs", "targets", "positions", "segment_ids")
 
 
+@pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("recipe, options", [("fsdp", {"local_attention": "flash"}),
                                              ("fsdp_tp", {"local_attention": "flash"}),
@@ -96,6 +97,7 @@ def test_flash_compiles_for_8_h100s_with_cudnn_fused_attention(recipe, options, 
     assert (resolve_step(plan).attention.backend is FlashBackend.CUDNN) is bool(per_layer)
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_the_plan_reports_xla_gpu_memory_and_collectives(capsys):
     code, out, err = run_plan(capsys, "--recipe", "fsdp", "--attention", "flash", "--batch", UNPACKED, "--check", "gpu",

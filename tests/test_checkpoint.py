@@ -11,46 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, tiny_abstract
-from jax.sharding import NamedSharding
+from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, assert_on_mesh, device, mesh_for, random_state,
+                     tiny_abstract)
 
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Compression, Restored,
                                   SaveResult, StepStatus, inspect_checkpoint, integrity)
-
-
-def host(state):
-    """A host copy that survives buffer donation by later steps."""
-    return jax.tree.map(lambda x: np.array(x, copy=True), state)
-
-
-def assert_bit_exact(expected_host, state):
-    exp, got = jax.tree_util.tree_flatten_with_path(expected_host)[0], jax.tree.leaves(state)
-    assert len(exp) == len(got)
-    for (path, e), g in zip(exp, got):
-        g = np.asarray(g)
-        assert e.dtype == g.dtype and e.shape == g.shape, jax.tree_util.keystr(path)
-        same = np.array_equal(e.reshape(-1).view(np.uint8), g.reshape(-1).view(np.uint8))
-        assert same, f"{jax.tree_util.keystr(path)} differs"
-
-
-def assert_on_mesh(state, plan):
-    want = mt.state_shardings(plan)
-    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(want)):
-        assert isinstance(x.sharding, NamedSharding), jax.tree_util.keystr(path)
-        assert x.sharding.mesh == plan.mesh and x.sharding == s, jax.tree_util.keystr(path)
-
-
-def random_state(plan, step: int):
-    """A host TrainState shaped like the plan's with distinct random values (no compile needed)."""
-    rng = np.random.default_rng(step)
-    target = mt.abstract_train_state(plan)
-
-    def leaf(x):
-        if np.issubdtype(x.dtype, np.floating):
-            return rng.standard_normal(x.shape).astype(x.dtype)
-        return np.full(x.shape, step, x.dtype)
-    return jax.tree.map(leaf, target)
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +28,6 @@ def run():
     update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), in_shardings=(shardings,),
                      out_shardings=shardings, donate_argnums=0)
     return plan, update, {s: random_state(plan, s) for s in range(1, 5)}
-
-
-def device(plan, host_state):
-    return jax.device_put(host_state, mt.state_shardings(plan))
 
 
 META = {"recipe": {"name": "fsdp"}, "model": "tiny", "seed": 0}

@@ -13,8 +13,8 @@ import warnings
 
 import jax
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, tiny_abstract
-from test_checkpoint import assert_bit_exact, assert_on_mesh, device, random_state
+from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, assert_on_mesh, device, mesh_for, random_state,
+                     tiny_abstract)
 
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, StepStatus, Verify, integrity,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, put, tiny_abstract, token_batch
-from test_checkpoint import assert_bit_exact, assert_on_mesh, host
+from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, assert_on_mesh, host, mesh_for, put, tiny_abstract,
+                     token_batch)
 
 import meshtrain as mt
 from meshtrain.checkpoint import Checkpointer

@@ -11,8 +11,8 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, put, tiny_abstract, token_batch
-from test_checkpoint import assert_bit_exact, device, host, random_state
+from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, device, host, mesh_for, put, random_state, tiny_abstract,
+                     token_batch)
 
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, NoValidCheckpoint, StepStatus,

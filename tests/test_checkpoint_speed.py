@@ -16,8 +16,8 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, put, tiny_abstract, token_batch
-from test_checkpoint import assert_bit_exact, device, host, random_state
+from helpers import (TINY_BATCH, TINY_SEQ, assert_bit_exact, device, host, mesh_for, put, random_state, tiny_abstract,
+                     token_batch)
 
 import meshtrain as mt
 from meshtrain.checkpoint import (Checkpointer, CheckpointError, CheckpointWarning, Compression, StepStatus, Verify,
@@ -108,6 +108,7 @@ def test_default_compression_is_none_and_zstd_still_restores(run, tmp_path):
 
 # -- background_start: Orbax's blocking part in a worker thread --------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fsdp", "dp"])       # sharded leaves; every leaf replicated 8 times
 def test_background_start_saves_the_values_of_its_step_while_the_loop_donates(recipe, tmp_path):
     """maybe_save returns once the copies are enqueued. Orbax is held back here until the next step

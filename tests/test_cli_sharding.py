@@ -43,6 +43,7 @@ def test_plan_recipe_file_and_devices():
     assert json.loads(out.stdout)["mesh"] == {"fsdp": 4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (("--recipe", "fsdp3"), "unknown recipe 'fsdp3'"),
     (("--model", "gpt9"), "unknown model 'gpt9'"),

@@ -40,6 +40,7 @@ def _weight_shapes(plan):
     return shapes
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assertions written for XLA:CPU")
 def test_dp_all_reduces_gradients_and_gathers_nothing():
     plan, _, cs = compile_step("dp")
@@ -54,6 +55,7 @@ def test_dp_all_reduces_gradients_and_gathers_nothing():
         assert tuple(sorted(shape)) in reduced, f"gradient of {leaf.path} {shape} is not all-reduced"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assertions written for XLA:CPU")
 def test_fsdp_all_gathers_every_layer_weight():
     plan, _, cs = compile_step("fsdp")
@@ -76,6 +78,7 @@ def test_tp_moves_activations_not_weights():
     assert (B, T, 64) in moved  # the row-parallel output all-reduce of the residual stream
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="assertions written for XLA:CPU")
 def test_sequence_parallel_keeps_residual_stream_sharded_on_sequence():
     _, text_sp, cs_sp = compile_step("fsdp_tp_sp")

@@ -87,6 +87,7 @@ def one_device(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task,recipe", [("bert", "cp"), ("bert", "fsdp_cp_usp"), ("causal", "cp")])
 def test_cp_recipe_trains_any_task_like_one_device(task, recipe, one_device, tmp_path, capsys):
     _, base = one_device(task)

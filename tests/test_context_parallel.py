@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY_TRAINER_RUN
 
 import meshtrain as mt
 from meshtrain.annotate import StepContext, step_context
@@ -100,6 +101,7 @@ KINDS = {
 COLLECTIVE = {"all_gather": "all-gather", "ring": "collective-permute", "ulysses": "all-to-all", "usp": "all-to-all"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_kind_matches_reference_forward_and_gradients(kind, reference):
     (q, k, v, w, seg), o_ref, g_ref = reference
@@ -134,6 +136,7 @@ def _layers_grad_hlo(ctx, q, seg, kind=None):
         return jax.jit(jax.grad(loss)).lower(q).compile().as_text()
 
 
+@pytest.mark.slow
 def test_no_t_by_t_buffer_in_flash_and_ring():
     t = 2048
     q, _, _, _, seg = _inputs(t=t, n=2, kv=1, h=8, b=1)
@@ -189,16 +192,15 @@ def _losses(run_dir):
 
 
 def _config(tmp, name, **kw):
-    base = dict(model="tiny", steps=10, batch_size=16, seq_len=64, eval_every=0, progress="none", out=str(tmp / name))
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig(**{**TINY_TRAINER_RUN, "out": str(tmp / name), **kw})   # conftest's reference run
 
 
 @pytest.fixture(scope="module")
-def one_device_losses(tmp_path_factory):
-    run = Trainer(_config(tmp_path_factory.mktemp("cp"), "one", recipe="dp", devices=1)).run()
-    return _losses(run.run_dir)
+def one_device_losses(tiny_one_device_losses):
+    return tiny_one_device_losses   # _config's run on one device, once per session (shared with test_trainer.py)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fsdp_cp", "fsdp_cp_usp"])  # ring; ulysses × ring (fsdp_tp_cp: the CLI test)
 def test_cp_recipes_train_like_one_device(recipe, one_device_losses, tmp_path):
     run = Trainer(_config(tmp_path, recipe, recipe=recipe)).run()
@@ -208,6 +210,7 @@ def test_cp_recipes_train_like_one_device(recipe, one_device_losses, tmp_path):
     assert len(got) == 10 and diff <= 1e-4, (got, one_device_losses)
 
 
+@pytest.mark.slow
 def test_cli_cp_recipe_with_attention_flag_trains_like_one_device(one_device_losses, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
@@ -239,6 +242,7 @@ def test_token_data_arrive_in_zigzag_order_with_positions_and_segments():
 
 # -- planner ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_planner_memory_and_ring_bytes_match_the_compiled_step():
     from meshtrain.analysis.collectives import hlo_collectives
     from meshtrain.analysis.compiled import MeasuredMemory, step_inputs

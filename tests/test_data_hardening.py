@@ -145,6 +145,7 @@ def _peak_rss_mb(argv, timeout=900) -> float:
     return int(out.stderr.split("peak-rss-kb")[-1].split()[0]) / 1024
 
 
+@pytest.mark.slow
 def test_a_12_mb_single_line_stays_within_a_memory_bound(tmp_path):
     """Before: the whole line was one string to the trainer and to encode (a 30 MB line took > 7 GiB
     in `prepare`, a 40 MB line did not finish `tokenizer` in 300 s). Now pieces of 256 Ki chars."""

@@ -8,6 +8,7 @@ import re
 import sys
 
 import processes
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "device_check.sh")
@@ -47,6 +48,7 @@ def test_tables_go_under_one_heading_newest_first(tmp_path):
     assert text.index("### second") < text.index("### first")
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_the_pipeline_and_adds_a_dated_table(tmp_path):
     dc = _tool_module()
     out_md = tmp_path / "BENCHMARKS.md"

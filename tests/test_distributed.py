@@ -92,6 +92,7 @@ def two_fsdp(env, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fsdp", "hsdp"])
 def test_two_processes_train_like_one(recipe, env, baseline, two_fsdp, tmp_path):
     """2 processes × 4 devices: the same losses as 1 process × 8 (fsdp and hsdp give the same math)."""
@@ -107,6 +108,7 @@ def test_two_processes_train_like_one(recipe, env, baseline, two_fsdp, tmp_path)
     assert events(run, "summary")[-1]["steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_checkpoint_from_one_process_resumes_in_two(env, baseline, tmp_path):
     """Saved by 1 process on fsdp=8, restored by 2 processes on hsdp (data=2 × fsdp=4)."""
     run = tmp_path / "run"
@@ -154,6 +156,7 @@ def preempted(env, tmp_path_factory):
     return run, codes, root
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_one_step(preempted):
     run, codes, logs = preempted
     assert codes == [0, 0], f"exit codes {codes}\n{_tail(logs)}"
@@ -170,6 +173,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step(preempted):
     assert (ckpts / str(step) / "commit_success.txt").exists()
 
 
+@pytest.mark.slow
 def test_preempted_two_process_checkpoint_resumes_in_one_process(env, preempted, baseline):
     """``--resume`` continues the preempted 2-process run in 1 process on another mesh (hsdp
     data=2 × fsdp=4 instead of fsdp 2×4) with the losses of the uninterrupted run."""
@@ -311,6 +315,7 @@ LATE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_process_late_to_its_first_collective_by_more_than_gloos_30_s_still_joins(env, tmp_path):
     """XLA:CPU's gloo rendezvous at a device group's first collective waits a fixed 30 s; meshtrain connects the
     groups at start-up, at a barrier bounded by --init-timeout, so a peer 35 s late no longer fails the run

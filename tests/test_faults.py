@@ -63,6 +63,7 @@ def _error_lines(err):
     return [line for line in err.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit_kib, args, names, committed", [
     # plan.json (16 KiB) is the first file over 8 KiB
     (8, ("--steps", "2"), "plan.json before the first step: File too large; raise the file-size limit", []),
@@ -81,6 +82,7 @@ def test_file_size_limit_names_the_file_and_exits_74(tmp_path, limit_kib, args, 
     assert _committed_steps(run) == committed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("free_kib, args, names, committed", [
     (0, ("--steps", "2"), ".meshtrain-run.lock before the run started: No space left on device", []),
     (12, ("--steps", "2"), "plan.json before the first step: No space left on device; free disk space", []),
@@ -171,6 +173,7 @@ def test_damaged_metrics_is_refused_naming_file_and_line(finished_run, tmp_path,
     assert tree_digest(run) == before   # every byte left on disk
 
 
+@pytest.mark.slow
 def test_torn_last_line_is_tolerated_and_a_param_dtype_change_is_said_loudly(finished_run, tmp_path, capsys):
     run = _copy(finished_run, tmp_path)
     with open(os.path.join(run, "metrics.jsonl"), "ab") as f:

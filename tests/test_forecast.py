@@ -121,6 +121,7 @@ def test_every_efficiency_names_its_source_and_its_range_holds_its_value():
         assert e.source, key
 
 
+@pytest.mark.slow
 def test_plan_json_has_the_forecast_and_the_report_its_line():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
@@ -139,6 +140,7 @@ def test_plan_json_has_the_forecast_and_the_report_its_line():
     assert lines[at + 1].startswith("forecast ≈ ") and "bottleneck matmul" in lines[at + 1]
 
 
+@pytest.mark.slow
 def test_published_figures_calibration_exact_and_held_out_within_25_percent_or_a_stated_reason():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))

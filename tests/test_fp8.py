@@ -173,6 +173,7 @@ def test_fp8_fsdp_tp_matches_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_fp8_pp_fsdp_matches_one_device():
     """gpipe: each layer runs once per micro-batch; the meta's fm32 "sum" over them is a max. The
     stages' idle ticks (the bubble) run the layer on placeholder activations too, and their amax
@@ -181,6 +182,7 @@ def test_fp8_pp_fsdp_matches_one_device():
     _check_parity("pp_fsdp", "tiny", amax_at_least=True)
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_fp8_fsdp_ep_matches_one_device():
     """MoE: the experts' input and weights in e4m3, their output's gradient in e5m2. The parity tests'
@@ -221,6 +223,7 @@ def _losses(out):
     return by_step
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact_with_fp8_state(tmp_path):
     base = tmp_path / "base"

@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
     return {"text": train(d / "text"), "ids": train(d / "ids", str(tokens))}
 
 
+@pytest.mark.slow
 def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs):
     out = generate_cli(runs["text"], "--prompt", "def main(", "--prompt", "import os", "--max-new-tokens", 6,
                        "--prompt-logprobs", "--json", "--recipe", "tp")
@@ -61,6 +62,7 @@ def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs):
     assert row["new_ids"] == [] and len(row["prompt_logprobs"]) == 3 and "new_text" not in row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run, argv, message", [
     ("text", ["--prompt", ""], "prompt 0 is empty"),
     ("text", ["--prompt", "x" * 257], "more than max_seq_len 256"),
@@ -89,6 +91,7 @@ def test_missing_run_folder_is_one_line_exit_2(tmp_path):
                                                f"its checkpoints/ folder"]
 
 
+@pytest.mark.slow
 def test_bench_generate_runs_and_prints_its_figures():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"

@@ -109,6 +109,7 @@ def test_bad_launch_commands_say_what_to_change(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_every_process_reports_its_error_and_the_launcher_exits_with_it(tmp_path):
     """A real launch whose command fails in every process: each error line carries its process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHTRAIN_", "JAX_"))}

@@ -15,6 +15,7 @@ def _while_loops(plan):
     return mt.make_train_step(plan).lower(mt.abstract_train_state(plan), batch).as_text().count("stablehlo.while")
 
 
+@pytest.mark.slow
 def test_scan_unrolled_and_partial_unroll_train_alike():
     recipe, mesh = mesh_for("fsdp")
     abstract = tiny_abstract(n_layers=4)

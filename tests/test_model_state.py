@@ -94,6 +94,7 @@ def test_plan_counts_key_and_state_bytes(abstract):
     assert target.sharding.mesh.shape == plan.mesh.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "fsdp", "zero1", "zero2", "hsdp", "tp", "fsdp_tp", "fsdp_tp_sp"])
 def test_dropout_batchnorm_model_matches_one_device(name, abstract, one_device):
     base, base_metrics, base_state = one_device

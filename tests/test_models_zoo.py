@@ -118,6 +118,7 @@ def test_vit_abstract_state_axes_and_vit_b16_size():
     assert big.num_params == get_config("vit-b16").num_params() == 86_567_656   # published ViT-B/16
 
 
+@pytest.mark.slow
 def test_vit_loss_contract_and_learning(vit):
     """vit_loss returns sums + weight; jitted SGD steps on a digits batch lower the loss and
     gradients reach every parameter."""

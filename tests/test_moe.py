@@ -83,10 +83,12 @@ def _check_parity(run, baseline):
         assert rel_diff(g, base[path_str(keypath)]) <= 1e-5, path_str(keypath)
 
 
+@pytest.mark.slow
 def test_ep_matches_single_device(ep_run, baseline):
     _check_parity(ep_run, baseline)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,capacity_factor", [("fsdp_ep", NO_DROP), ("fsdp_tp_ep", None)],
                          ids=["fsdp_ep", "fsdp_tp_ep-dropless"])
 def test_recipe_matches_single_device(name, capacity_factor, baseline):
@@ -133,6 +135,7 @@ def _hand_routed_layer(capacity_factor):
     return layer, jnp.stack([x, x[::-1]])  # row 2: the same tokens in reverse order
 
 
+@pytest.mark.slow
 def test_constructed_routing_drops_exactly_the_expected_tokens():
     # C = ceil(1.0 · 8 tokens · 2 / 4) = 4 slots per expert per row. Priority: first choices in token
     # order, then second choices. Row 1: e0 gets first choices t0..t4 (t4 dropped) and t6's second
@@ -208,6 +211,7 @@ def _ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, outp
     return output
 
 
+@pytest.mark.slow
 def test_ragged_dropless_exchange_offsets(monkeypatch):
     """The GPU/TPU dropless kernel's offsets, run on CPU with an emulated ragged_all_to_all: the same
     output and gradients as one device's sort + ragged_dot."""

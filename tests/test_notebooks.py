@@ -30,6 +30,7 @@ def test_notebook_is_committed_clean_and_sets_8_devices_first(path):
     assert first[0] == "import jax" and first[1].startswith('jax.config.update("jax_num_cpu_devices", 8)')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path):
     book = nbformat.read(path, as_version=4)

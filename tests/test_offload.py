@@ -32,6 +32,7 @@ def test_plan_moves_the_optimizer_state_to_host_memory(plans):
     assert mt.Recipe.from_dict(off.recipe.to_dict()) == off.recipe
 
 
+@pytest.mark.slow
 def test_offloaded_training_matches_and_checkpoints_move_between_layouts(plans, tmp_path):
     base, off = plans
     steps = [mt.make_train_step(p) for p in plans]

@@ -46,6 +46,7 @@ def on_device_policy(monkeypatch):
     saved_activations.cache_clear()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe, n_devices", [("fsdp", 8), ("dp", 1)])
 def test_offload_losses_are_bit_identical_to_remat_none(recipe, n_devices):
     sizes = {} if n_devices == 8 else {"data": 1}
@@ -108,6 +109,7 @@ def _gpu_step(recipe, cfg):
     return gpu_aot.compile_gpu_topology(abstract, recipe, mt.BatchSpec(8, 256), gpu_aot.parse_topology("1xH100"))
 
 
+@pytest.mark.slow
 @needs_plugin
 def test_xla_gpu_copies_to_host_and_the_device_peak_drops_as_planned(on_device_policy):
     cfg = get_config("tiny", n_layers=8)   # deep enough that one layer's copy in flight is a small part

@@ -27,6 +27,7 @@ def _grads(plan):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_matches_single_device(name, baseline):
     base_losses, (base_loss0, base_grads) = baseline
@@ -58,6 +59,7 @@ def test_mesh_override_matches_single_device(baseline):
     assert rel_diff(losses, baseline[0][:3]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_tied_embeddings_match_single_device():
     abstract = tiny_abstract(tie_embeddings=True)
     assert "lm_head_dv" not in abstract.params

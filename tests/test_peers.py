@@ -139,6 +139,7 @@ def records(path):
     return [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
 
 
+@pytest.mark.slow
 def test_five_sigkills_of_one_of_two_processes_lose_at_most_the_peer_interval(tmp_path):
     """Kills at 5 random steps (seeded), of a random process; 3 of them also lose that process's host memory
     (``lose``: its own copies and the peer copy it held), so its shards come back from its peer."""

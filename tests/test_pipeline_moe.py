@@ -14,8 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import put, rel_diff, token_batch
-from test_checkpoint import host
+from helpers import host, put, rel_diff, token_batch
 
 import meshtrain as mt
 from meshtrain.errors import ConfigError
@@ -66,6 +65,7 @@ FULL = os.environ.get("MESHTRAIN_FULL_PARITY", "") not in ("", "0")
 CASES = [("pp", "circular"), ("pp_fsdp", "1f1b")] + ([("pp", "gpipe"), ("pp", "1f1b")] if FULL else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,schedule", CASES)
 def test_moe_router_losses_and_metrics_through_the_pipeline(baseline, recipe, schedule):
     r = mt.get_recipe(recipe).with_options(schedule=schedule, micro_batches=M,

@@ -54,6 +54,7 @@ def test_fsdp_memory_is_one_eighth():
     assert abs(args - expected) <= 0.05 * expected, (args, expected)
 
 
+@pytest.mark.slow
 def test_zero1_shards_only_optimizer_state():
     plan, compiled = _compiled("zero1")
     per_device = plan.per_device_bytes()
@@ -81,6 +82,7 @@ PATTERNS = mt.PathRules([(r"embed/embedding", ("vocab", "embed")), (r".*/kernel"
                          (r"hidden/bias", ("mlp",)), (r"out/bias", ("vocab",))])
 
 
+@pytest.mark.slow
 def test_path_rules_shard_an_unannotated_model():
     tx = optax.adamw(1e-3)
     with pytest.raises(mt.RulesError, match="parameters without logical axes: embed/embedding"):
@@ -124,6 +126,7 @@ def test_indivisible_param_opt_in_replication_is_reported():
     assert "kv_heads" in plan.describe()
 
 
+@pytest.mark.slow
 def test_sharded_init_never_builds_the_whole_model_on_one_device():
     recipe, mesh = mesh_for("fsdp")
     plan = mt.make_plan(tiny_abstract(), recipe, mesh)

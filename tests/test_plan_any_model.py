@@ -78,6 +78,7 @@ def _vit_plan(recipe="fsdp", batch=16, **options):
     return mt.make_plan(abstract, r.with_options(**options) if options else r, batch=layout)
 
 
+@pytest.mark.slow
 def test_vit_tiny_plan_from_the_compiled_program_and_traced_estimate_within_15_percent(capsys):
     code, out, err = run_plan(capsys, "--model", "vit-tiny", "--recipe", "fsdp", "--batch-size", "16",
                               "--layer-loop", "scan", "--json")

@@ -27,6 +27,7 @@ def run_plan(capsys, *args):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["tpu-v5p"])   # h100: tests/test_analysis.py (the same search, via the API)
 def test_auto_llama3_70b_on_256_chips_with_a_recipe_that_fits(hardware):
     out = cli_subprocess("--model", "llama3-70b", "--recipe", "auto", "--devices", "256",
@@ -61,6 +62,7 @@ def test_auto_text_explains_the_winner(capsys):
     assert "searched" in out and "why:" in out and "winner:" in out and "beats the best other recipe" in out
 
 
+@pytest.mark.slow
 def test_check_compile_puts_xla_numbers_next_to_the_estimate(capsys):
     code, out, err = run_plan(capsys, "--model", "tiny", "--recipe", "fsdp", "--devices", "8", "--batch-size", "16",
                               "--seq-len", "64", "--check", "compile", "--layer-loop", "scan", "--json")

@@ -189,6 +189,7 @@ def compiled_pp():
     return cfg, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_memory_estimate_within_15_percent_of_xla(compiled_pp, schedule):
     cfg, runs = compiled_pp
@@ -221,6 +222,7 @@ def test_pipeline_stage_and_data_traffic_match_the_hlo(compiled_pp, schedule):
             assert 0.8 <= ana[axes]["total"] / hlo[axes]["total"] <= 1.0
 
 
+@pytest.mark.slow
 def test_dropless_expert_buffers_within_15_percent_of_xla():
     # dropless EP reserves ep × the local assignments per device: the estimate's rows = ep·k = 8·2
     cfg = mt.models.get_config("small-moe", capacity_factor=None)
@@ -238,6 +240,7 @@ def _ep(c):
     return math.prod(c.plan.mesh_sizes.get(a, 1) for a in ("expert",))
 
 
+@pytest.mark.slow
 def test_auto_chooses_expert_parallelism_for_mixtral_on_two_h100_nodes():
     # 16 H100 (2 nodes), 1,024-token sequences, one per device. The state alone (46.7B parameters × 16 B)
     # needs ~44 GiB per device split 16 ways, so `ep` (experts 8-way at most, the rest whole) does not fit,
@@ -253,6 +256,7 @@ def test_auto_chooses_expert_parallelism_for_mixtral_on_two_h100_nodes():
     assert dense and dense[0].step.step_s > 1.2 * w.step.step_s  # the best layout without EP: > 20 % slower
 
 
+@pytest.mark.slow
 def test_auto_mixtral_on_eight_h100_nodes_uses_ep_with_flash_attention_and_says_why_not_without():
     # 64 H100 (8 nodes), mixtral's 32k sequence, one per device. Flash attention: 32k tokens per device
     # hide FSDP's gathers and expert=2 (inside a node) halves the expert weights each device gathers and

@@ -69,6 +69,7 @@ def test_master_weights_round_exactly_and_track_the_f32_update():
     np.testing.assert_allclose(np.asarray(s.master["w"]), np.asarray(ref_p["w"]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_master_run_tracks_f32_and_compiled_arguments_match_the_plan():
     recipe, mesh = mesh_for("zero1")
     f32, _, _ = run_steps(recipe, mesh, steps=5)
@@ -86,6 +87,7 @@ def test_bf16_master_run_tracks_f32_and_compiled_arguments_match_the_plan():
         (args, per)
 
 
+@pytest.mark.slow
 def test_init_keeps_f32_master_precision():
     recipe, mesh = mesh_for("dp", 1)   # values do not depend on the mesh; one device compiles fastest
     f32 = mt.make_plan(tiny_abstract(), recipe, mesh)

@@ -5,6 +5,7 @@ line naming the input, change nothing and leave nothing at --out."""
 import os
 import sys
 
+import pytest
 from probe_group import ROOT, run_group
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -23,9 +24,11 @@ def test_every_case_is_judged_on_what_it_leaves(tmp_path):
         assert not failing or case.out or case.python, case.name
 
 
+@pytest.mark.slow
 def test_tokenizer_cases():
     run_group("data", expected_cases=12, only="tokenizer:")
 
 
+@pytest.mark.slow
 def test_prepare_cases():
     run_group("data", expected_cases=7, only="prepare:")

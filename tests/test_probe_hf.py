@@ -2,21 +2,26 @@
 `meshtrain export` against broken HuggingFace folders, broken runs and hostile output folders (issue
 35). Split in four so that each part stays short; together they run every case of the group."""
 
+import pytest
 from probe_group import run_group
 
 
+@pytest.mark.slow
 def test_import_refuses_broken_configs():
     run_group("hf", expected_cases=14, only="import (config)")
 
 
+@pytest.mark.slow
 def test_import_refuses_broken_weights_and_reports_unread_tensors():
     run_group("hf", expected_cases=10, only="import (weights)")
 
 
+@pytest.mark.slow
 def test_import_output_full_read_only_and_interrupted():
     run_group("hf", expected_cases=3, only="import (output)")
 
 
+@pytest.mark.slow
 def test_export_refuses_non_decoder_runs_and_bad_outputs():
     run_group("hf", expected_cases=4, only="export:")
 

@@ -7,6 +7,7 @@ import collections
 import os
 import sys
 
+import pytest
 from probe_group import ROOT, run_group
 
 PARTS = {"[data]": 9, "[run]": 8, "[flags]": 10}
@@ -21,13 +22,16 @@ def test_every_case_belongs_to_one_part():
     assert collections.Counter(n[n.rindex(" ") + 1:] for n in names) == PARTS
 
 
+@pytest.mark.slow
 def test_damaged_prepared_token_folders():
     run_group("inputs", expected_cases=PARTS["[data]"], only="[data]")
 
 
+@pytest.mark.slow
 def test_generate_on_runs_it_cannot_use():
     run_group("inputs", expected_cases=PARTS["[run]"], only="[run]")
 
 
+@pytest.mark.slow
 def test_rules_files_and_plan_train_flags():
     run_group("inputs", expected_cases=PARTS["[flags]"], only="[flags]")

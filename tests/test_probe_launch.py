@@ -4,6 +4,7 @@
 import os
 import sys
 
+import pytest
 from probe_group import ROOT, run_group
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -19,5 +20,6 @@ def test_launch_cases_are_well_formed():
             compile(case.python.replace("{work}", "/w"), case.name, "exec")   # the snippets are valid Python
 
 
+@pytest.mark.slow
 def test_launch_cases_leave_nothing_behind():
     run_group("launch", expected_cases=3)

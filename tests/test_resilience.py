@@ -64,6 +64,7 @@ def baseline(tmp_path_factory):
     return final_losses(out)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_is_bit_exact(tmp_path, baseline):
     rng = np.random.default_rng(7)
     out = tmp_path / "run"

@@ -65,6 +65,7 @@ def copy_run(src, dst):
     return str(dst)
 
 
+@pytest.mark.slow
 def test_resume_with_every_checkpoint_corrupt_refuses_and_changes_nothing(finished_run, tmp_path, capsys):
     run = copy_run(finished_run, tmp_path / "corrupt")
     for step in ("2", "4"):
@@ -91,11 +92,13 @@ def test_resume_after_checkpoints_were_removed_refuses(finished_run, tmp_path, c
     assert tree_digest(run) == before
 
 
+@pytest.mark.slow
 def test_resume_in_an_empty_folder_starts_a_new_run_and_says_so(tmp_path, capsys):
     code, out, _ = train(capsys, "--steps", "2", "--ckpt-every", "2", "--resume", "--out", str(tmp_path / "typo"))
     assert code == 0 and "no run in" in out and "starting a new run" in out
 
 
+@pytest.mark.slow
 def test_resume_truncates_superseded_metrics_records(finished_run, tmp_path, capsys):
     """A run killed after step 6 whose newest checkpoint is step 4: steps 5-6 are trained again and
     metrics.jsonl keeps one record per step."""
@@ -122,6 +125,7 @@ def test_steps_at_or_below_the_saved_step(finished_run, tmp_path, capsys):
     assert code == 2 and "already at step 4, past --steps 3" in err
 
 
+@pytest.mark.slow
 def test_resume_with_another_batch_size_and_eval_every(finished_run, tmp_path, capsys):
     run = copy_run(finished_run, tmp_path / "changed")
     code, out, err = train(capsys, "--steps", "5", "--ckpt-every", "2", "--resume", "--out", run,
@@ -286,6 +290,7 @@ def _wait_for_step(proc, lines, step, err):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_naming_the_last_committed_step(tmp_path):
     run = str(tmp_path / "ctrlc")
     proc, lines, err_file = _start_training(run, tmp_path)
@@ -302,6 +307,7 @@ def test_ctrl_c_exits_130_naming_the_last_committed_step(tmp_path):
     assert last >= 6 and last % 3 == 0 and os.path.isdir(os.path.join(run, "checkpoints", str(last)))
 
 
+@pytest.mark.slow
 def test_started_with_sigint_ignored_it_says_so_and_sigterm_still_stops_it(tmp_path):
     """A background job of a non-interactive shell inherits SIG_IGN for SIGINT. meshtrain keeps it
     ignored (as POSIX tools do: the terminal's Ctrl-C was not meant for that job), says so once, and

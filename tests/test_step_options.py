@@ -22,6 +22,7 @@ def _loss_grads(recipe, mesh, batch=16, seq=64):
     return float(loss), jax.tree.leaves(jax.tree.map(np.asarray, grads)), plan, state
 
 
+@pytest.mark.slow
 def test_remat_policies_same_numbers_less_memory():
     recipe, mesh = mesh_for("fsdp")
     base_loss, base_grads, _, _ = _loss_grads(recipe, mesh)
@@ -44,6 +45,7 @@ def test_remat_policies_same_numbers_less_memory():
     assert temps[mt.Remat.DOTS_NO_BATCH] < temps[mt.Remat.NONE], temps
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch():
     recipe, mesh = mesh_for("fsdp")
     loss1, grads1, _, _ = _loss_grads(recipe, mesh, batch=32)
@@ -55,6 +57,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     assert rel_diff(l4, l1) <= 1e-5
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_and_storage():
     recipe, mesh = mesh_for("fsdp_tp")
     f32, _, _ = run_steps(recipe, mesh, steps=5)
@@ -68,6 +71,7 @@ def test_bfloat16_compute_and_storage():
     assert stored[-1] < stored[0]
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_keeps_state_and_raise_reports():
     recipe, mesh = mesh_for("fsdp")
     plan = mt.make_plan(tiny_abstract(), recipe, mesh, batch=mt.BatchSpec(16, 64))

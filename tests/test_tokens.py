@@ -79,6 +79,7 @@ def test_cli_errors_name_the_fix(tokenizer, tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_trainer_reads_prepared_tokens(tokenizer, tmp_path):
     """A built-in decoder trains on tokenizer ids: its vocabulary grows to the tokenizer's, the run
     folder gets the tokenizer, the run header records the model config trained."""

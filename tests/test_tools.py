@@ -3,8 +3,10 @@
 import json
 import os
 import re
-import processes
 import sys
+
+import processes
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
@@ -16,6 +18,7 @@ def tool(name, *args):
                           text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_compile_time_is_flat_in_depth():
     out = tool("bench_compile.py", "--model", "tiny", "--layers", "4", "32", "--repeats", "1",
                "--batch-size", "8", "--seq-len", "64", "--max-ratio", "inf", "--layer-loop", "scan")
@@ -30,6 +33,7 @@ def test_compile_time_is_flat_in_depth():
     assert re.search(r"ratio .*: [0-9.]+", out.stdout)
 
 
+@pytest.mark.slow
 def test_default_layer_loop_unrolls_shallow_stacks_and_scans_deep_ones():
     out = tool("bench_compile.py", "--model", "tiny", "--layers", "4", "32", "--repeats", "1",
                "--batch-size", "8", "--seq-len", "64", "--max-ratio", "inf")
@@ -39,6 +43,7 @@ def test_default_layer_loop_unrolls_shallow_stacks_and_scans_deep_ones():
     assert "layer loop auto" in out.stdout
 
 
+@pytest.mark.slow
 def test_overhead_benchmark_matches_hand_written_numbers():
     out = tool("bench_overhead.py", "--model", "tiny", "--steps", "12", "--batch-size", "16", "--seq-len", "64",
                "--max-ratio", "inf")
@@ -47,6 +52,7 @@ def test_overhead_benchmark_matches_hand_written_numbers():
     assert first.group(1) == first.group(2)  # the same model, data and optimizer: the same loss
 
 
+@pytest.mark.slow
 def test_mfu_benchmark_runs_on_cpu_and_reports_its_formula():
     out = tool("bench_mfu.py", "--steps", "2", "--batch-size", "8", "--seq-len", "64", "--json")
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]

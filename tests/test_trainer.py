@@ -9,6 +9,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY_TRAINER_RUN
 
 import meshtrain as mt
 from meshtrain.train import TrainConfig, Trainer, TrainingError
@@ -34,18 +35,19 @@ def tiny_config(tmp_path, name, **kw):
     return TrainConfig(**base)
 
 
-def test_recipes_give_the_same_losses_as_one_device(tmp_path):
+@pytest.mark.slow
+def test_recipes_give_the_same_losses_as_one_device(tiny_one_device_losses, tmp_path):
     # the Trainer's wiring (data, plan, step, metrics) end to end; every recipe's step-level parity
-    # against one device is in test_parity.py
-    one = Trainer(tiny_config(tmp_path, "one", recipe="dp", devices=1, steps=10)).run()
-    base = losses_of(one.run_dir)
+    # against one device is in test_parity.py. The one-device run (TINY_TRAINER_RUN) is once per session.
+    base = tiny_one_device_losses
     assert len(base) == 10 and base[-1] < base[0]
     for recipe in ("fsdp", "fsdp_tp"):
-        run = Trainer(tiny_config(tmp_path, recipe, recipe=recipe, steps=10)).run()
+        run = Trainer(TrainConfig(**TINY_TRAINER_RUN, recipe=recipe, out=str(tmp_path / recipe))).run()
         got = losses_of(run.run_dir)
         assert np.max(np.abs(got - base) / base) <= 1e-4, (recipe, got, base)
 
 
+@pytest.mark.slow
 def test_run_folder_outputs(tmp_path):
     s = Trainer(tiny_config(tmp_path, "out", steps=6, eval_every=3, eval_batches=2)).run()
     names = os.listdir(s.run_dir)
@@ -64,6 +66,7 @@ def test_run_folder_outputs(tmp_path):
         Trainer(tiny_config(tmp_path, "out", steps=2)).run()
 
 
+@pytest.mark.slow
 def test_peak_given_reports_mfu(tmp_path):
     s = Trainer(tiny_config(tmp_path, "mfu", steps=3, peak_flops_per_device=1e12)).run()
     rec = [json.loads(l) for l in open(os.path.join(s.run_dir, "metrics.jsonl")) if '"loss"' in l]
@@ -73,6 +76,7 @@ def test_peak_given_reports_mfu(tmp_path):
     assert rec[-1]["mfu"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_nonfinite_policies(tmp_path):
     def nan_loss(model, batch):
         total, count = next_token_loss(model, batch)
@@ -93,6 +97,7 @@ def cli(*args, cwd=ROOT):
                           cwd=cwd, timeout=600)
 
 
+@pytest.mark.slow
 def test_main_job_defaults_train_and_loss_halves(tmp_path):
     # The no-argument main job, shortened: the default model, recipe, data and devices.
     out = cli("train", "--steps", "25", "--eval-every", "0", "--out", str(tmp_path / "main"))
@@ -127,6 +132,7 @@ def test_batch_multiple_is_data_parallel_size_times_micro_batches(recipe, knobs,
     assert trainer.batch_multiple() == multiple
 
 
+@pytest.mark.slow
 def test_default_batch_is_rounded_up_and_said(tmp_path):
     """The issue's pipeline command, with no --batch-size, runs (tiny: 2 layers over 2 stages, fsdp 4, m=8)."""
     out = cli("train", "--model", "tiny", "--recipe", "pp_fsdp", "--schedule", "1f1b", "--micro-batches", "8",

@@ -53,6 +53,7 @@ def losses(run):
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
+@pytest.mark.slow
 def test_grain_position_is_checkpointed_and_resume_is_bit_exact(tmp_path):
     whole = Trainer(config(tmp_path / "whole"), model=Regressor, loss_fn=loss_fn, data=grain_batches(), tx=ADAM).run()
     first = Trainer(config(tmp_path / "split", steps=3, ckpt_every=3), model=Regressor, loss_fn=loss_fn,

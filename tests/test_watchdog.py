@@ -58,6 +58,7 @@ def test_bad_watchdog_settings_exit_2(flag, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_hang_dumps_every_stack_names_the_frame_and_exits_75(tmp_path):
     out = tmp_path / "run"
     hang = processes.scaled(3)   # 3 s on an idle machine: no ordinary step of the tiny model comes near it
@@ -75,6 +76,7 @@ def test_a_hang_dumps_every_stack_names_the_frame_and_exits_75(tmp_path):
     assert beat["step"] == 3 and beat["process"] == 0
 
 
+@pytest.mark.slow
 def test_a_slow_process_is_reported_as_a_straggler_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
     # 0.5 s on an idle machine; scaled, so that the sleep stays large beside steps slowed by a busy host

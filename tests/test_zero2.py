@@ -65,6 +65,7 @@ def test_zero2_recipe_is_zero_stage_2_and_matches_its_yaml():
         mt.ZeRO(stage=3)
 
 
+@pytest.mark.slow
 def test_gradients_are_sharded_one_eighth_per_device_in_the_lowered_step():
     sizes = {"data": 8}
     total = sum(math.prod(p.shape) * 4 for p in jax.tree.leaves(tiny_abstract().params))
@@ -93,6 +94,7 @@ def test_gradients_are_sharded_one_eighth_per_device_in_the_lowered_step():
     assert temp1 - temp2 >= 0.5 * (total - total // 8), (temp1, temp2)
 
 
+@pytest.mark.slow
 def test_zero2_with_micro_batches_accumulates_sharded_gradients_and_matches_one_device():
     plan, lowered = _lower("zero2", micro_batches=2)
     runs = _gradient_constraints(plan, lowered, every=True)
@@ -105,6 +107,7 @@ def test_zero2_with_micro_batches_accumulates_sharded_gradients_and_matches_one_
     assert rel_diff(losses, base) <= 1e-5, (losses, base)
 
 
+@pytest.mark.slow
 def test_bench_zero_runs_and_prints_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
