@@ -7,8 +7,7 @@ import json
 import types
 
 import pytest
-from helpers import TINY_BATCH, TINY_SEQ, mesh_for, tiny_abstract
-from test_checkpoint import device, random_state
+from helpers import TINY_BATCH, TINY_SEQ, device, mesh_for, random_state, tiny_abstract
 
 import meshtrain as mt
 from meshtrain.checkpoint import Checkpointer, CheckpointError, saving
