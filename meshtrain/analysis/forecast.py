@@ -50,6 +50,7 @@ from meshtrain.analysis.layout import layout_of, per_device_bytes
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.analysis.steptime import (Backend, _communication, _step_flops, backend_of, collective_seconds,
                                          axis_links, Link, executed_flops, hbm_traffic)
+from meshtrain.analysis.compiled import has_analytic_model
 from meshtrain.analysis.gpu_aot import hardware_target
 from meshtrain.parallel.resolved import resolve_step
 from meshtrain.recipes import AttentionKind, Remat
@@ -288,7 +289,6 @@ def _host_term(plan, hw) -> Optional[Term]:
 
 def forecast_fields(plan, cfg, hardware, *, cost=None) -> Optional[Dict[str, object]]:
     """``plan --json``'s ``forecast`` object (``None`` for a model without analytic FLOPs)."""
-    from meshtrain.analysis.compiled import has_analytic_model
 
     if not has_analytic_model(cfg) or getattr(plan, "batch", None) is None:
         return None
@@ -297,7 +297,6 @@ def forecast_fields(plan, cfg, hardware, *, cost=None) -> Optional[Dict[str, obj
 
 def forecast_text(plan, cfg, hardware) -> str:
     """The text report's forecast line ('' for a model without analytic FLOPs)."""
-    from meshtrain.analysis.compiled import has_analytic_model
 
     if not has_analytic_model(cfg) or getattr(plan, "batch", None) is None:
         return ""
@@ -308,7 +307,6 @@ def with_forecast(out, plan, cfg, args):
     """``meshtrain plan``'s report with the forecast added: a ``forecast`` object in the JSON dict, a
     forecast line after the text report's step-time line (unchanged when the model has no analytic
     FLOPs). ``args``: the plan command's (``--hardware``, ``--slices``)."""
-    from meshtrain.analysis.compiled import has_analytic_model
 
     if plan is None or not has_analytic_model(cfg) or getattr(plan, "batch", None) is None:
         return out

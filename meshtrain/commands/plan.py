@@ -516,7 +516,7 @@ def _gpu_target(args) -> None:
 
 def run(args) -> int:
     from meshtrain.analysis import report  # lazy: analysis (~50 ms) off the CLI's path
-    from meshtrain.analysis.forecast import with_forecast
+    from meshtrain.analysis.forecast import with_forecast  # lazy: analysis (~50 ms) off the CLI's path
 
     check_counts(args)
     check_flags(args)
