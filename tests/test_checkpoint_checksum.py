@@ -6,9 +6,9 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 
+import processes
 import pytest
 import xxhash
 from helpers import mesh_for, tiny_abstract
@@ -90,7 +90,7 @@ def test_checkpointer_saves_xxh3_manifests_and_refuses_a_flipped_byte(tmp_path):
 
 def test_checksum_benchmark_runs_and_prints_each_rate():
     tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench_checksums.py")
-    out = subprocess.run([sys.executable, tool, "--mb", "1"], capture_output=True, text=True, timeout=120)
+    out = processes.run([sys.executable, tool, "--mb", "1"], text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rates = dict(re.findall(r"^(\w+ \([\w.-]+\))\s+([\d,]+) MB/s$", out.stdout, re.M))
     assert {"sha256 (hashlib)", "xxh3_128 (xxhash)"} <= set(rates) and all(int(r.replace(",", "")) > 0
