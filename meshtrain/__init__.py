@@ -10,9 +10,9 @@ The public API, re-exported lazily from small modules (nothing heavy loads until
     step = mt.make_train_step(plan)
 """
 
-import importlib as _importlib
-import pkgutil as _pkgutil
 import typing as _typing
+
+from meshtrain.lazy_exports import lazy_exports as _lazy_exports
 
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ below loads each name
     from meshtrain import models
@@ -80,22 +80,5 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "models"]
 
 
-#: Submodules ``mt.<module>`` reaches on first use (the CLI entry point is not one of them).
-_SUBMODULES = frozenset(m.name for m in _pkgutil.iter_modules(__path__) if m.name != "__main__")
-
-
-def __getattr__(name: str) -> _typing.Any:
-    """Load a public name's module on first use and keep the name here (PEP 562)."""
-    if name in _EXPORTS:
-        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = _importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list:
-    """The public names and submodules (loaded or not), not this module's helpers."""
-    return sorted({n for n in globals() if n.startswith("__")} | set(__all__) | _SUBMODULES)
+#: A public name or a submodule (``mt.<module>``) loads on first use (meshtrain.lazy_exports).
+__getattr__, __dir__ = _lazy_exports(globals(), _EXPORTS, extra=("models",))

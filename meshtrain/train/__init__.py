@@ -6,9 +6,9 @@ The names below load their modules on first use (PEP 562), so a light submodule
     from meshtrain.train import Trainer, TrainConfig
 """
 
-import importlib as _importlib
-import pkgutil as _pkgutil
 import typing as _typing
+
+from meshtrain.lazy_exports import lazy_exports as _lazy_exports
 
 if _typing.TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each name
     from meshtrain.train.config import MemoryCheckMode, Progress, Resume, TrainConfig, default_optimizer
@@ -31,20 +31,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-_SUBMODULES = frozenset(m.name for m in _pkgutil.iter_modules(__path__))
-
-
-def __getattr__(name: str) -> _typing.Any:
-    """Load a name's module on first use and keep the name here (PEP 562)."""
-    if name in _EXPORTS:
-        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = _importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list:
-    return sorted({n for n in globals() if n.startswith("__")} | set(__all__) | _SUBMODULES)
+__getattr__, __dir__ = _lazy_exports(globals(), _EXPORTS)  # a name or submodule loads on first use
