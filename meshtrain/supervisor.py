@@ -34,9 +34,9 @@ import time
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 from meshtrain.errors import EXIT_BAD_INPUT, EXIT_HANG, ConfigError
+from meshtrain.events import append_event
 from meshtrain.train.config import Resume
 from meshtrain.train.run_config import RunConfig
-from meshtrain.train.watchdog import append_event
 
 #: Exit statuses that a restart cannot fix, or that mean "stop": bad input, Ctrl-C.
 NO_RESTART = (EXIT_BAD_INPUT, 130)

@@ -40,9 +40,9 @@ from meshtrain.commands import launch_fit, launch_guard, train
 from meshtrain.commands.common import COMMANDS
 from meshtrain.commands.run_flags import Resolved, add_config_args
 from meshtrain.errors import ConfigError
+from meshtrain.events import ENV_ATTEMPT
 from meshtrain.train.preflight import HEADROOM, device_memory_limit
 from meshtrain.train.run_config import RunConfig
-from meshtrain.train.watchdog import ENV_ATTEMPT
 
 #: Flags of the launched command that the launcher sets itself.
 _OWNED = ("--coordinator", "--num-processes", "--process-id", "--distributed")
