@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import tiny_abstract
+from helpers import rel_diff, tiny_abstract
 from jax.sharding import Mesh
 
 import meshtrain as mt

@@ -24,8 +24,8 @@ from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from meshtrain.abstract import path_str
 from meshtrain.analysis.layout import layout_of
-from meshtrain.analysis.weights_as_used import (_tensor_divisor, gathered_layer_bytes,  # noqa: F401 (re-export)
-                                               tensor_split_sizes, working_weight_bytes)
+from meshtrain.analysis.weights_as_used import (_axes_in, _tensor_divisor, gathered_layer_bytes,  # noqa: F401
+                                               tensor_split_sizes, working_weight_bytes)  # (re-exports)
 from meshtrain.annotate import step_context
 from meshtrain.parallel.resolved import batch_splits, step_context_for
 from meshtrain.errors import ConfigError

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
