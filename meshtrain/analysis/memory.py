@@ -48,7 +48,8 @@ micro-batches, ``x = b·T·d·c`` one micro-batch's stage input, ``a`` one layer
 
 * gpipe / circular: ``ticks·L/(p·r)·a`` (every tick's residuals) + ``m ×`` (what lies outside the
   stack + the ring of stage outputs ``x``) + ``ticks·W_stage·c/r`` (the layer group each tick
-  indexes, kept for the backward; measured on XLA:CPU); gradients ``P`` (no accumulation loop);
+  indexes, kept for the backward; measured on XLA:CPU; only with repeats > 1: one group per stage is a static
+  index, no copy); gradients ``P`` (no accumulation loop);
   the logits gradient over the whole per-device batch (the head runs after the schedule);
 * 1f1b: a ``2p``-slot stash of ``x`` + one micro-batch outside the stack + ``m`` embedding outputs;
   the working set adds one stage's VJP ``(L/p)·a``, the f32 input cotangents ``4·m·x/c`` and the tick's

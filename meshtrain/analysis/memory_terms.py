@@ -298,10 +298,13 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
     if pipe.one_f_one_b:
         return (stack, MemoryTerm(A, "outside the stack", rest, "one micro-batch's embedding output, norm, logits"),
                 MemoryTerm(A, "embedding outputs", m * x, "m·x"), casts) + gpu_pipeline_activation_terms(s)
+    # With repeats > 1 each tick picks its layer group by a dynamic index: XLA saves that slice of the stage's
+    # weights per tick for the backward. With one group per stage the index is static (parallel/pipeline): no copy.
+    groups = (MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
+                         "ticks·W_stage·c/r"),) if pipe.repeats > 1 else ()
     return (stack, MemoryTerm(A, "outside the stack and stage outputs", m * (rest + x),
                               "m × (embedding output, norm, logits + the ring's stage output x)"), casts,
-            MemoryTerm(A, "layer groups the ticks index", pipe.ticks * s.stage_w * s.c / pipe.repeats,
-                       "ticks·W_stage·c/r")) + gpu_pipeline_activation_terms(s)
+            *groups) + gpu_pipeline_activation_terms(s)
 
 
 def _tpu_activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
@@ -486,8 +489,8 @@ def _moe_pipeline_formulas(s: StepShape, act_formula: str, temp_formula: str) ->
                              f"+ the tick's f32 weight gradient and accumulator 2·4 B·W_stage")
         else:
             act_formula += (f"; pipeline {pipe.describe()}: every tick's stage residuals ticks·L/(p·r)·a_layer "
-                            f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B) + the layer group "
-                            f"each tick indexes ticks·W_stage·c/r")
+                            f"+ m × (outside the stack + the ring of stage outputs x = {x:,} B)"
+                            + (" + the layer group each tick indexes ticks·W_stage·c/r" if pipe.repeats > 1 else ""))
             temp_formula += "; logits gradient over the whole batch (b·m rows: the head runs after the schedule)"
     return act_formula, temp_formula
 
