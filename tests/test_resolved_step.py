@@ -129,7 +129,6 @@ def test_the_step_splits_and_loops_as_resolved(tiny_abstract):
     step = resolve_step(mt.make_plan(abstract, dp, batch=mt.BatchSpec(16, 64)), "cpu")
     assert (step.schedule, step.grad_accum, step.batch_splits, step.param_dtype) == (None, 2, 2, "float32")
     assert step.loop_for(2) == (LayerLoop.SCAN, 1) and step.for_generation().loop_for(2) == (LayerLoop.UNROLLED, 2)
-    assert step.extras == ()  # room for later precision settings (FP8, LoRA)
 
 
 #: One recipe per kernel family, compiled for XLA:CPU: (recipe, options, collectives its kernel must emit); all_gather

@@ -17,7 +17,7 @@ Hopper; splash needs a TPU) live here and nowhere else. Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -182,8 +182,8 @@ class ResolvedStep:
     ``target``: the platform compiled for; ``attention``: the kernel every layer runs; ``remat``, ``layer_loop``,
     ``scan_unroll``: the layer stack (``loop_for(n_layers)`` resolves ``auto``); ``grad_accum``: accumulation
     steps (1 under a pipeline); ``schedule``, ``pipeline_micro_batches``, ``repeats``: the pipeline's (``None`` /
-    1 / 1 without one); ``param_dtype`` / ``compute_dtype``: precision; ``extras``: room for later precision
-    settings (FP8 matmuls, LoRA adapters) as ``(name, value)`` pairs, empty for now."""
+    1 / 1 without one); ``param_dtype`` / ``compute_dtype``: precision; ``offloaded``: the activations
+    ``Remat.OFFLOAD`` keeps in host memory. (FP8 is not here: it wraps the model factory before a plan exists.)"""
 
     target: Target
     attention: AttentionChoice
@@ -196,7 +196,6 @@ class ResolvedStep:
     repeats: int
     param_dtype: str
     compute_dtype: str
-    extras: Tuple[Tuple[str, Any], ...] = ()
     #: the activation names ``Remat.OFFLOAD`` keeps in host memory (the recipe's ``offload_activations``)
     offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD
 
