@@ -240,20 +240,30 @@ def _ep(c):
     return math.prod(c.plan.mesh_sizes.get(a, 1) for a in ("expert",))
 
 
+def _tensor(c):
+    return c.plan.mesh_sizes.get("tensor", 1)
+
+
 @pytest.mark.slow
 def test_auto_chooses_expert_parallelism_for_mixtral_on_two_h100_nodes():
     # 16 H100 (2 nodes), 1,024-token sequences, one per device. The state alone (46.7B parameters × 16 B)
     # needs ~44 GiB per device split 16 ways, so `ep` (experts 8-way at most, the rest whole) does not fit,
     # and FSDP or data parallelism across the nodes would gather or reduce the experts over InfiniBand with
-    # too few tokens to hide it (about 19,000 per device needed). Splitting the experts 8 ways and
-    # moving the tokens instead (all-to-all: k = 2 rows × 1.25 capacity per token) wins clearly.
+    # too few tokens to hide it (about 19,000 per device needed). Without a pipeline, splitting the experts
+    # 8 ways and moving the tokens instead (all-to-all: k = 2 rows × 1.25 capacity per token) wins clearly.
+    # A pipeline avoids the cross-node weight traffic another way: tensor=4 inside a node and 4 stages
+    # (only activations cross InfiniBand) keeps every expert local, which is how Megatron runs Mixtral;
+    # since the gpipe estimate stopped counting a layer-group copy XLA does not make, it fits and may win.
     result = plan_auto(PlanRequest(mt.models.get_config("mixtral-8x7b"), 16, "h100", seq_len=1024))
-    w = result.winner
     print(result.why)
-    assert _ep(w) > 1 and w.recipe.name in ("ep", "fsdp_ep", "fsdp_tp_ep"), w.label
-    assert "MoE token dispatch" in " ".join(o.what for o in analytic_collectives(w.plan, result.request.model, "gpu"))
-    dense = [c for c in result.ranked if _ep(c) == 1]
-    assert dense and dense[0].step.step_s > 1.2 * w.step.step_s  # the best layout without EP: > 20 % slower
+    w = result.winner
+    assert _ep(w) > 1 or ("pp" in w.recipe.strategies and _tensor(w) > 1), w.label
+    no_pp = [c for c in result.ranked if "pp" not in c.recipe.strategies]
+    best = no_pp[0]
+    assert _ep(best) > 1 and best.recipe.name in ("ep", "fsdp_ep", "fsdp_tp_ep"), best.label
+    assert "MoE token dispatch" in " ".join(o.what for o in analytic_collectives(best.plan, result.request.model, "gpu"))
+    dense = [c for c in no_pp if _ep(c) == 1]
+    assert dense and dense[0].step.step_s > 1.2 * best.step.step_s  # the best layout without EP: > 20 % slower
 
 
 @pytest.mark.slow
