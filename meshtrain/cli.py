@@ -44,21 +44,26 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
+    """The parser of ``argv``'s command alone (its module's imports only: ``meshtrain launch`` loads no JAX,
+    and a bad flag is refused before any heavy import); every command's without ``argv`` or when it names
+    no command yet (``meshtrain --help``, a misspelt command: the usage lists them all)."""
     import importlib
 
     parser = argparse.ArgumentParser(prog="meshtrain", description="Pick a recipe, train a Flax model anywhere.",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name in COMMANDS:
+    named = argv[0] if argv and argv[0] in COMMANDS else None
+    for name in COMMANDS if named is None else (named,):
         module = importlib.import_module(f"meshtrain.commands.{_MODULES.get(name, name)}")
         module.add_parser(sub)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     warnings.formatwarning = _one_line_warning
     try:

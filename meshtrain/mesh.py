@@ -15,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Dict, Mapping, Optional, Sequence, Tuple
-
-import jax
-import numpy as np
+import numbers
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Sequence, Tuple
 
 from meshtrain.axes import MESH_AXES
 from meshtrain.errors import MeshError
+
+if TYPE_CHECKING:  # annotations only; JAX loads when a mesh is built
+    import jax
+    import numpy as np
 
 
 class AxisTypes(str, enum.Enum):
@@ -32,6 +34,8 @@ class AxisTypes(str, enum.Enum):
     EXPLICIT = "explicit"
 
     def to_jax(self) -> jax.sharding.AxisType:
+        import jax
+
         return jax.sharding.AxisType.Auto if self is AxisTypes.AUTO else jax.sharding.AxisType.Explicit
 
 
@@ -45,7 +49,7 @@ def _sizes(name: str, sizes: Mapping[str, int] | Sequence[Tuple[str, int]]) -> T
         if axis in seen:
             raise MeshError(f"mesh axis {axis!r} appears twice in {name}; give each axis once")
         seen.add(axis)
-        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size < 1 and size != -1):
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or (size < 1 and size != -1):
             raise MeshError(f"mesh axis {axis!r} has size {size!r} in {name}; use a positive int or -1 (the rest)")
         out.append((axis, int(size)))
     if sum(1 for _, s in out if s == -1) > 1:
@@ -134,6 +138,8 @@ class MeshSpec:
         ``mesh_utils.create_hybrid_device_mesh``) or, where devices have no slice (GPU, CPU), by
         process: each process's devices form one ICI block, processes tile the DCN axes.
         """
+        import jax
+
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
         names = self.axis_names
@@ -166,6 +172,8 @@ class MeshSpec:
     def abstract(self, num_devices: int) -> jax.sharding.AbstractMesh:
         """An ``AbstractMesh`` of the sizes on ``num_devices`` devices: plans and lowering for meshes
         larger than this machine (no devices needed)."""
+        import jax
+
         sizes = self.resolve(num_devices)
         return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes),
                                          axis_types=tuple(self.axis_types.to_jax() for _ in sizes))
@@ -195,6 +203,8 @@ class MeshSpec:
 
 def _hybrid_by_process(ici_shape, dcn_shape, devices) -> np.ndarray:
     """Devices grouped by process: process p's devices are DCN block p (row-major over dcn)."""
+    import numpy as np
+
     by_process: Dict[int, list] = {}
     for d in devices:
         by_process.setdefault(d.process_index, []).append(d)
@@ -283,6 +293,8 @@ def hybrid_layout(spec, devices: Sequence, dcn: Optional[str] = None):
 def select_devices(requested: Optional[int]) -> list:
     """All devices, or the first ``requested``: of the machine, or of each process in a multi-process
     run (``--devices`` counts per process there, like the CPU simulation's device count)."""
+    import jax
+
     devices = jax.devices()
     if requested is None:
         return devices

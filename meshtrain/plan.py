@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshtrain.units import BYTE_UNITS, fmt_bytes  # noqa: F401 (re-exported: the one byte formatter)
 from meshtrain.abstract import AbstractState, listed, path_str
 from meshtrain.batch_layout import BATCH_AXIS, BatchLayout, BatchSpec, as_batch_layout  # noqa: F401 (re-export)
 from meshtrain.errors import ConfigError, PlanError, RulesError
@@ -220,24 +221,6 @@ class ShardingPlan:
 
     def __str__(self) -> str:  # printing a plan shows the table
         return self.describe()
-
-
-BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def fmt_bytes(n: float, spec: str = ".2f", unit: Optional[str] = None) -> str:
-    """``n`` bytes in the largest binary unit it reaches (up to TiB), or in ``unit``, the number formatted
-    with ``spec``; whole bytes print as an integer, infinity as ``unlimited``. The one byte formatter:
-    ``fmt_bytes(3 * 2 ** 29)`` → ``'1.50 GiB'``, ``fmt_bytes(n, ".3g")`` → 3 significant digits."""
-    if math.isinf(n):
-        return "unlimited"
-    if unit is None:
-        power = next((p for p in range(len(BYTE_UNITS) - 1, 0, -1) if abs(n) >= 1024 ** p), 0)
-    else:
-        power = BYTE_UNITS.index(unit)
-    if power == 0:
-        return f"{n:.0f} B"
-    return f"{n / 1024 ** power:{spec}} {BYTE_UNITS[power]}"
 
 
 def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe, memo=None

@@ -20,8 +20,6 @@ from __future__ import annotations
 import enum
 from typing import Sequence, Tuple
 
-import jax
-
 from meshtrain.errors import RecipeError
 
 #: The memory kind offloaded activations live in between the forward and the backward pass.
@@ -59,10 +57,11 @@ class Remat(str, enum.Enum):
     OFFLOAD = "offload"
 
 
+#: jax.checkpoint_policies' name for each policy (looked up on use: the settings load without JAX).
 _POLICIES = {
-    Remat.FULL: jax.checkpoint_policies.nothing_saveable,
-    Remat.DOTS: jax.checkpoint_policies.checkpoint_dots,
-    Remat.DOTS_NO_BATCH: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    Remat.FULL: "nothing_saveable",
+    Remat.DOTS: "checkpoint_dots",
+    Remat.DOTS_NO_BATCH: "dots_with_no_batch_dims_saveable",
 }
 
 
@@ -80,6 +79,8 @@ def parse_offload_names(text: "str | Sequence[str]", where: str = "offload_activ
 def checkpoint_policy(remat: "Remat | str", offloaded: Sequence[str] = DEFAULT_OFFLOAD):
     """The ``jax.checkpoint`` policy of ``remat`` (``None`` for ``Remat.NONE``: no checkpoint at all);
     ``offloaded``: the names ``Remat.OFFLOAD`` sends to host memory."""
+    import jax
+
     remat = Remat(remat)
     if remat is Remat.NONE:
         return None
@@ -87,4 +88,4 @@ def checkpoint_policy(remat: "Remat | str", offloaded: Sequence[str] = DEFAULT_O
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(offloaded),
             offload_src="device", offload_dst=HOST_MEMORY)
-    return _POLICIES[remat]
+    return getattr(jax.checkpoint_policies, _POLICIES[remat])

@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from typing import Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
-
-from jax.sharding import PartitionSpec
+from typing import TYPE_CHECKING, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Tuple
 
 from meshtrain.axes import LOGICAL_AXES, MESH_AXES, LogicalAxes, MeshAxes, as_mesh_axes
 from meshtrain.errors import RulesError
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 TABLES = ("params", "activations", "optimizer")
 
@@ -203,10 +204,16 @@ class AxisRules:
             entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
         while entries and entries[-1] is None:
             entries.pop()
-        return Resolved(PartitionSpec(*entries), tuple(reasons), tuple(replicated))
+        return Resolved(_partition_spec(entries), tuple(reasons), tuple(replicated))
 
     def to_dict(self) -> Dict[str, Dict[str, Optional[list]]]:
         return {kind: {r.logical: list(r.mesh_axes) or None for r in getattr(self, kind)} for kind in TABLES}
+
+
+def _partition_spec(entries: Sequence) -> PartitionSpec:
+    from jax.sharding import PartitionSpec  # on use: recipes and the run configuration load without JAX
+
+    return PartitionSpec(*entries)
 
 
 def shard_shape(shape: Sequence[int], spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> Tuple[int, ...]:

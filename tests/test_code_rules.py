@@ -211,15 +211,15 @@ def test_the_known_exceptions_are_still_needed():
     assert all(len(MODULES[m].read_text().splitlines()) > MAX_MODULE_LINES for m in KNOWN_LONG_MODULES)
 
 
-def _heavy_modules_after(imports: str):
+def _heavy_modules_after(imports: str, return_all: bool = False):
     import processes
 
-    code = (f"import sys; {imports}; "
+    code = (f"import sys\n{imports}\n"
             "print('HEAVY', sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'numpy') if m in sys.modules))")
     result = processes.run([sys.executable, "-c", code], timeout=120, cwd=str(PACKAGE.parent))
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("HEAVY"))
-    return line
+    return line if return_all is False else result.stdout
 
 
 def test_importing_the_package_loads_no_jax():
@@ -228,12 +228,26 @@ def test_importing_the_package_loads_no_jax():
     assert "'jax'" not in line, line
 
 
-@pytest.mark.xfail(strict=True, reason="the supervisor hands its children a typed RunConfig, whose recipe section "
-                                       "imports meshtrain.recipes -> meshtrain.mesh -> JAX; remove this mark when "
-                                       "the configuration's types load without the recipes' mesh code")
-def test_the_supervisor_loads_no_jax():
-    line = _heavy_modules_after("import meshtrain, meshtrain.supervisor")
+def test_the_supervisor_and_launch_load_no_jax():
+    # `meshtrain launch` parses its child's command line and hands it a typed RunConfig, all without JAX
+    # (its children load it); the command below fails after parsing, in launch's own checks.
+    line = _heavy_modules_after("import meshtrain, meshtrain.supervisor, meshtrain.commands.launch; "
+                                "import meshtrain.cli as cli; "
+                                "rc = cli.main(['launch', '--processes', '2', '--elastic', 'train', '--steps', '2']); "
+                                "assert rc == 2, rc")
+    assert "'jax'" not in line and "'numpy'" not in line, line
+
+
+def test_a_command_loads_only_its_own_module():
+    # `meshtrain train --help` reads the flags of train alone: no other command's module, no JAX.
+    line = _heavy_modules_after("import meshtrain.cli as cli\n"
+                                "try:\n    cli.main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+                                "print('COMMANDS', *sorted(m for m in sys.modules if m.startswith('meshtrain.commands.')))",
+                                return_all=True)
     assert "'jax'" not in line, line
+    loaded = set(next(w for w in line.splitlines() if w.startswith("COMMANDS")).split()[1:])
+    helpers = {f"meshtrain.commands.{m}" for m in ("common", "run_flags", "recipe_flags")}
+    assert loaded - helpers == {"meshtrain.commands.train"}, loaded
 
 
 #: ``raise ValueError`` left on purpose: internal signals that their caller catches, never shown to a user.

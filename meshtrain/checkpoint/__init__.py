@@ -18,11 +18,16 @@ plan), ``retention`` (which steps to delete: a pure function), ``integrity`` (ma
 ``housekeeping`` (writer lock, background deletes), ``layout`` and ``inspection`` (the saved tree).
 """
 
-from meshtrain.checkpoint.inspection import inspect_checkpoint, list_checkpoints, resolve_directory
-from meshtrain.checkpoint.manager import Checkpointer
-from meshtrain.checkpoint.types import (CheckpointError, CheckpointWarning, Compression, NoValidCheckpoint, Restored,
-                                        SaveResult, StepCheck, StepStatus, Verify)
+from meshtrain.lazy_exports import lazy_exports
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "Compression", "NoValidCheckpoint", "Restored",
-           "SaveResult", "StepCheck", "StepStatus", "Verify", "inspect_checkpoint", "list_checkpoints",
-           "resolve_directory"]
+# Loaded on first use (PEP 562): `meshtrain.checkpoint.peer_folders` and the types load without JAX.
+_EXPORTS = {
+    **{name: "meshtrain.checkpoint.inspection" for name in ("inspect_checkpoint", "list_checkpoints",
+                                                            "resolve_directory")},
+    "Checkpointer": "meshtrain.checkpoint.manager",
+    **{name: "meshtrain.checkpoint.types" for name in ("CheckpointError", "CheckpointWarning", "Compression",
+                                                       "NoValidCheckpoint", "Restored", "SaveResult", "StepCheck",
+                                                       "StepStatus", "Verify")},
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

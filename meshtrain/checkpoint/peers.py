@@ -42,7 +42,6 @@ import os
 import secrets
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -53,10 +52,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain.checkpoint.housekeeping import warn
 from meshtrain.checkpoint.layout import _is_key, flat_paths
+from meshtrain.checkpoint.peer_folders import ENV_PEER_DIR, peer_root, process_folder, store_folder  # noqa: F401
 from meshtrain.checkpoint.types import Restored
 from meshtrain.state import abstract_train_state
 
-ENV_PEER_DIR = "MESHTRAIN_PEER_DIR"
 #: Steps kept per process (own + held copy each): a process killed while writing one leaves the other.
 KEEP = 2
 TOKEN_FILE = "peers.json"
@@ -64,26 +63,6 @@ _PAD = 1 << 20   # exchanged buffers are padded to whole MiB: one compiled permu
 _PREFIX = struct.Struct("<QQ")   # header bytes, data bytes
 
 Index = Tuple[Tuple[int, int], ...]
-
-
-def peer_root() -> Path:
-    """The RAM-backed folder the copies go to (``MESHTRAIN_PEER_DIR``, else /dev/shm, else tmp)."""
-    given = os.environ.get(ENV_PEER_DIR)
-    if given:
-        return Path(given)
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
-def store_folder(checkpoint_dir: Path, root: Optional[Path] = None) -> Path:
-    """The peer folder of a run's ``checkpoints/`` folder (one per run folder path)."""
-    key = hashlib.sha256(str(Path(checkpoint_dir).absolute()).encode()).hexdigest()[:16]
-    return (root or peer_root()) / f"meshtrain-peers-{key}"
-
-
-def process_folder(checkpoint_dir: Path, process: int, root: Optional[Path] = None) -> Path:
-    """Where ``process`` keeps its own copies and its predecessor's (what a lost host loses)."""
-    return store_folder(checkpoint_dir, root) / f"process-{process}"
 
 
 # -- one copy: encoding and checking -------------------------------------------------------------------

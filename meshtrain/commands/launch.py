@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from meshtrain import distributed, supervisor
-from meshtrain.checkpoint import peers
+from meshtrain.checkpoint import peer_folders
 from meshtrain.commands import launch_fit, launch_guard, train
 from meshtrain.commands.common import COMMANDS
 from meshtrain.commands.run_flags import Resolved, add_config_args
@@ -350,7 +350,7 @@ def peer_folder(cmd: List[str]) -> Optional[Path]:
         out = parse_train(cmd).config.checkpoint.out
     except ConfigError:   # the children report it
         return None
-    return peers.store_folder(Path(out).expanduser().absolute() / "checkpoints") if out else None
+    return peer_folders.store_folder(Path(out).expanduser().absolute() / "checkpoints") if out else None
 
 
 def run(args) -> int:

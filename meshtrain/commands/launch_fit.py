@@ -25,14 +25,10 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-import jax
-
-from meshtrain.commands.train import decoder_memory_estimate
-from meshtrain.plan import fmt_bytes
 from meshtrain.supervisor import Layout
-from meshtrain.train.preflight import HEADROOM, estimate_bytes
+from meshtrain.units import fmt_bytes
+from meshtrain.train.preflight import HEADROOM
 from meshtrain.train.run_config import RunConfig
-from meshtrain.train.trainer import Trainer
 
 #: Seconds the child may take to plan every layout (JAX import, abstract state, plans: no arrays).
 FIT_TIMEOUT_S = 300.0
@@ -88,6 +84,12 @@ def check_layouts(config: Dict[str, Any], layouts: Sequence[Layout], devices_per
 
 
 def _plan_layouts(request: dict) -> List[dict]:
+    import jax  # the child process: the launcher itself loads no JAX
+
+    from meshtrain.commands.train import decoder_memory_estimate
+    from meshtrain.train.preflight import estimate_bytes
+    from meshtrain.train.trainer import Trainer
+
     per = request["devices_per_process"]
     out = []
     for processes, accum in request["layouts"]:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from meshtrain.commands.common import add_device_args
 from meshtrain.commands.run_flags import Resolved, add_peak_tflops, add_run_flags, preparer, resolved_of, train_keys
 from meshtrain.errors import ConfigError
-from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
-from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.train.config import TrainConfig
-from meshtrain.train.sources import model_config_for
-from meshtrain.train.trainer import Trainer
+
+# The models, the trainer and JAX load when a run starts, not when the flags are read: `meshtrain launch`
+# parses its child's `train` command line with this module's parser and must not load JAX.
+if TYPE_CHECKING:
+    from meshtrain.train.trainer import Trainer
 
 
 def add_parser(sub):
@@ -45,6 +47,9 @@ def config_from_args(args) -> TrainConfig:
 def decoder_memory_estimate(model_name: str):
     """The planner's full per-device estimate (activations included) for a built-in decoder, as the
     Trainer's pre-flight ``memory_estimate``; ``None`` for other models."""
+    from meshtrain.models import DecoderConfig
+    from meshtrain.train.sources import model_config_for
+
     try:
         cfg = model_config_for(model_name)
     except Exception:  # noqa: BLE001 - an unknown model is reported by the Trainer
@@ -76,6 +81,9 @@ def check_flags(args) -> None:
 
     import jax
 
+    from meshtrain.models import ViTConfig
+    from meshtrain.train.sources import model_config_for
+
     resolved = resolve_args(args)
     cfg = resolved.config
     if resolved.given_here("data.seq_len") and isinstance(model_config_for(cfg.model.name), ViTConfig):
@@ -92,6 +100,10 @@ def check_flags(args) -> None:
 def check_context(trainer: Trainer, config: TrainConfig) -> None:
     """A language model's ``--seq-len`` must split over the recipe's context axes (zig-zag: twice
     over): refused here, before the run folder is made, naming the lengths that work."""
+    from meshtrain.models import BertConfig, DecoderConfig
+    from meshtrain.parallel.context import check_seq_len as check_context_seq_len
+    from meshtrain.train.sources import model_config_for
+
     if not isinstance(model_config_for(config.model), (DecoderConfig, BertConfig)):
         return  # an image model's sequence is its patches, fixed by the config
     recipe, mesh = trainer._recipe_and_mesh()
@@ -99,6 +111,8 @@ def check_context(trainer: Trainer, config: TrainConfig) -> None:
 
 
 def run(args) -> int:
+    from meshtrain.train.trainer import Trainer
+
     resolved = resolve_args(args)
     check_flags(args)
     config = resolved.config.train_config()

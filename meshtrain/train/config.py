@@ -5,17 +5,23 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-import optax
-
-from meshtrain.abstract import tree_paths
-from meshtrain.annotate import ModelRules
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, get_recipe
 from meshtrain.settings import setting, settings_of
-from meshtrain.train.step import NonFinite
+
+if TYPE_CHECKING:  # the optimizer's types; optax loads when the Trainer builds one
+    import optax
+
+
+class NonFinite(str, enum.Enum):
+    """What a step does with a non-finite loss or gradient: ``raise`` (the Trainer stops and names the
+    step) or ``skip`` (parameters and optimizer state stay unchanged for that step)."""
+
+    RAISE = "raise"
+    SKIP = "skip"
 
 
 class Resume(str, enum.Enum):
@@ -163,6 +169,8 @@ class TrainConfig:
         check_recipe_overrides(get_recipe(self.recipe), attention=options.get("attention"),
                                schedule=options.get("schedule"), repeats=options.get("repeats"))
         self.build_recipe()  # every other override is checked by the recipe
+        from meshtrain.annotate import ModelRules  # on use: the configuration loads without JAX
+
         ModelRules.load(self.rules)  # a bad rules file fails here, naming the file and the key
 
     def build_recipe(self) -> Recipe:
@@ -219,6 +227,8 @@ def _has_pipeline(recipe: Recipe) -> bool:
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    import optax
+
     warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
                                               end_value=cfg.lr * cfg.min_lr_ratio)
@@ -227,6 +237,10 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
 def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes]) -> optax.GradientTransformation:
     """AdamW (warmup + cosine) with global-norm clipping; weight decay only on matrices (parameters
     with two or more logical axes besides ``layers``: not norms, not biases)."""
+    import optax
+
+    from meshtrain.abstract import tree_paths
+
     def decay_mask(params):
         return {} if not params else _mask(tree_paths(params))
 

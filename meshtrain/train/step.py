@@ -18,7 +18,6 @@ accuracy. A weight of 0 divides by 1 (the loss reads 0).
 
 from __future__ import annotations
 
-import enum
 import warnings
 from typing import Optional
 
@@ -39,15 +38,8 @@ from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-ex
 from meshtrain.precision import cast_floats
 from meshtrain.recipes import Schedule
 from meshtrain.strategies import Pipeline, ZeRO
+from meshtrain.train.config import NonFinite  # noqa: F401 (re-exported: the step's policy is a run setting)
 from meshtrain.state import TrainState, state_shardings
-
-
-class NonFinite(str, enum.Enum):
-    """What a step does with a non-finite loss or gradient: ``raise`` (the Trainer stops and names the
-    step) or ``skip`` (parameters and optimizer state stay unchanged for that step)."""
-
-    RAISE = "raise"
-    SKIP = "skip"
 
 
 def pipeline_config(plan: ShardingPlan) -> Optional[pipe.PipelineConfig]:
