@@ -13,12 +13,15 @@ imports this module: named here, not imported). Each rule was read off XLA:GPU's
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.parallel import flash  # flash.CUDNN_MAX_SEGMENTS read at plan time: a user may change it
 from meshtrain.parallel.context import CONTEXT_KINDS
 from meshtrain.recipes import AttentionKind, Remat
+
+if TYPE_CHECKING:  # annotations only (memory_terms imports this module)
+    from meshtrain.analysis.memory_terms import StepShape
 
 
 def gpu_scan_activation_terms(s: "StepShape") -> Tuple[MemoryTerm, ...]:
