@@ -309,7 +309,7 @@ def test_more_devices_never_raise_the_fsdp_model_state():
 def test_micro_batches_shrink_activations_but_add_an_accumulator():
     cfg = mt.models.get_config("llama3-8b")
     one = _plan(cfg, "fsdp", 64, 256, 2048)
-    four = dataclasses.replace(one, recipe=one.recipe.with_options(micro_batches=4))
+    four = dataclasses.replace(one, recipe=one.recipe.with_options(grad_accum=4))
     a1, a4 = estimate_memory(one, cfg), estimate_memory(four, cfg)
     # per micro-batch activations are a quarter; the bf16 weight copies saved for the backward are not
     assert a4[Component.ACTIVATIONS] == pytest.approx(a1[Component.ACTIVATIONS] / 4, rel=0.01)

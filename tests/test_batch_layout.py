@@ -194,7 +194,7 @@ def test_any_layout_micro_batched_matches_one_device(clf_abstract):
     one = mt.get_recipe("dp")
     ref = _grads(clf_abstract, one, one.mesh.build(jax.devices()[:1]), batch, weighted)
     recipe, mesh = mesh_for("fsdp")
-    got = _grads(clf_abstract, _recipe("fsdp").with_options(micro_batches=2), mesh, batch, weighted, layout)
+    got = _grads(clf_abstract, _recipe("fsdp").with_options(grad_accum=2), mesh, batch, weighted, layout)
     assert abs(got[0] - ref[0]) <= 1e-5 * ref[0]
     assert max(rel_diff(a, b) for a, b in zip(got[1], ref[1])) <= 1e-5
     assert abs(float(got[2]["accuracy"]) - float(ref[2]["accuracy"])) <= 1e-6
@@ -207,7 +207,7 @@ def test_step_metrics_are_sums_over_the_global_weight(clf_abstract):
     recipe, mesh = mesh_for("fsdp")
     out = {}
     for micro in (1, 4):
-        plan = mt.make_plan(clf_abstract, _recipe("fsdp").with_options(micro_batches=micro), mesh, batch=batch)
+        plan = mt.make_plan(clf_abstract, _recipe("fsdp").with_options(grad_accum=micro), mesh, batch=batch)
         state = mt.init_state(plan)
         ev = mt.make_eval_step(plan, loss_fn=classify)(state, batch)
         _, metrics = mt.make_train_step(plan, loss_fn=classify)(state, batch)

@@ -65,7 +65,7 @@ def composed():
 
 def _composed(composed, schedule):
     if schedule not in composed:
-        recipe = mt.get_recipe("pp_fsdp_tp").with_options(schedule=schedule, micro_batches=8,
+        recipe = mt.get_recipe("pp_fsdp_tp").with_options(schedule=schedule, pipeline_micro_batches=8,
                                                           repeats=2 if schedule == "circular" else 1)
         composed[schedule] = _run(recipe)
     return composed[schedule]
@@ -94,7 +94,7 @@ def test_parity_composed_with_fsdp_and_tp(baseline, composed, schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])  # circular alone: its tables, FLOPs and composed run
 def test_parity_alone_four_stages(baseline, schedule):
     # stage=4 × data=2, 4 layers: one layer per stage; gradients at step 0 and the HLO's stage traffic.
-    recipe = mt.get_recipe("pp").with_mesh(stage=4, data=2).with_options(schedule=schedule, micro_batches=4)
+    recipe = mt.get_recipe("pp").with_mesh(stage=4, data=2).with_options(schedule=schedule, pipeline_micro_batches=4)
     got = _run(recipe, steps=0)
     _assert_parity(got, baseline, steps=0)
     _assert_neighbours_only(got[2].as_text(), got[3])

@@ -56,7 +56,7 @@ def _run(recipe, n_devices, factory=None, steps=STEPS):
 def baseline():
     # One device, gradient accumulation over the same M micro-batches (rows i, i+M, ... as the pipeline
     # cuts them): the router statistics are per micro-batch in both.
-    return _run(mt.get_recipe("dp").with_options(micro_batches=M), 1)
+    return _run(mt.get_recipe("dp").with_options(grad_accum=M), 1)
 
 
 #: circular runs gpipe's code path with interleaved groups, pp_fsdp × 1f1b the explicit per-stage VJP;
@@ -68,7 +68,7 @@ CASES = [("pp", "circular"), ("pp_fsdp", "1f1b")] + ([("pp", "gpipe"), ("pp", "1
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,schedule", CASES)
 def test_moe_router_losses_and_metrics_through_the_pipeline(baseline, recipe, schedule):
-    r = mt.get_recipe(recipe).with_options(schedule=schedule, micro_batches=M,
+    r = mt.get_recipe(recipe).with_options(schedule=schedule, pipeline_micro_batches=M,
                                            repeats=2 if schedule == "circular" else 1)
     grads, metrics = _run(r, 8)
     want_grads, want = baseline
@@ -106,7 +106,7 @@ class _NoSown(Decoder):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_sown_values_without_a_sown_part_name_the_fix(schedule):
     cfg = _config()
-    recipe = mt.get_recipe("pp").with_options(schedule=schedule, micro_batches=M)
+    recipe = mt.get_recipe("pp").with_options(schedule=schedule, pipeline_micro_batches=M)
     abstract = mt.abstract_state(lambda rngs: _NoSown(cfg, rngs=rngs), optax.adamw(3e-3))
     plan = mt.make_plan(abstract, recipe, recipe.mesh.build(jax.devices()), batch=mt.BatchSpec(B, T))
     state = abstract_train_state(plan)

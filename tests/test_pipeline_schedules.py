@@ -138,8 +138,8 @@ def test_bad_input_names_the_fix():
         _plan(mt.get_recipe("pp"), tiny_abstract(n_layers=3))  # the plan already names it
     with pytest.raises(ConfigError, match=r"not divisible by stages × repeats = 2 × 2"):
         mt.make_train_step(_plan(mt.get_recipe("pp").with_options(schedule="circular", repeats=2), tiny_abstract()))
-    with pytest.raises(ConfigError, match=r"needs micro_batches >= 4 \(got 2\).*--micro-batches"):
-        mt.make_train_step(_plan(mt.get_recipe("pp").with_mesh(stage=4, data=2).with_options(micro_batches=2),
+    with pytest.raises(ConfigError, match=r"needs micro_batches >= 4 \(got 2\).*--pipeline-micro-batches"):
+        mt.make_train_step(_plan(mt.get_recipe("pp").with_mesh(stage=4, data=2).with_options(pipeline_micro_batches=2),
                                  tiny_abstract(n_layers=4)))
     abstract = mt.abstract_state(lambda rngs: _NoParts(rngs), None)
     recipe = mt.get_recipe("pp").with_options(max_replicated_fraction=1.0)
@@ -151,7 +151,7 @@ def test_bad_input_names_the_fix():
 def test_bubble_warning():
     assert pipe.bubble_warning(pipe.PipelineConfig(pipe.Schedule.GPIPE, 4, 16)) is None
     msg = pipe.bubble_warning(pipe.PipelineConfig(pipe.Schedule.GPIPE, 4, 4))
-    assert "43%" in msg and "--micro-batches" in msg
+    assert "43%" in msg and "--pipeline-micro-batches" in msg
 
 
 # ---- the other reference models implement the contract -------------------------------------------

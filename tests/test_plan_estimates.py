@@ -28,11 +28,11 @@ def _plan(model: str, recipe: str, devices: int, **options):
 # (model, recipe, devices, recipe options, backend): every branch of the formulas
 CASES = {
     "unrolled": ("small", "fsdp", 8, {}, None),
-    "scan remat micro-batches": ("small", "fsdp_tp", 8, {"layer_loop": "scan", "remat": "full", "micro_batches": 2},
+    "scan remat micro-batches": ("small", "fsdp_tp", 8, {"layer_loop": "scan", "remat": "full", "grad_accum": 2},
                                  None),
     "xla:tpu bf16": ("small", "fsdp", 8, {"layer_loop": "scan", "compute_dtype": "bfloat16"}, "tpu"),
-    "pipeline 1f1b": ("small", "pp", 8, {"schedule": "1f1b", "micro_batches": 4}, None),
-    "pipeline circular": ("small", "pp", 8, {"schedule": "circular", "micro_batches": 4, "repeats": 2}, None),
+    "pipeline 1f1b": ("small", "pp", 8, {"schedule": "1f1b", "pipeline_micro_batches": 4}, None),
+    "pipeline circular": ("small", "pp", 8, {"schedule": "circular", "pipeline_micro_batches": 4, "repeats": 2}, None),
     "moe": ("small-moe", "fsdp_ep", 8, {"layer_loop": "scan"}, None),
     "ring attention": ("small", "fsdp_cp", 8, {"layer_loop": "scan"}, None),
 }

@@ -124,7 +124,7 @@ def llama8b():
 
 def _pp(cfg, abstract, schedule, m, p=4, n=64, batch=256, seq=2048, recipe="pp_fsdp", **mesh):
     plan = _plan(cfg, recipe, n, batch, seq, abstract, stage=p, **mesh)
-    return dataclasses.replace(plan, recipe=plan.recipe.with_options(schedule=schedule, micro_batches=m,
+    return dataclasses.replace(plan, recipe=plan.recipe.with_options(schedule=schedule, pipeline_micro_batches=m,
                                                                      repeats=2 if schedule == "circular" else 1))
 
 
@@ -168,9 +168,9 @@ def test_pipeline_step_time_includes_the_bubble(llama8b):
 def test_evaluate_rejects_a_pipeline_the_step_would_refuse(llama8b):
     cfg, _ = llama8b
     req = PlanRequest(cfg, 64, "h100", batch_size=256, seq_len=2048)
-    few = evaluate(req, mt.get_recipe("pp_fsdp").with_mesh(stage=4).with_options(micro_batches=2))
+    few = evaluate(req, mt.get_recipe("pp_fsdp").with_mesh(stage=4).with_options(pipeline_micro_batches=2))
     assert few.rejected.startswith("pipeline:") and "micro_batches >= 4" in few.rejected
-    odd = evaluate(req, mt.get_recipe("pp_fsdp").with_mesh(stage=64, fsdp=1).with_options(micro_batches=64))
+    odd = evaluate(req, mt.get_recipe("pp_fsdp").with_mesh(stage=64, fsdp=1).with_options(pipeline_micro_batches=64))
     assert odd.rejected and "divisible" in odd.rejected
 
 
@@ -183,7 +183,7 @@ def compiled_pp():
     abstract = _abstract(cfg)
     out = {}
     for schedule in ("gpipe", "1f1b"):
-        r = mt.get_recipe("pp").with_mesh(stage=2, data=4).with_options(schedule=schedule, micro_batches=8)
+        r = mt.get_recipe("pp").with_mesh(stage=2, data=4).with_options(schedule=schedule, pipeline_micro_batches=8)
         plan = mt.make_plan(abstract, r, r.mesh.build(jax.devices()[:8]), batch=mt.BatchSpec(32, 128))
         out[schedule] = (plan, compile_local(plan))
     return cfg, out
@@ -311,7 +311,7 @@ def test_plan_text_states_active_flops_and_the_bubble(capsys):
                  "--batch-size", "16", "--seq-len", "128"]) == 0
     out = capsys.readouterr().out
     assert "MFU counts active FLOPs" in out and "expert weights" in out
-    assert main(["plan", "--model", "small", "--recipe", "pp_fsdp", "--schedule", "1f1b", "--micro-batches", "8",
+    assert main(["plan", "--model", "small", "--recipe", "pp_fsdp", "--schedule", "1f1b", "--pipeline-micro-batches", "8",
                  "--devices", "8", "--hardware", "h100", "--batch-size", "32", "--seq-len", "128"]) == 0
     out = capsys.readouterr().out
     assert "layer stack × 1/(1 - bubble)" in out and "pipeline 1f1b" in out
@@ -322,7 +322,7 @@ def test_the_trainers_preflight_estimate_models_moe_and_pipelines():
     from meshtrain.commands.train import decoder_memory_estimate
 
     for model, recipe, opts, batch in (("small-moe", "fsdp_ep", {}, 16),
-                                       ("small", "pp_fsdp", {"schedule": "1f1b", "micro_batches": 8}, 32)):
+                                       ("small", "pp_fsdp", {"schedule": "1f1b", "pipeline_micro_batches": 8}, 32)):
         cfg = mt.models.get_config(model)
         r = mt.get_recipe(recipe).with_options(**opts)
         plan = mt.make_plan(_abstract(cfg), r, r.mesh.build(jax.devices()[:8]), batch=mt.BatchSpec(batch, 128))

@@ -53,7 +53,7 @@ def test_gradient_accumulation_matches_one_big_batch():
     assert abs(loss4 - loss1) <= 1e-5 * loss1
     assert max(rel_diff(a, b) for a, b in zip(grads4, grads1)) <= 1e-5
     l1, _, _ = run_steps(recipe, mesh, steps=3, batch=32)
-    l4, _, _ = run_steps(recipe.with_options(micro_batches=4), mesh, steps=3, batch=32)
+    l4, _, _ = run_steps(recipe.with_options(grad_accum=4), mesh, steps=3, batch=32)
     assert rel_diff(l4, l1) <= 1e-5
 
 

@@ -124,8 +124,8 @@ def test_train_bad_input_exits_2_without_traceback(args, message, tmp_path):
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("recipe, knobs, multiple", [("fsdp", {}, 8), ("pp_fsdp", {"micro_batches": 8}, 32),
-                                                     ("pp", {"micro_batches": 4}, 16), ("tp", {}, 1)])
+@pytest.mark.parametrize("recipe, knobs, multiple", [("fsdp", {}, 8), ("pp_fsdp", {"pipeline_micro_batches": 8}, 32),
+                                                     ("pp", {"pipeline_micro_batches": 4}, 16), ("tp", {}, 1)])
 def test_batch_multiple_is_data_parallel_size_times_micro_batches(recipe, knobs, multiple):
     """`meshtrain train` without --batch-size rounds its default 16 up to this (pp_fsdp m=8 on 8 devices: 32)."""
     trainer = Trainer(TrainConfig(model="tiny", recipe=recipe, recipe_options=knobs))
@@ -135,7 +135,7 @@ def test_batch_multiple_is_data_parallel_size_times_micro_batches(recipe, knobs,
 @pytest.mark.slow
 def test_default_batch_is_rounded_up_and_said(tmp_path):
     """The issue's pipeline command, with no --batch-size, runs (tiny: 2 layers over 2 stages, fsdp 4, m=8)."""
-    out = cli("train", "--model", "tiny", "--recipe", "pp_fsdp", "--schedule", "1f1b", "--micro-batches", "8",
+    out = cli("train", "--model", "tiny", "--recipe", "pp_fsdp", "--schedule", "1f1b", "--pipeline-micro-batches", "8",
               "--steps", "2", "--seq-len", "32", "--eval-every", "0", "--out", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--batch-size not given: using 32, the smallest multiple of 32" in out.stdout

@@ -96,14 +96,14 @@ def test_gradients_are_sharded_one_eighth_per_device_in_the_lowered_step():
 
 @pytest.mark.slow
 def test_zero2_with_micro_batches_accumulates_sharded_gradients_and_matches_one_device():
-    plan, lowered = _lower("zero2", micro_batches=2)
+    plan, lowered = _lower("zero2", grad_accum=2)
     runs = _gradient_constraints(plan, lowered, every=True)
     assert len(runs) >= 3  # accumulator init, the sum per micro-batch, the gradients before the update
     assert all(sum(map(len, axes)) == 1 for run in runs for _, axes in run)
     one, one_mesh = single_device("dp")
     base, _, _ = run_steps(one, one_mesh, steps=3)
     recipe, mesh = mesh_for("zero2")
-    losses, _, _ = run_steps(recipe.with_options(micro_batches=2), mesh, steps=3)
+    losses, _, _ = run_steps(recipe.with_options(grad_accum=2), mesh, steps=3)
     assert rel_diff(losses, base) <= 1e-5, (losses, base)
 
 

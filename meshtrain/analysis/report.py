@@ -344,16 +344,20 @@ def auto(args, cfg):
     import jax
 
     n = args.devices or len(jax.devices())
-    if getattr(args, "attention", None) not in (None, "dense", "flash"):
-        raise ConfigError(f"with --recipe auto, --attention takes dense or flash (used by the recipes whose attention "
-                          f"is dense; the context-parallel recipes keep theirs), not {args.attention}")
-    micro = (args.micro_batches,) if getattr(args, "micro_batches", None) else ()
+    # --local-attention (or the old --attention) and --pipeline-micro-batches / --grad-accum (or the old
+    # --micro-batches) fix what the search would otherwise vary, as they do for a named recipe.
+    attention = getattr(args, "local_attention", None) or getattr(args, "attention", None)
+    if attention not in (None, "dense", "flash"):
+        raise ConfigError(f"with --recipe auto, --local-attention takes dense or flash (used by the recipes whose "
+                          f"attention is dense; the context-parallel recipes keep theirs), not {attention}")
+    given = [getattr(args, k, None) for k in ("pipeline_micro_batches", "grad_accum", "micro_batches")]
+    micro = tuple(v for v in given if v)[:1]
     schedule = getattr(args, "schedule", None)
     req = PlanRequest(cfg, n, getattr(args, "hardware", "cpu") or "cpu", args.batch_size, args.seq_len,
                       remats=(Remat(args.remat),) if getattr(args, "remat", None) else AUTO_REMATS,
                       compute_dtype=getattr(args, "compute_dtype", None), param_dtype=args.param_dtype,
                       micro_batches=micro, slices=getattr(args, "slices", None) or 1,
-                      attention=getattr(args, "attention", None),
+                      attention=attention,
                       **({"schedules": (schedule,)} if schedule else {}))
     return plan_auto(req)
 

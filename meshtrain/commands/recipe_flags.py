@@ -1,9 +1,10 @@
 """The recipe's flags, generated from its settings (``meshtrain train`` and ``meshtrain plan`` share them):
 one flag per recipe knob (``--remat``, ``--grad-accum``, ...) and per dimension option (``--load-balance``,
 ``--flash-backend``, ``--context-kind``, ``--schedule``, ``--pipeline-micro-batches``, ...), ``choices`` from
-the enums, the built-in default in ``--help``. Two older flags are read as before, with the meaning they
-always had: ``--attention KIND`` (a context kind sets the cp dimension's kind, dense/flash the local kernel)
-and ``--micro-batches N`` (a pipeline's micro-batches under pp, else gradient accumulation)."""
+the enums, the built-in default in ``--help``. Two deprecated flags are still read, with the meaning they
+always had and a warning naming the new flag (:func:`meshtrain.recipes.legacy_option`): ``--attention KIND``
+(a context kind sets ``--context-kind``, dense/flash ``--local-attention``) and ``--micro-batches N``
+(``--pipeline-micro-batches`` under pp, else ``--grad-accum``)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ def add_recipe_flags(parser) -> None:
             seen.add(s.flag)
             add_flags(parser, [s], owner=f"the recipe's {cls.key} dimension's, which the recipe must have")
     parser.add_argument("--attention", choices=[k.value for k in AttentionKind], default=None,
-                        help="shortcut: a context kind sets --context-kind (needs a cp recipe), dense or flash sets "
-                             "--local-attention")
+                        help="deprecated (warns): a context kind is --context-kind (needs a cp recipe), dense or "
+                             "flash is --local-attention")
     parser.add_argument("--micro-batches", type=int, default=None,
-                        help="shortcut: --pipeline-micro-batches for a pp recipe, else --grad-accum")
+                        help="deprecated (warns): --pipeline-micro-batches for a pp recipe, else --grad-accum")
 
 
 def recipe_overrides(args) -> Dict[str, Any]:

@@ -91,5 +91,5 @@ def check_memory(plan, estimate: Optional[Estimate] = None, *, remat: str = "non
         f"the plan needs ~{_gib(check.estimate_bytes)} per device ({check.detail}) but a device has "
         f"{_gib(limit)} ({where}; {HEADROOM:.0%} usable). Change one of: a recipe that shards more "
         f"(--recipe fsdp or fsdp_tp), more devices or a larger --mesh, --remat full (now {remat}), "
-        f"--micro-batches, a smaller --batch-size/--seq-len, or a smaller --model. See "
+        f"--grad-accum (or --pipeline-micro-batches), a smaller --batch-size/--seq-len, or a smaller --model. See "
         f"`meshtrain plan --model ... --recipe auto` for a layout that fits; --memory-check off skips this check")

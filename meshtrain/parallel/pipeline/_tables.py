@@ -117,7 +117,7 @@ class PipelineConfig:
                               f"circular or --repeats 1")
         if m < p:
             raise ConfigError(f"pipeline with {p} stages needs micro_batches >= {p} (got {m}): pass "
-                              f"--micro-batches {max(p, 4 * p)} (or recipe.with_options(pipeline_micro_batches=...))")
+                              f"--pipeline-micro-batches {max(p, 4 * p)} (or recipe.with_options(pipeline_micro_batches=...))")
         if n_layers is not None and n_layers % self.groups:
             what = f"stages × repeats = {p} × {self.repeats}" if self.schedule is Schedule.CIRCULAR else f"stages = {p}"
             raise ConfigError(f"the model has {n_layers} layers, not divisible by {what}; change the mesh's stage "
@@ -139,5 +139,5 @@ def bubble_warning(cfg: PipelineConfig, limit: float = 0.25) -> Optional[str]:
         return None
     return (f"pipeline bubble {cfg.bubble:.0%} ({cfg.schedule.value}, {cfg.stages} stages, {cfg.micro_batches} "
             f"micro-batches" + (f", {cfg.repeats} repeats" if cfg.schedule is Schedule.CIRCULAR else "")
-            + f") exceeds {limit:.0%}: raise --micro-batches" + (" or --repeats" if cfg.schedule is Schedule.CIRCULAR
+            + f") exceeds {limit:.0%}: raise --pipeline-micro-batches" + (" or --repeats" if cfg.schedule is Schedule.CIRCULAR
                                                                  else ""))
