@@ -27,13 +27,9 @@ import threading
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from meshtrain.data.tokenizer import CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE
 from meshtrain.errors import ConfigError
 
-#: transformers' file for a tokenizer's default chat template (it takes precedence over the config's)
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-#: the legacy file some tokenizers name their special tokens in (the config's entries take precedence)
-SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 #: the special-token variables a template sees (transformers' ``SPECIAL_TOKENS_ATTRIBUTES``)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
                        "additional_special_tokens")
