@@ -121,6 +121,36 @@ def test_bench_generate_runs_and_prints_its_figures():
     assert cells[3]["cache_bytes_per_device"] == cells[1]["cache_bytes_per_device"]  # 8 rows: batch or heads / 8
 
 
+@pytest.mark.slow
+def test_bench_generate_takes_a_run_and_alternates_with_transformers(tmp_path):
+    """`bench_generate.py RUN` on an imported tiny Llama, then `--vs-transformers`: the same greedy tokens
+    from both, 3 alternated rounds, the load average; figures are printed, never compared."""
+    pytest.importorskip("transformers")
+    from test_hf import hf_folder
+
+    from meshtrain.train.interop import import_hf
+
+    import_hf(hf_folder(tmp_path / "src", "llama")[0], str(tmp_path / "run"))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    common = [sys.executable, os.path.join(ROOT, "tools", "bench_generate.py"), str(tmp_path / "run"), "--devices",
+              "1", "--recipes", "dp", "--batch-sizes", "2", "--prompt-len", "6", "--new-tokens", "5", "--repeats", "1",
+              "--json"]
+    cells = processes.run(common, capture_output=True, text=True, env=env, timeout=600)
+    assert cells.returncode == 0, cells.stderr[-3000:]
+    cell = json.loads(cells.stdout.splitlines()[1])
+    assert cell["model"] == str(tmp_path / "run") and cell["batch"] == 2 and cell["decode_tokens_per_s"] > 0
+    versus = processes.run(common + ["--vs-transformers"], capture_output=True, text=True, env=env, timeout=600)
+    assert versus.returncode == 0, versus.stderr[-3000:]
+    report = json.loads(versus.stdout.splitlines()[1])
+    assert report["same_tokens"] and len(report["rounds"]) == 3 and len(report["load_average_after"]) == 3
+    assert all(r["meshtrain_end_to_end_tokens_per_s"] > 0 and r["transformers_end_to_end_tokens_per_s"] > 0
+               for r in report["rounds"])
+    refused = processes.run(common[:2] + ["--vs-transformers", "--rounds", "2", str(tmp_path / "run")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2 and "--rounds 2: alternate at least 3 rounds" in refused.stderr
+
+
 def test_plan_generate_shows_weights_and_kv_cache_per_device():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
