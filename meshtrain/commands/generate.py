@@ -172,6 +172,7 @@ def run(args) -> int:
     check_prompts(info.cfg, ids, gen.max_new_tokens)
     loaded = load(args.run_dir, step=info.step, recipe=gen.recipe, mesh=gen.mesh, devices=args.devices,
                   quantize=gen.quantize, weight_memory=gen.weight_memory)
+    sampling.key(0)  # compiles the key helpers now: their compile events name no step (speed.py counts the steps')
     with compile_seconds() as compiled:
         out = loaded.generate(prompts, gen.max_new_tokens, sampling, stop_ids=stop_ids,
                               prompt_logprobs=args.prompt_logprobs)

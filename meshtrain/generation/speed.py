@@ -4,8 +4,9 @@ those seconds are reported apart, as ``compile_s``).
 
 The compile seconds come from JAX's monitoring events (``/jax/core/compile/*``), which name the
 jitted function: those of a function whose name holds ``prefill`` count against the prefill, those
-holding ``decode`` against the decoding; helpers (the cache's zeros) ran before either and count
-against neither. Example::
+holding ``decode`` against the decoding; helpers count against neither, so the caller compiles those
+that run inside the timed steps beforehand (``meshtrain generate`` makes the sampling key of step 0
+first: JAX's key functions compile on first use). Example::
 
     with compile_seconds() as compiled:
         out = loaded.generate(prompts, 32)
