@@ -47,14 +47,17 @@ def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs):
                        "--prompt-logprobs", "--json", "--recipe", "tp")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [sorted(r) for r in rows] == [["new_ids", "new_logprobs", "new_text", "prompt_logprobs"]] * 2
+    assert [sorted(r) for r in rows] == [["new_ids", "new_logprobs", "new_text", "prompt_logprobs", "speed"]] * 2
+    assert rows[0]["speed"] == rows[1]["speed"] and rows[0]["speed"]["prompt_tokens"] == len("def main(import os")
+    rows = [{k: v for k, v in r.items() if k != "speed"} for r in rows]  # the batch's timing: differs per run
     api = mt.generate(runs["text"], ["def main(", "import os"], max_new_tokens=6, prompt_logprobs=True)
     assert [r["new_ids"] for r in rows] == [list(g.new_ids) for g in api]
     np.testing.assert_allclose(rows[0]["new_logprobs"], api[0].new_logprobs, atol=1e-4)
     offloaded = generate_cli(runs["text"], "--prompt", "def main(", "--prompt", "import os", "--max-new-tokens", 6,
                              "--prompt-logprobs", "--json", "--recipe", "tp", "--offload-weights")
     assert offloaded.returncode == 0, offloaded.stderr[-3000:]
-    assert [json.loads(line) for line in offloaded.stdout.splitlines()] == rows  # layers streamed from host
+    assert [{k: v for k, v in json.loads(line).items() if k != "speed"}
+            for line in offloaded.stdout.splitlines()] == rows  # layers streamed from host
     assert len(rows[1]["prompt_logprobs"]) == len("import os") - 1
     scored = generate_cli(runs["ids"], "--prompt-ids", "1,2,3,4", "--max-new-tokens", 0, "--prompt-logprobs", "--json")
     assert scored.returncode == 0, scored.stderr[-3000:]
@@ -116,6 +119,36 @@ def test_bench_generate_runs_and_prints_its_figures():
     # tp splits the weights and the cache's kv_heads over 8 devices; dp replicates them
     assert cells[2]["weight_bytes_per_device"] < cells[0]["weight_bytes_per_device"] / 4
     assert cells[3]["cache_bytes_per_device"] == cells[1]["cache_bytes_per_device"]  # 8 rows: batch or heads / 8
+
+
+@pytest.mark.slow
+def test_bench_generate_takes_a_run_and_alternates_with_transformers(tmp_path):
+    """`bench_generate.py RUN` on an imported tiny Llama, then `--vs-transformers`: the same greedy tokens
+    from both, 3 alternated rounds, the load average; figures are printed, never compared."""
+    pytest.importorskip("transformers")
+    from test_hf import hf_folder
+
+    from meshtrain.train.interop import import_hf
+
+    import_hf(hf_folder(tmp_path / "src", "llama")[0], str(tmp_path / "run"))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    common = [sys.executable, os.path.join(ROOT, "tools", "bench_generate.py"), str(tmp_path / "run"), "--devices",
+              "1", "--recipes", "dp", "--batch-sizes", "2", "--prompt-len", "6", "--new-tokens", "5", "--repeats", "1",
+              "--json"]
+    cells = processes.run(common, capture_output=True, text=True, env=env, timeout=600)
+    assert cells.returncode == 0, cells.stderr[-3000:]
+    cell = json.loads(cells.stdout.splitlines()[1])
+    assert cell["model"] == str(tmp_path / "run") and cell["batch"] == 2 and cell["decode_tokens_per_s"] > 0
+    versus = processes.run(common + ["--vs-transformers"], capture_output=True, text=True, env=env, timeout=600)
+    assert versus.returncode == 0, versus.stderr[-3000:]
+    report = json.loads(versus.stdout.splitlines()[1])
+    assert report["same_tokens"] and len(report["rounds"]) == 3 and len(report["load_average_after"]) == 3
+    assert all(r["meshtrain_end_to_end_tokens_per_s"] > 0 and r["transformers_end_to_end_tokens_per_s"] > 0
+               for r in report["rounds"])
+    refused = processes.run(common[:2] + ["--vs-transformers", "--rounds", "2", str(tmp_path / "run")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2 and "--rounds 2: alternate at least 3 rounds" in refused.stderr
 
 
 def test_plan_generate_shows_weights_and_kv_cache_per_device():

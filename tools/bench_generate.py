@@ -1,7 +1,10 @@
 """Generation speed per recipe and batch size, side by side: prefill tokens/s, decode tokens/s and
-per-token latency (randomly initialised built-in decoders; weights do not change the speed).
+per-token latency (randomly initialised built-in decoders, or any run folder: weights do not change
+the speed).
 
     python tools/bench_generate.py                                   # tiny and small, dp/fsdp/tp/fsdp_tp, batch 1 and 8
+    python tools/bench_generate.py runs/smollm --recipes dp --devices 1 --batch-sizes 1   # a run folder
+    python tools/bench_generate.py runs/smollm --vs-transformers --devices 1 --rounds 3   # against transformers
     python tools/bench_generate.py --models small --recipes tp fsdp_tp --batch-sizes 1 8 32 --json
     python tools/bench_generate.py --models small --weight-memory device host   # layers streamed from host
     python tools/bench_generate.py --agreement runs/main             # int8 vs bf16 greedy agreement
@@ -16,6 +19,13 @@ prompts (32-byte windows of the corpus' validation split starting at a line, see
 formats: the first position where the two continuations part and the share of positions whose tokens
 are equal, per prompt and over all (the issue's bar: int8 vs bf16 >= 90 %). ``none`` vs ``bf16`` shows
 how far bf16 itself moves the same continuations.
+
+``--vs-transformers`` (run folders of the architectures transformers' Flax has: llama, mistral,
+gemma) exports the run to a float32 HuggingFace folder, loads it into transformers' Flax model and
+alternates, ``--rounds`` times, meshtrain's generation and a ``jax.jit``-compiled transformers
+``generate`` (each the fastest of ``--repeats`` calls; greedy, no end token: both make exactly
+``--new-tokens`` tokens) on the same prompt ids, each compiled beforehand; see :mod:`bench_vs_transformers` for the figures. It prints a row per
+round, the medians, whether the two made the same tokens, and the load average before and after.
 
 Each cell compiles prefill and decode once (a warm-up generation), then times ``--repeats``
 generations of ``--new-tokens`` tokens after a ``--prompt-len``-token prompt per row and keeps the
@@ -32,11 +42,17 @@ import json
 import statistics
 
 
+def bench_prompts(vocab_size, batch, prompt_len):
+    """The benchmark's prompt ids: ``batch`` rows of ``prompt_len`` ids (the same for any tool compared)."""
+    return [[(7 * b + t) % vocab_size for t in range(prompt_len)] for b in range(batch)]
+
+
 def bench_cell(model, name, recipe, batch, prompt_len, new_tokens, repeats, quantize, devices, memory="device"):
+    """One cell of the table; ``model``: an nnx Decoder or a run folder."""
     from meshtrain.generation import Sampling, load
 
     loaded = load(model, recipe=recipe, devices=devices, quantize=quantize, weight_memory=memory)
-    prompts = [[(7 * b + t) % model.cfg.vocab_size for t in range(prompt_len)] for b in range(batch)]
+    prompts = bench_prompts(loaded.engine.cfg.vocab_size, batch, prompt_len)
     loaded.generate(prompts, new_tokens, Sampling())  # compiles prefill and decode
     best = None
     for _ in range(repeats):
@@ -141,7 +157,8 @@ def fmt(x, spec):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["tiny", "small"])
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run folders to bench (instead of --models)")
+    p.add_argument("--models", nargs="+", default=["tiny", "small"], help="built-in models (random weights)")
     p.add_argument("--recipes", nargs="+", default=["dp", "fsdp", "tp", "fsdp_tp"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=32)
@@ -155,7 +172,15 @@ def main(argv=None) -> int:
                    "agreement of the trained run RUN instead of speed (recipe: the first of --recipes)")
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true", help="one JSON object per cell instead of the table")
+    p.add_argument("--vs-transformers", action="store_true", help="alternate with transformers' Flax generate on "
+                   "the same model (each RUN), prompt and token count (recipe: the first of --recipes; batch: the "
+                   "first of --batch-sizes)")
+    p.add_argument("--rounds", type=int, default=3, help="--vs-transformers: timed rounds of each (>= 3)")
     args = p.parse_args(argv)
+    if args.vs_transformers and not args.runs:
+        p.error("--vs-transformers compares run folders: give RUN (e.g. one made by `meshtrain import`)")
+    if args.vs_transformers and args.rounds < 3:
+        p.error(f"--rounds {args.rounds}: alternate at least 3 rounds")
     from meshtrain.cli import setup_devices
 
     setup_devices(args.devices)
@@ -173,13 +198,23 @@ def main(argv=None) -> int:
         else:
             print_agreement(result, len(HAND_PROMPTS))
         return 0
+    if args.vs_transformers:
+        from bench_vs_transformers import compare_run
+
+        for run in args.runs:
+            compare_run(run, args.recipes[0], args.batch_sizes[0], args.prompt_len, args.new_tokens, args.rounds,
+                        args.devices, args.repeats, as_json=args.json)
+        return 0
     header = ("model", "recipe", "weights", "memory", "batch", "padded", "prefill tok/s", "decode tok/s", "ms/token",
               "weights/dev", "host w/dev", "cache/dev")
     if not args.json:
         print("  ".join(f"{h:>13}" for h in header), flush=True)
-    for name in args.models:
-        with nnx.use_eager_sharding(False):
-            model = Decoder(get_config(name), rngs=nnx.Rngs(0))
+    for name in args.runs or args.models:
+        if args.runs:
+            model = name  # a run folder: its checkpoint is restored per cell
+        else:
+            with nnx.use_eager_sharding(False):
+                model = Decoder(get_config(name), rngs=nnx.Rngs(0))
         for recipe in args.recipes:
             for quantize in args.quantize:
                 for batch in args.batch_sizes:

@@ -27,7 +27,13 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 from meshtrain.errors import ConfigError, DiskError, MeshtrainError, disk_hint, is_disk_full
 
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HuggingFace's: names the eos token
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # HuggingFace's: names the eos token, holds the chat template
+#: transformers' file for a tokenizer's default chat template (it takes precedence over the config's)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: the legacy file some tokenizers name their special tokens in (the config's entries take precedence)
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+#: what travels with a tokenizer (a run, an import, an export, prepared data): :func:`copy_tokenizer_files`
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_FILE)
 #: The end-of-document token of tokenizers built by :func:`train_bpe` (GPT-2's spelling).
 EOS_TOKEN = "<|endoftext|>"
 _KNOWN_EOS = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
@@ -91,13 +97,14 @@ def tokenizer_path(path: str) -> Optional[str]:
 
 
 def copy_tokenizer_files(source_dir: Optional[str], target_dir: str) -> Optional[str]:
-    """Copy ``tokenizer.json`` (and ``tokenizer_config.json``) from folder ``source_dir`` to
-    ``target_dir`` when it has them; the copied ``tokenizer.json``'s path, or ``None``. ``OSError``
-    propagates (the caller names the file and when)."""
+    """Copy ``tokenizer.json`` (and ``tokenizer_config.json``, ``chat_template.jinja``,
+    ``special_tokens_map.json``: :data:`TOKENIZER_FILES`) from folder ``source_dir`` to ``target_dir``
+    when it has them; the first copied file's path, or ``None``. ``OSError`` propagates (the caller
+    names the file and when)."""
     if source_dir is None or not os.path.isdir(source_dir):
         return None
     copied = None
-    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+    for name in TOKENIZER_FILES:
         source = os.path.join(source_dir, name)
         if os.path.isfile(source):
             shutil.copyfile(source, os.path.join(target_dir, name))

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -66,9 +67,16 @@ def empty_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32) -> K
     """A zero cache of ``seq`` slots for ``len(pad)`` rows, placed by :func:`cache_shardings`."""
     batch = len(pad)
     sh = cache_shardings(cfg, plan, batch, seq)
-    zeros = jax.jit(lambda: jnp.zeros(cache_shape(cfg, batch, seq), dtype), out_shardings=sh.k)
+    zeros = _zeros(cache_shape(cfg, batch, seq), jnp.dtype(dtype).name, sh.k)
     return KVCache(zeros(), zeros(), jax.device_put(jnp.int32(0), sh.index),
                    jax.device_put(jnp.asarray(pad, jnp.int32), sh.pad))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape, dtype: str, sharding):
+    """A compiled maker of zeros laid out by ``sharding``, one per shape: a new ``jax.jit`` per call
+    would compile again each generation (0.14-0.16 s of a 0.17-0.26 s tiny-model call on CPU)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def shard_elements(shape, spec, mesh_sizes) -> int:

@@ -4,19 +4,26 @@ parameters, restored onto a generation plan through the checkpoint's restore-aga
 
 The generation recipe: the one asked for, else the run's own, unless it has a pipeline (generation
 runs the layer stack whole on every device group): then ``fsdp`` over the same devices.
+
+The run's end-of-sequence ids (:attr:`RunInfo.end_ids`, where generation stops by default): its
+tokenizer's eos token, and the ``eos_token_id`` (an id or a list) of the ``generation_config.json``
+that ``meshtrain import`` carried in, else of the imported ``config.json`` (recorded in the run
+header), as transformers' ``generate`` stops.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from meshtrain.abstract import abstract_state
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.checkpoint.inspection import read_meta, resolve_directory
 from meshtrain.checkpoint.integrity import step_dirs
 from meshtrain.checkpoint.types import CheckpointError
+from meshtrain.data.chat import ChatTemplate, load_chat_template
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.generation.engine import generation_config
 from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_run
@@ -32,6 +39,8 @@ from meshtrain.train.sources import run_header
 
 #: the generation recipe of a run trained with a pipeline, or of a model given without a recipe
 FALLBACK_RECIPE = "fsdp"
+#: HuggingFace's generation defaults file, which `meshtrain import` copies into the run folder
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +54,16 @@ class RunInfo:
     recipe: Optional[Recipe]
     tokenizer: Optional[ByteTokenizer]
     metadata: Dict[str, Any]
+    #: the run folder (``directory`` may be its ``checkpoints/``)
+    folder: Optional[Path] = None
+    #: where generation stops by default (see the module docstring); ``()``: nowhere
+    end_ids: Tuple[int, ...] = ()
+
+    def chat_template(self) -> Optional[ChatTemplate]:
+        """The run tokenizer's chat template (``None``: it has none, or the run has no tokenizer)."""
+        if self.folder is None or self.tokenizer is None or isinstance(self.tokenizer, ByteTokenizer):
+            return None
+        return load_chat_template(str(self.folder))
 
 
 def read_run(run: str, step: Optional[int] = None) -> RunInfo:
@@ -70,8 +89,26 @@ def read_run(run: str, step: Optional[int] = None) -> RunInfo:
                           f"needs a decoder run (a language model: tiny, small, tiny-moe, ...)")
     saved = meta.get("recipe")
     recipe = Recipe.from_dict(saved, source=f"{directory}/{step}") if isinstance(saved, dict) else None
-    return RunInfo(directory, step, name, cfg, recipe, tokenizer_for_run(str(run_dir), meta.get("data"),
-                                                                         cfg.vocab_size), meta)
+    tokenizer = tokenizer_for_run(str(run_dir), meta.get("data"), cfg.vocab_size)
+    return RunInfo(directory, step, name, cfg, recipe, tokenizer, meta, run_dir,
+                   end_ids(run_dir, tokenizer, cfg.vocab_size))
+
+
+def end_ids(run_dir: Path, tokenizer, vocab_size: int) -> Tuple[int, ...]:
+    """The run's end-of-sequence ids (see the module docstring), in the vocabulary, without repeats."""
+    found: List[Any] = [getattr(tokenizer, "eos_id", None)]
+    path = run_dir / GENERATION_CONFIG_FILE
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
+        eos = config.get("eos_token_id") if isinstance(config, dict) else None
+    else:
+        eos = ((run_header(str(run_dir)) or {}).get("special_token_ids") or {}).get("eos_token_id")
+    found += eos if isinstance(eos, list) else [eos]
+    ids = [int(t) for t in found if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size]
+    return tuple(dict.fromkeys(ids))
 
 
 def trained_config(run_dir: Path, name: str):

@@ -130,7 +130,8 @@ def special_token_ids(hf: Dict[str, Any]) -> Dict[str, Any]:
 
 def check_tokenizer(folder: str) -> None:
     """A ``tokenizer.json`` in ``folder`` must load (it is copied into the run, and a broken one would
-    only fail at `meshtrain generate`); a ``tokenizer_config.json`` must be a JSON object."""
+    only fail at `meshtrain generate`); a ``tokenizer_config.json`` must be a JSON object, and its chat
+    template (or ``chat_template.jinja``'s) must compile."""
     import json
 
     from tokenizers import Tokenizer  # lazy: only imports with a tokenizer pay its import
@@ -151,3 +152,23 @@ def check_tokenizer(folder: str) -> None:
             raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
         if not isinstance(config, dict):
             raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")
+    from meshtrain.data.chat import load_chat_template
+
+    load_chat_template(folder)  # a chat template that does not compile: refused now, naming the file and line
+
+
+def check_generation_config(folder: str) -> None:
+    """A ``generation_config.json`` in ``folder`` (copied into the run: its ``eos_token_id`` is where
+    generation stops) must be a JSON object."""
+    import json
+
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Any, Dict, Optional
 
 import jax
@@ -24,7 +25,7 @@ from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.output import Interrupts, output_folder
 from meshtrain.hf.run_config import run_decoder_config
-from meshtrain.hf.validate import check_tokenizer, special_token_ids
+from meshtrain.hf.validate import check_generation_config, check_tokenizer, special_token_ids
 from meshtrain.mesh import select_devices
 from meshtrain.models import DecoderConfig, model_factory
 from meshtrain.plan import make_plan
@@ -33,8 +34,11 @@ from meshtrain.settings import plain_settings
 from meshtrain.state import init_state
 from meshtrain.train.config import TrainConfig, default_optimizer
 from meshtrain.train.metrics import open_outputs
-from meshtrain.train.rundir import copy_tokenizer
+from meshtrain.train.rundir import copy_tokenizer, file_error
 from meshtrain.train.sources import run_header
+
+#: HuggingFace's generation defaults (stop ids), carried from an import's source into the run folder
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def _plan(cfg: DecoderConfig, recipe: str, devices: Optional[int], train: TrainConfig):
@@ -67,6 +71,7 @@ def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: I
         raise ConfigError(f"--out {out!r} already exists and is not an empty folder; pass a new folder")
     cfg = hf.model_config(source)
     check_tokenizer(source)  # copied into the run: a broken one would fail only at `meshtrain generate`
+    check_generation_config(source)
     dtype = hf.source_dtype(source)
     train = TrainConfig(model=out, init_from=out)
     plan = _plan(cfg, recipe, devices, train)
@@ -86,7 +91,19 @@ def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: I
                   "source_dtype": dtype, "special_token_ids": special_token_ids(hf.read_hf_config(source))}
         open_outputs(partial, plan, None, True, header).close()
         copy_tokenizer(source, partial)
+        copy_generation_config(source, partial)
     return {"model_config": cfg, "dtype": dtype, "num_params": plan.abstract.num_params, "recipe": recipe}
+
+
+def copy_generation_config(source: str, run_dir: str) -> None:
+    """Copy ``source``'s ``generation_config.json`` (its stop ids: :func:`meshtrain.generation.runs.end_ids`)
+    into the run folder, when it has one."""
+    path = os.path.join(source, GENERATION_CONFIG_FILE)
+    if os.path.isfile(path):
+        try:
+            shutil.copyfile(path, os.path.join(run_dir, GENERATION_CONFIG_FILE))
+        except OSError as exc:
+            raise file_error(os.path.join(run_dir, GENERATION_CONFIG_FILE), exc, "while importing") from None
 
 
 def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional[str] = None,

@@ -126,7 +126,8 @@ class GenerationSection:
     top_p: float = setting(1.0, "sample from the smallest set of tokens whose probability reaches p (1: off)")
     seed: int = setting(0, "seeds the sampling", minimum=0)
     stop_ids: Optional[str] = setting(None, "comma-separated token ids that end a prompt's generation (the stop "
-                                      "token is kept in the output)")
+                                      "token is kept in the output); default: the run's end-of-sequence ids (its "
+                                      "tokenizer's eos, generation_config.json's eos_token_id); none: no stop")
     # The values of meshtrain.generation.weights' WeightFormat and WeightMemory (a test keeps them equal):
     # `generation` imports `train`, so `train` names them without importing it.
     quantize: str = setting("none", "store the weights as restored (none), in bf16, or int8 weight-only "
