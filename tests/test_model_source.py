@@ -81,3 +81,23 @@ def test_plan_of_a_run_or_hf_folder_is_train_plan_json(tmp_path, capsys):
         assert {k: planned[k] for k in PLAN_KEYS} == {k: trained[k] for k in PLAN_KEYS}, model
     assert main(["plan", "--model", run, "--recipe", "auto", "--top", "1", "--devices", "8"]) == 0
     assert "searched" in capsys.readouterr().out
+
+
+def test_generate_reads_an_hf_folder_as_its_import(tmp_path, capsys):
+    """`generate HF_DIR` gives the tokens and log-probabilities of `generate RUN` for the run `import` made."""
+    src, run = str(tmp_path / "src"), str(tmp_path / "run")
+    tiny_hf(src)
+    import_hf(src, run, devices=1)
+    outputs = []
+    for folder in (src, run):
+        capsys.readouterr()
+        assert main(["generate", folder, "--prompt-ids", "1,5,9,33", "--max-new-tokens", "4", "--json",
+                     "--devices", "2"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outputs[0]["new_ids"] == outputs[1]["new_ids"] and len(outputs[0]["new_ids"]) == 4
+    assert outputs[0]["new_logprobs"] == pytest.approx(outputs[1]["new_logprobs"], abs=1e-5)
+    for args, says in (([src, "--step", "3"], "is a HuggingFace folder (one set of weights, no steps)"),
+                       (["tiny"], "'tiny' is a built-in config, which holds no trained weights"),
+                       (["models.py:make"], "is a model factory, which holds no trained weights")):
+        assert main(["generate", *args, "--prompt-ids", "1", "--max-new-tokens", "1"]) == 2
+        assert says in capsys.readouterr().err

@@ -9,9 +9,11 @@ runs the layer stack whole on every device group): then ``fsdp`` over the same d
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from meshtrain import hf
 from meshtrain.abstract import abstract_state
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.checkpoint.inspection import read_meta, resolve_directory
@@ -21,6 +23,7 @@ from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.generation.engine import generation_config
 from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_run
 from meshtrain.mesh import MeshSpec, select_devices
+from meshtrain.model_source import SourceKind, model_source, source_kind
 from meshtrain.models import DecoderConfig, get_config, model_factory
 from meshtrain.models.configs import config_from_fields
 from meshtrain.plan import make_plan
@@ -45,11 +48,21 @@ class RunInfo:
     recipe: Optional[Recipe]
     tokenizer: Optional[ByteTokenizer]
     metadata: Dict[str, Any]
+    #: a run folder (a checkpoint step), or a HuggingFace folder (its safetensors; ``step`` is 0)
+    source: SourceKind = SourceKind.RUN
 
 
 def read_run(run: str, step: Optional[int] = None) -> RunInfo:
     """The run at ``run`` (a run folder or its ``checkpoints/``): ``step`` (default: the newest step
-    folder) and its model, recipe and tokenizer. Unknown steps and non-decoder models raise."""
+    folder) and its model, recipe and tokenizer. ``run`` may also be a HuggingFace folder (what
+    ``--model HF_DIR`` names, :mod:`meshtrain.model_source`): its weights and tokenizer. Unknown
+    steps, non-decoder models and sources without weights (a built-in name, a factory) raise."""
+    if os.path.isdir(run) and source_kind(run, "RUN") is SourceKind.HF_FOLDER:
+        return _read_hf_folder(run, step)
+    if not os.path.exists(run):
+        kind = source_kind(run, "RUN")   # a path that does not exist: named as one
+        raise ConfigError(f"{run!r} is a {kind.value}, which holds no trained weights; generate from a run folder "
+                          f"(`meshtrain train` or `meshtrain import` wrote it) or a HuggingFace folder")
     directory = resolve_directory(run)
     steps = step_dirs(directory)
     if not steps:
@@ -72,6 +85,15 @@ def read_run(run: str, step: Optional[int] = None) -> RunInfo:
     recipe = Recipe.from_dict(saved, source=f"{directory}/{step}") if isinstance(saved, dict) else None
     return RunInfo(directory, step, name, cfg, recipe, tokenizer_for_run(str(run_dir), meta.get("data"),
                                                                          cfg.vocab_size), meta)
+
+
+def _read_hf_folder(folder: str, step: Optional[int]) -> RunInfo:
+    if step not in (None, 0):  # (0: the step read_run gave it)
+        raise ConfigError(f"--step {step}: {folder!r} is a HuggingFace folder (one set of weights, no steps); "
+                          f"drop --step")
+    cfg = model_source(folder, "RUN").config
+    return RunInfo(Path(folder), 0, folder, cfg, None, tokenizer_for_run(folder, None, cfg.vocab_size), {},
+                   SourceKind.HF_FOLDER)
 
 
 def trained_config(run_dir: Path, name: str):
@@ -111,6 +133,9 @@ def restore_params(info: RunInfo, recipe: Recipe, devices=None):
     """``(params, plan)``: ``info.step``'s parameters on ``recipe``'s plan (only the parameters are
     read: whatever optimizer the run used; a 16-bit run gives its f32 master weights)."""
     cfg = info.cfg
+    if info.source is SourceKind.HF_FOLDER:  # the safetensors, each device reading its own blocks
+        plan = params_plan(cfg, recipe, devices)
+        return hf.load_params(str(info.directory), plan, cfg), plan
     axes = abstract_state(model_factory(cfg)).param_axes
     plan = params_plan(cfg, recipe, devices, default_optimizer(TrainConfig(), axes))
     _, params = Checkpointer.read_params(info.directory, plan, info.step)
