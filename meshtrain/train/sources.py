@@ -21,7 +21,9 @@ __all__ = ["initial_params", "run_header"]
 def initial_params(source: str, plan, model_cfg, notice=print):
     """The parameters in ``source`` (a HuggingFace folder, or a run folder's latest checkpoint) on
     ``plan``'s shardings; the caller's optimizer state starts fresh from them."""
-    if source_kind(source, "--init-from") is SourceKind.HF_FOLDER:
+    kind = source_kind(source, "--init-from") if os.path.isdir(source) and (
+        hf.is_hf_folder(source) or run_header(source) is not None) else None   # else: refused below
+    if kind is SourceKind.HF_FOLDER:
         if not isinstance(model_cfg, DecoderConfig):
             raise ConfigError(f"--init-from {source!r}: HuggingFace weights load into a decoder; the model here is "
                               f"{type(model_cfg).__name__}")
@@ -29,7 +31,7 @@ def initial_params(source: str, plan, model_cfg, notice=print):
         notice(f"weights from {source} (HuggingFace); the optimizer starts fresh")
         return params
     checkpoints = os.path.join(source, "checkpoints")
-    if run_header(source) is None:
+    if kind is not SourceKind.RUN:
         raise ConfigError(f"--init-from {source!r} is neither a HuggingFace folder (config.json) nor a run folder "
                           f"with checkpoints/: give one of those")
     if not os.path.isdir(checkpoints):
