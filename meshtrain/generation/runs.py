@@ -59,8 +59,8 @@ def read_run(run: str, step: Optional[int] = None) -> RunInfo:
     steps, non-decoder models and sources without weights (a built-in name, a factory) raise."""
     if os.path.isdir(run) and source_kind(run, "RUN") is SourceKind.HF_FOLDER:
         return _read_hf_folder(run, step)
-    if not os.path.exists(run):
-        kind = source_kind(run, "RUN")   # a path that does not exist: named as one
+    if not os.path.exists(run) and os.sep not in run and not run.startswith("."):  # a name, not a path
+        kind = source_kind(run, "RUN")
         raise ConfigError(f"{run!r} is a {kind.value}, which holds no trained weights; generate from a run folder "
                           f"(`meshtrain train` or `meshtrain import` wrote it) or a HuggingFace folder")
     directory = resolve_directory(run)
