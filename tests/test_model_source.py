@@ -49,6 +49,7 @@ def test_each_kind_is_told_apart_without_reading_weights(tmp_path):
         ("base", "make_mlp", "tiny")
 
 
+@pytest.mark.slow
 def test_a_factory_file_is_the_same_model_for_plan_and_train(tmp_path, capsys):
     path = tmp_path / "models.py"
     path.write_text(FACTORY)
