@@ -94,6 +94,31 @@ def test_each_real_file_is_read_once(tmp_path):
     assert [os.path.relpath(f, docs) for f in files] == ["a.txt", "b.txt", "linked-dir/c.txt"]  # the first name
 
 
+def test_prepare_counts_the_names_it_skipped(tokenizer, tmp_path, capsys):
+    """Issue 31: `data prepare --input 'dir/*'` read 3 of 17 documents twice through links; each real file
+    is read once (symbolic and hard links, linked folders) and the command says how many names it skipped."""
+    from meshtrain.cli import main
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    for i in range(4):
+        (docs / f"doc{i}.txt").write_text(f"document {i}: " + TEXT)
+    (docs / "sub" / "own.txt").write_text("its own text " + TEXT)
+    (docs / "link0.txt").symlink_to("doc0.txt")                # a symbolic link
+    os.link(docs / "doc1.txt", docs / "hard1.txt")              # a hard link: the same inode
+    (docs / "sub" / "up2.txt").symlink_to(docs / "doc2.txt")
+    (docs / "again").symlink_to(docs / "sub", target_is_directory=True)   # a linked folder
+    inputs = [str(docs / "*"), str(docs / "again")]   # link0, hard1 and again/up2.txt reach files already read
+    gathered = prep.gather_inputs(inputs)
+    assert [os.path.relpath(f, docs) for f in gathered.files] == \
+        ["doc0.txt", "doc1.txt", "doc2.txt", "doc3.txt", "again/own.txt"] and gathered.skipped == 3
+    assert main(["data", "prepare", "--tokenizer", tokenizer.path, "--input", *inputs, "--out", str(tmp_path / "tok"),
+                 "--progress", "none"]) == 0
+    assert "from 5 files; 3 names skipped (links or repeats of files already read)" in capsys.readouterr().out
+    meta = json.load(open(tmp_path / "tok" / "tokens.json"))
+    assert meta["num_docs"] == 5 and meta["skipped_inputs"] == 3
+
+
 def test_tokenizer_out_replaces_only_a_tokenizer(tokenizer, tmp_path):
     (tmp_path / "notes.txt").write_text(TEXT)
     with pytest.raises(ConfigError, match="not a tokenizer.json"):

@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from meshtrain.data.prepare import input_files, pieces, prepare_tokens
+from meshtrain.data.prepare import InputFiles, gather_inputs, pieces, prepare_tokens
 from meshtrain.data.corpus import corpus_texts
 from meshtrain.data.tokenizer import load_tokenizer, train_bpe
 from meshtrain.errors import ConfigError
@@ -61,15 +61,18 @@ def add_parser(sub):
 def run_tokenizer(args) -> int:
     if args.max_text_mb < 1:
         raise ConfigError(f"--max-text-mb {args.max_text_mb}: give at least 1 (MiB of text to learn from)")
+    skipped = ""
     if not args.input:
         texts, count, learned = _embedded_corpus()
         source = "the embedded corpus"
     else:
-        texts, count, learned = _sampled(input_files(args.input), args.text_field, args.max_text_mb << 20,
+        gathered = gather_inputs(args.input)
+        skipped = gathered.skipped_text()
+        texts, count, learned = _sampled(gathered.files, args.text_field, args.max_text_mb << 20,
                                          source := f"--input {' '.join(args.input)}")
     tok = train_bpe(texts, args.vocab_size, args.out, text_bytes=learned, source=source)
     print(f"wrote {tok.path}: byte-level BPE, {tok.vocab_size:,} ids (eos {tok.eos_id}), learned from "
-          f"{count:,} files")
+          f"{count:,} files{skipped}")
     return 0
 
 
@@ -98,6 +101,7 @@ def run_prepare(args) -> int:
     show = args.progress == "bar" or (args.progress == "auto" and sys.stderr.isatty())
     meta = prepare_tokens(tok, args.input, args.out, text_field=args.text_field, progress=show)
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens ({meta['dtype']}) in {meta['num_docs']:,} documents "
-          f"from {len(meta['inputs']):,} files; vocabulary {meta['vocab_size']:,}; train with "
+          f"from {len(meta['inputs']):,} files{InputFiles(meta['inputs'], meta['skipped_inputs']).skipped_text()}; "
+          f"vocabulary {meta['vocab_size']:,}; train with "
           f"`meshtrain train --data {args.out}`")
     return 0

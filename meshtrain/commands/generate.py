@@ -44,7 +44,8 @@ def add_parser(sub):
                        description="Continue prompts with a run's checkpoint: greedy by default, or sampled "
                                    "(--temperature, --top-k, --top-p, --seed). Prompts of different lengths are "
                                    "left-padded into one batch.")
-    p.add_argument("run_dir", metavar="RUN", help="run folder (or its checkpoints/ folder)")
+    p.add_argument("run_dir", metavar="RUN", help="run folder (or its checkpoints/ folder), or a HuggingFace model "
+                   "folder (config.json + safetensors): what --model RUN|HF_DIR names for plan and train")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeat for a batch); "

@@ -9,10 +9,13 @@ and the usual warnings. ``--recipe auto`` searches recipes × meshes × remat ×
     meshtrain plan --model vit-tiny --recipe fsdp --batch-size 64
     meshtrain plan --model mymodels:make_mlp --batch x=64x32:float32,y=64:int32 --loss mymodels:mlp_loss
 
-``--model`` is a built-in config name or ``module:function``: an importable function that takes one
-argument, ``rngs`` (an ``nnx.Rngs``), and returns an ``nnx.Module`` whose parameters carry logical
-axis names (``module`` may also be a ``path/to/file.py``, whose folder is then importable too, so the file
-may import its neighbours; the current directory is importable). ``--rules FILE.yaml`` gives a model you
+``--model`` means what it means for ``meshtrain train`` (:mod:`meshtrain.model_source`): a built-in
+config name, a HuggingFace folder (``config.json``: the decoder it describes), a run folder (the model
+it trained, e.g. one ``meshtrain import`` wrote; ``--recipe auto`` searches for it too), or
+``module:function``: an importable function that takes one argument, ``rngs`` (an ``nnx.Rngs``), and
+returns an ``nnx.Module`` whose parameters carry logical axis names (``module`` may also be a
+``path/to/file.py``, whose folder is then importable too, so the file may import its neighbours; the
+current directory is importable). ``--rules FILE.yaml`` gives a model you
 did not write its logical axes (``paths:``) and maps its own logical names (``logical:``);
 ``--list-params`` prints every parameter's path, shape, dtype and logical names to write them against.
 ``--batch`` describes the global batch for any model: comma-separated ``name=DIMS[:dtype][@axes]``,
@@ -36,14 +39,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import importlib.util
-import inspect
 import json
 import math
 import os
 import re
-import sys
 import warnings
 from typing import Any, Callable, Dict, Optional
 
@@ -58,12 +57,13 @@ from meshtrain.commands.run_flags import add_run_flags, resolve, write_back
 from meshtrain.data.mlm import KEYS
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
-from meshtrain.models import BertConfig, DecoderConfig, ViTConfig, get_config, model_factory
+from meshtrain.model_source import FACTORY_CONTRACT, LOSS_CONTRACT, check_arity, load_ref, model_source
+from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
 from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
-from meshtrain.train.config import check_recipe_overrides
+from meshtrain.train.config import TrainConfig, check_recipe_overrides, default_optimizer
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
@@ -256,88 +256,18 @@ class ModelChoice:
         return has_analytic_model(self.cfg)
 
 
-def load_ref(ref: str, flag: str):
-    """The object ``module:attr`` (or ``path/to/file.py:attr``) names; ``ConfigError`` saying what failed."""
-    module_name, sep, attr = ref.rpartition(":")
-    if not sep or not module_name or not attr or not re.fullmatch(r"[A-Za-z_][\w.]*", attr):
-        raise ConfigError(f"{flag} {ref!r}: expected module:function, e.g. mypkg.models:make_model or "
-                          f"path/to/models.py:make_model")
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise ConfigError(f"{flag} {ref!r}: no file {module_name!r}")
-        folder = os.path.dirname(os.path.abspath(module_name))
-        if folder not in sys.path:
-            sys.path.insert(0, folder)  # like `python path/to/file.py`: modules next to the file import
-        key = "meshtrain_user_" + re.sub(r"\W", "_", os.path.abspath(module_name))
-        spec = importlib.util.spec_from_file_location(key, module_name)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's module: report whatever it raised
-            sys.modules.pop(key, None)
-            raise ConfigError(f"{flag} {ref!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the current directory import
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-                raise ConfigError(f"{flag} {ref!r}: cannot import module {module_name!r} (no module named "
-                                  f"{exc.name!r}); run from the directory that holds it or add that directory to "
-                                  f"PYTHONPATH, or give a file path: path/to/{module_name.split('.')[-1]}.py:{attr}") \
-                    from None
-            raise ConfigError(f"{flag} {ref!r}: importing {module_name} failed: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - the user's module: report whatever it raised
-            raise ConfigError(f"{flag} {ref!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-            raise ConfigError(f"{flag} {ref!r}: module {module_name!r} has no {attr!r} (it has: "
-                              f"{', '.join(names[:12]) or 'nothing callable'})")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _check_arity(fn, ref: str, flag: str, n: int, contract: str) -> None:
-    if not callable(fn):
-        raise ConfigError(f"{flag} {ref!r} is a {type(fn).__name__}, not a function; {contract}")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin or C callable: nothing to check
-    try:
-        sig.bind(*([object()] * n))
-    except TypeError:
-        raise ConfigError(f"{flag} {ref!r} has signature {fn.__name__ if hasattr(fn, '__name__') else ''}{sig}, "
-                          f"which cannot be called with {n} positional argument{'s' if n > 1 else ''}; "
-                          f"{contract}") from None
-
-
-FACTORY_CONTRACT = ("a model factory takes one argument, rngs (an nnx.Rngs), and returns an nnx.Module, e.g. "
-                    "def make_model(rngs): return MyModel(..., rngs=rngs)")
-LOSS_CONTRACT = "a loss takes (model, batch) and returns (loss_sum, weight) or (loss_sum, weight, metrics)"
-
-
 def resolve_model(args) -> ModelChoice:
-    """``--model`` and ``--loss`` → :class:`ModelChoice` (see the module docstring)."""
-    name = args.model
-    if ":" in name:
-        factory = load_ref(name, "--model")
-        _check_arity(factory, name, "--model", 1, FACTORY_CONTRACT)
-        cfg = None
-    else:
-        cfg = get_config(name)
-        factory = model_factory(cfg)
+    """``--model`` (:func:`meshtrain.model_source.model_source`: a name, HF_DIR, RUN or file.py:fn, as
+    for ``train``) and ``--loss`` → :class:`ModelChoice` (see the module docstring)."""
+    source = model_source(args.model)
     loss = getattr(args, "loss", None)
     if loss:
         loss_fn = load_ref(loss, "--loss")
-        _check_arity(loss_fn, loss, "--loss", 2, LOSS_CONTRACT)
+        check_arity(loss_fn, loss, "--loss", 2, LOSS_CONTRACT)
     else:
         loss_fn = None  # a built-in model's own loss, once the batch is known (analysis.compiled.default_loss)
-    return ModelChoice(name, cfg, factory, loss_fn, ModelRules.load(getattr(args, "rules", None)))
+    return ModelChoice(args.model, source.config, source.factory(), loss_fn,
+                       ModelRules.load(getattr(args, "rules", None)))
 
 
 _ENTRY = re.compile(r"^(?P<name>[A-Za-z_][\w/.-]*)=(?P<dims>[0-9]+(?:x[0-9]+)*)(?::(?P<dtype>[A-Za-z0-9_]+))?"
@@ -437,7 +367,6 @@ def build(args, choice: Optional[ModelChoice] = None):
     More devices than exist (``--devices`` beyond this machine) → the plan lives on an AbstractMesh.
     """
     import jax
-    import optax
 
     choice = choice or resolve_model(args)
     recipe = _apply_options(get_recipe(args.recipe), args)
@@ -450,7 +379,8 @@ def build(args, choice: Optional[ModelChoice] = None):
     else:  # more devices than this machine has (an accelerator host asked for a pod): plan abstractly
         mesh = recipe.mesh.abstract(n)
     try:
-        abstract = abstract_state(fp8.recipe_factory(choice.factory, recipe), optax.adamw(1e-3),
+        # train's optimizer (AdamW after global-norm clipping): the same optimizer-state paths as its plan.json
+        abstract = abstract_state(fp8.recipe_factory(choice.factory, recipe), default_optimizer(TrainConfig(), {}),
                                   annotations=choice.rules)
     except MeshtrainError:
         raise

@@ -44,14 +44,21 @@ def config_from_args(args) -> TrainConfig:
     return resolve_args(args).config.train_config()
 
 
+def model_config(model: str):
+    """The model config ``--model`` names (:mod:`meshtrain.model_source`: a built-in name, HF_DIR or RUN);
+    ``None`` for a model factory (file.py:fn), whose file the Trainer imports, once."""
+    from meshtrain.model_source import SourceKind, model_source, source_kind
+
+    return None if source_kind(model) is SourceKind.FACTORY else model_source(model).config
+
+
 def decoder_memory_estimate(model_name: str):
     """The planner's full per-device estimate (activations included) for a built-in decoder, as the
     Trainer's pre-flight ``memory_estimate``; ``None`` for other models."""
     from meshtrain.models import DecoderConfig
-    from meshtrain.train.sources import model_config_for
 
     try:
-        cfg = model_config_for(model_name)
+        cfg = model_config(model_name)
     except Exception:  # noqa: BLE001 - an unknown model is reported by the Trainer
         return None
     if not isinstance(cfg, DecoderConfig):
@@ -82,11 +89,10 @@ def check_flags(args) -> None:
     import jax
 
     from meshtrain.models import ViTConfig
-    from meshtrain.train.sources import model_config_for
 
     resolved = resolve_args(args)
     cfg = resolved.config
-    if resolved.given_here("data.seq_len") and isinstance(model_config_for(cfg.model.name), ViTConfig):
+    if resolved.given_here("data.seq_len") and isinstance(model_config(cfg.model.name), ViTConfig):
         raise ConfigError(f"--seq-len does not apply to {cfg.model.name} (an image model: its sequence is the "
                           f"image's patches); drop --seq-len (data.seq_len)")
     if cfg.distributed.dcn and jax.process_count() == 1:
@@ -100,11 +106,10 @@ def check_flags(args) -> None:
 def check_context(trainer: Trainer, config: TrainConfig) -> None:
     """A language model's ``--seq-len`` must split over the recipe's context axes (zig-zag: twice
     over): refused here, before the run folder is made, naming the lengths that work."""
-    from meshtrain.models import BertConfig, DecoderConfig
+    from meshtrain.models import ViTConfig
     from meshtrain.parallel.context import check_seq_len as check_context_seq_len
-    from meshtrain.train.sources import model_config_for
 
-    if not isinstance(model_config_for(config.model), (DecoderConfig, BertConfig)):
+    if isinstance(model_config(config.model), ViTConfig):
         return  # an image model's sequence is its patches, fixed by the config
     recipe, mesh = trainer._recipe_and_mesh()
     check_context_seq_len(recipe, recipe.axis_rules(), dict(mesh.shape), config.seq_len)

@@ -27,6 +27,7 @@ It is written beside ``out`` and renamed into place at the end: on any error (a 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import glob
 import io
 import json
@@ -57,12 +58,31 @@ BATCH_CHARS = 1 << 21
 _CUTS = (re.compile(r".*\S(?= )", re.S), re.compile(r".*\S(?=\s)", re.S))
 
 
-def input_files(inputs: Sequence[str]) -> List[str]:
+@dataclasses.dataclass(frozen=True)
+class InputFiles:
+    """The files ``--input`` reaches, each real file once (:func:`gather_inputs`), and how many names
+    were skipped because they reach a file already listed (a symbolic link, a hard link, a folder
+    linked into another, a repeated pattern)."""
+
+    files: List[str]
+    skipped: int
+
+    def skipped_text(self) -> str:
+        """``"; 3 names skipped (links or repeats of files already read)"``, or nothing."""
+        if not self.skipped:
+            return ""
+        return (f"; {self.skipped:,} name{'s' if self.skipped > 1 else ''} skipped (links or repeats of files "
+                f"already read)")
+
+
+def gather_inputs(inputs: Sequence[str]) -> InputFiles:
     """Files named by ``inputs`` (files, folders read recursively, glob patterns), in the order given,
-    each folder's and pattern's files sorted. A file reached twice (a symbolic link to a file already
-    listed, a repeated pattern) is listed once, under the first name that reached it."""
+    each folder's and pattern's files sorted. A file reached twice (a symbolic or hard link to a file
+    already listed, a linked folder, a repeated pattern) is listed once, under the first name that
+    reached it, and counted in ``skipped``."""
     files: List[str] = []
     seen = set()
+    skipped = 0
     for spec in inputs:
         if os.path.isdir(spec):
             found = sorted(f for f in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(f))
@@ -74,11 +94,19 @@ def input_files(inputs: Sequence[str]) -> List[str]:
             raise ConfigError(f"--input {spec!r} matches no file; pass text or .jsonl files, folders or a glob "
                               f"pattern such as 'data/*.txt'")
         for f in found:
-            real = os.path.realpath(f)
-            if real not in seen:
-                seen.add(real)
-                files.append(f)
-    return files
+            info = os.stat(f)  # follows links: the real file's device and inode (hard links share them too)
+            real = (info.st_dev, info.st_ino)
+            if real in seen:
+                skipped += 1
+                continue
+            seen.add(real)
+            files.append(f)
+    return InputFiles(files, skipped)
+
+
+def input_files(inputs: Sequence[str]) -> List[str]:
+    """The files of :func:`gather_inputs`, each real file once."""
+    return gather_inputs(inputs).files
 
 
 def pieces(path: str, text_field: str = "text", limit: Optional[int] = None) -> Iterator[Tuple[str, bool]]:
@@ -187,7 +215,8 @@ def prepare_tokens(tokenizer, inputs: Sequence[str], out: str, *, text_field: st
         raise ConfigError(f"tokenizer {tokenizer.name!r} has no end-of-text token (none of its "
                           f"tokenizer_config.json eos_token, <|endoftext|>, </s>, <eos>); documents could not be "
                           f"told apart: use a tokenizer with one")
-    files = input_files(inputs)
+    gathered = gather_inputs(inputs)
+    files = gathered.files
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     made = missing_folders(out)
     try:
@@ -203,7 +232,8 @@ def prepare_tokens(tokenizer, inputs: Sequence[str], out: str, *, text_field: st
                 shutil.copyfile(config, os.path.join(partial, TOKENIZER_CONFIG_FILE))
             meta = {"format": PREPARED_FORMAT, "tokenizer": tokenizer.fingerprint,
                     "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "dtype": dtype.name,
-                    "num_tokens": num_tokens, "num_docs": len(starts), "text_field": text_field, "inputs": files}
+                    "num_tokens": num_tokens, "num_docs": len(starts), "text_field": text_field, "inputs": files,
+                    "skipped_inputs": gathered.skipped}
             with open(os.path.join(partial, PREPARED_META), "w") as f:
                 json.dump(meta, f, indent=1)
     except BaseException as exc:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from meshtrain import hf
 from meshtrain.abstract import abstract_state
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.checkpoint.inspection import read_meta, resolve_directory
@@ -28,6 +30,7 @@ from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.generation.engine import generation_config
 from meshtrain.generation.tokenizer import ByteTokenizer, tokenizer_for_run
 from meshtrain.mesh import MeshSpec, select_devices
+from meshtrain.model_source import SourceKind, model_source, source_kind
 from meshtrain.models import DecoderConfig, get_config, model_factory
 from meshtrain.models.configs import config_from_fields
 from meshtrain.plan import make_plan
@@ -64,11 +67,21 @@ class RunInfo:
         if self.folder is None or self.tokenizer is None or isinstance(self.tokenizer, ByteTokenizer):
             return None
         return load_chat_template(str(self.folder))
+    #: a run folder (a checkpoint step), or a HuggingFace folder (its safetensors; ``step`` is 0)
+    source: SourceKind = SourceKind.RUN
 
 
 def read_run(run: str, step: Optional[int] = None) -> RunInfo:
     """The run at ``run`` (a run folder or its ``checkpoints/``): ``step`` (default: the newest step
-    folder) and its model, recipe and tokenizer. Unknown steps and non-decoder models raise."""
+    folder) and its model, recipe and tokenizer. ``run`` may also be a HuggingFace folder (what
+    ``--model HF_DIR`` names, :mod:`meshtrain.model_source`): its weights and tokenizer. Unknown
+    steps, non-decoder models and sources without weights (a built-in name, a factory) raise."""
+    if os.path.isdir(run) and source_kind(run, "RUN") is SourceKind.HF_FOLDER:
+        return _read_hf_folder(run, step)
+    if not os.path.exists(run) and os.sep not in run and not run.startswith("."):  # a name, not a path
+        kind = source_kind(run, "RUN")
+        raise ConfigError(f"{run!r} is a {kind.value}, which holds no trained weights; generate from a run folder "
+                          f"(`meshtrain train` or `meshtrain import` wrote it) or a HuggingFace folder")
     directory = resolve_directory(run)
     steps = step_dirs(directory)
     if not steps:
@@ -111,6 +124,16 @@ def end_ids(run_dir: Path, tokenizer, vocab_size: int) -> Tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def _read_hf_folder(folder: str, step: Optional[int]) -> RunInfo:
+    if step not in (None, 0):  # (0: the step read_run gave it)
+        raise ConfigError(f"--step {step}: {folder!r} is a HuggingFace folder (one set of weights, no steps); "
+                          f"drop --step")
+    cfg = model_source(folder, "RUN").config
+    tokenizer = tokenizer_for_run(folder, None, cfg.vocab_size)
+    return RunInfo(Path(folder), 0, folder, cfg, None, tokenizer, {}, folder=Path(folder),
+                   end_ids=end_ids(Path(folder), tokenizer, cfg.vocab_size), source=SourceKind.HF_FOLDER)
+
+
 def trained_config(run_dir: Path, name: str):
     """The model config the run trained: its header's (an imported or token-data run's vocabulary
     differs from the built-in name's), checked field by field (a damaged header names the file and the
@@ -148,6 +171,9 @@ def restore_params(info: RunInfo, recipe: Recipe, devices=None):
     """``(params, plan)``: ``info.step``'s parameters on ``recipe``'s plan (only the parameters are
     read: whatever optimizer the run used; a 16-bit run gives its f32 master weights)."""
     cfg = info.cfg
+    if info.source is SourceKind.HF_FOLDER:  # the safetensors, each device reading its own blocks
+        plan = params_plan(cfg, recipe, devices)
+        return hf.load_params(str(info.directory), plan, cfg), plan
     axes = abstract_state(model_factory(cfg)).param_axes
     plan = params_plan(cfg, recipe, devices, default_optimizer(TrainConfig(), axes))
     _, params = Checkpointer.read_params(info.directory, plan, info.step)

@@ -67,21 +67,45 @@ def source_dtype(folder: str) -> str:
     return stored if stored in DTYPES else "float32"  # e.g. float64 weights: exported as float32
 
 
+#: Fields of an imported config.json that an export does not carry over: the dtype is the export's own
+#: (``torch_dtype``), and the writer's bookkeeping belongs to the writer.
+NOT_CARRIED = ("dtype", "torch_dtype", "transformers_version", "_name_or_path", "quantization_config")
+#: The special ids: ``ids`` says which are declared (those of the vocabulary; others are dropped).
+SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def export_config(cfg: DecoderConfig, dtype: str, ids: Dict[str, Any],
+                  source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The exported ``config.json``: the imported one's fields (``source``: e.g. ``initializer_range``,
+    ``attention_dropout``, ``use_cache``, which meshtrain does not compute with but transformers reads),
+    overwritten by every field meshtrain's model determines (:func:`hf_config`) and the special ids."""
+    carried = {k: v for k, v in (source or {}).items() if k not in NOT_CARRIED and k not in SPECIAL_ID_KEYS}
+    return {**carried, **hf_config(cfg, dtype), **ids}
+
+
 def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *, dtype: str = "float32",
                  tokenizer_from: Optional[str] = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-                 special_ids: Optional[Dict[str, Any]] = None, guard=None) -> Dict[str, Any]:
+                 special_ids: Optional[Dict[str, Any]] = None, guard=None,
+                 source_config: Optional[Dict[str, Any]] = None,
+                 source_generation: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Write ``params`` (``{path: whole host array}``) as a HuggingFace folder ``out`` (config.json,
     safetensors in PyTorch naming, an index when there are several files, the tokenizer files of
     ``tokenizer_from`` when it has them, generation_config.json). ``special_ids``: the bos / eos /
-    pad ids to declare (default: those of ``tokenizer_from``'s tokenizer). Written beside ``out``
-    and renamed at the end: on any error (a full disk: ``DiskError``) nothing is left at ``out``."""
+    pad ids to declare (default: those of ``tokenizer_from``'s tokenizer). ``source_config`` /
+    ``source_generation``: the imported folder's config.json and generation_config.json, whose other
+    fields are carried over (:func:`export_config`; sampling settings such as ``temperature``). A tied
+    head stays tied: no ``lm_head.weight``, ``tie_word_embeddings: true``. Written beside ``out`` and
+    renamed at the end: on any error (a full disk: ``DiskError``) nothing is left at ``out``."""
     from safetensors.numpy import save_file  # lazy: only exports write safetensors
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    config = hf_config(cfg, dtype)
     ids = special_ids if special_ids is not None else tokenizer_special_ids(tokenizer_from, cfg.vocab_size)
-    config.update(ids)
+    config = export_config(cfg, dtype, ids, source_config)
+    # the source's generation_config.json wins for generation (its eos may list several ids, e.g. a chat
+    # model's end-of-turn token beside the end of text)
+    generation = {**ids, **{k: v for k, v in (source_generation or {}).items() if k != "transformers_version"}}
+    generation.setdefault("_from_model_config", source_generation is None)
     with output_folder(out, guard=guard) as partial:
         shards, current, size = [], {}, 0
         for name, tensor in hf_tensors(cfg, params):
@@ -104,7 +128,7 @@ def write_folder(cfg: DecoderConfig, params: Dict[str, np.ndarray], out: str, *,
         with open(os.path.join(partial, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=1)
         with open(os.path.join(partial, GENERATION_FILE), "w") as f:  # transformers' generate() reads the ids here
-            json.dump({**ids, "_from_model_config": True}, f, indent=1)
+            json.dump(generation, f, indent=1)
         copy_tokenizer_files(tokenizer_from, partial)
     return {"files": len(shards), "tensors": len(weight_map), "bytes": total, "dtype": dtype}
 

@@ -12,6 +12,7 @@ bfloat16 is exact, so import → export reproduces every tensor bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from typing import Any, Dict, Optional
@@ -86,9 +87,12 @@ def _import(source: str, out: str, recipe: str, devices: Optional[int], guard: I
                                           "recipe": plan.recipe.to_dict(), "num_params": plan.abstract.num_params})
             finally:
                 ckpt.close()
+        source_config = hf.read_hf_config(source)
         header = {"run_settings": plain_settings(train, skip=("recipe_options",)),
                   "model_config": dataclasses.asdict(cfg), "imported_from": os.path.abspath(source),
-                  "source_dtype": dtype, "special_token_ids": special_token_ids(hf.read_hf_config(source))}
+                  "source_dtype": dtype, "special_token_ids": special_token_ids(source_config),
+                  # every other field transformers reads, for the export to carry over
+                  "source_config": source_config, "source_generation_config": generation_config(source)}
         open_outputs(partial, plan, None, True, header).close()
         copy_tokenizer(source, partial)
         copy_generation_config(source, partial)
@@ -104,6 +108,26 @@ def copy_generation_config(source: str, run_dir: str) -> None:
             shutil.copyfile(path, os.path.join(run_dir, GENERATION_CONFIG_FILE))
         except OSError as exc:
             raise file_error(os.path.join(run_dir, GENERATION_CONFIG_FILE), exc, "while importing") from None
+
+
+def generation_config(folder: str) -> Optional[Dict[str, Any]]:
+    """``folder``'s ``generation_config.json`` (sampling defaults, special ids), or ``None`` when it has
+    none; a damaged one is refused, naming the file (the export would carry it over)."""
+    path = os.path.join(folder, hf.GENERATION_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")
+    return value
+
+
+def _mapping(value: Any) -> Optional[Dict[str, Any]]:
+    return value if isinstance(value, dict) else None
 
 
 def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional[str] = None,
@@ -127,7 +151,8 @@ def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional
         ids = header.get("special_token_ids")
         summary = hf.write_folder(cfg, host, out, dtype=dtype or header.get("source_dtype") or "float32",
                                   tokenizer_from=run, special_ids=ids if isinstance(ids, dict) and ids else None,
-                                  guard=guard)
+                                  guard=guard, source_config=_mapping(header.get("source_config")),
+                                  source_generation=_mapping(header.get("source_generation_config")))
     except Exception:
         if guard.interrupted:
             raise KeyboardInterrupt from None

@@ -27,11 +27,11 @@ from meshtrain.annotate import step_context
 from meshtrain.batch_layout import BatchLayout, BatchSpec
 from meshtrain.data import BatchIterator, check_token_ids, load_source
 from meshtrain.data.sources import is_prepared, prepared_meta
-from meshtrain.train.sources import model_config_for
 from meshtrain.data.feed import DeviceFeed
 from meshtrain.data.images import DigitsBatches
 from meshtrain.data.mlm import MLMBatches
 from meshtrain.errors import ConfigError, MeshtrainError
+from meshtrain.model_source import model_source
 from meshtrain.models import model_factory
 from meshtrain.models.bert import BertConfig, mlm_loss
 from meshtrain.models.decoder import DecoderConfig
@@ -173,8 +173,13 @@ def _eval_variant(loss_fn):
 # -- built-in tasks -----------------------------------------------------------------------------
 
 def builtin_task(cfg) -> Task:
-    """The task for ``cfg.model`` (a :class:`~meshtrain.train.TrainConfig`)."""
-    model_cfg = model_config_for(cfg.model)
+    """The task for ``cfg.model`` (a :class:`~meshtrain.train.TrainConfig`; any ``--model``,
+    :mod:`meshtrain.model_source`): a decoder's language model, ViT's or BERT's task; a model factory
+    (``file.py:fn``) trains as a language model on token windows of ``cfg.data`` (next-token loss)."""
+    source = model_source(cfg.model)
+    if source.make is not None:
+        return language_model_task(cfg, source.make, next_token_loss, name=source.short_name)
+    model_cfg = source.config
     if isinstance(model_cfg, DecoderConfig):
         return _language_model(cfg, model_cfg)
     if isinstance(model_cfg, ViTConfig):

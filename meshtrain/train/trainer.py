@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import jax
@@ -43,6 +44,7 @@ from meshtrain.train.preflight import Estimate, check_memory
 from meshtrain.train import run_config
 from meshtrain.train.rundir import RunLock, copy_tokenizer, file_error, restart_changes, resume_step, work_after
 from meshtrain.train.sources import initial_params
+from meshtrain.model_source import short_name
 from meshtrain.train.step import LossFn, make_eval_step, make_train_step, next_token_loss
 from meshtrain.train.tasks import (DataRequest, builtin_task, custom_task, example_layout, language_model_task,
                                    local_rows)
@@ -53,7 +55,7 @@ __all__ = ["Interrupted", "Trainer", "TrainingError", "TrainSummary"]
 
 def _default_run_dir(cfg: TrainConfig) -> str:
     recipe = os.path.splitext(os.path.basename(cfg.recipe))[0]
-    return os.path.join("runs", f"{cfg.model}-{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return os.path.join("runs", f"{short_name(cfg.model)}-{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 class Trainer:
@@ -193,6 +195,7 @@ class Trainer:
         cfg = self.cfg
         clock = Stopwatch()
         plan = self.build_plan()
+        self._announce_optimizer()
         if cfg.memory_check is MemoryCheckMode.ON:
             check_memory(plan, self.memory_estimate, remat=plan.recipe.remat.value)
         ckpt = self._checkpointer()
@@ -271,8 +274,23 @@ class Trainer:
             except OSError as exc:
                 path = os.path.join(self.run_dir, run_config.CONFIG_FILE)
                 raise file_error(path, exc, "before the first step") from None
-        return {"run_settings": plain_settings(self.cfg, skip=("recipe_options",)), "model_config": model,
-                "run_config": run_config.recorded(self.cfg)}
+        header = {"run_settings": plain_settings(self.cfg, skip=("recipe_options",)), "model_config": model,
+                  "run_config": run_config.recorded(self.cfg)}
+        if self.tx is None:  # the built-in optimizer: the values it uses, defaults resolved
+            cfg = self.cfg
+            header["optimizer"] = {"lr": cfg.peak_lr, "warmup_steps": cfg.warmup,
+                                   "min_lr": cfg.peak_lr * cfg.min_lr_ratio, "defaults": cfg.optimizer_defaults.name}
+        return header
+
+    def _announce_optimizer(self) -> None:
+        """The built-in optimizer's schedule on the console (defaults named), and a warning when its
+        warmup is longer than half the run."""
+        if self.tx is not None or not self.is_main:
+            return
+        self._notice(self.cfg.schedule_text())
+        note = self.cfg.warmup_warning()
+        if note:
+            warnings.warn(note, stacklevel=2)
 
     def _notice(self, text: str) -> None:
         if self.is_main:
