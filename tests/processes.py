@@ -33,6 +33,26 @@ from typing import Optional, Sequence
 #: Generous bound for one CLI call on a busy 2-core machine; pass a tighter one where it fits.
 DEFAULT_TIMEOUT_S = 600
 
+#: XLA flags of every program the suite compiles, in the test process and in each child: LLVM at -O0
+#: cuts XLA:CPU's compile time by ~30-40 % (tools/bench_compile.py --opt-levels) and compiling is most
+#: of the suite's CPU time. The HLO, the shardings, the collectives and the memory XLA plans are the
+#: same (LLVM runs after them); a computed value may differ in the last bits from -O2's (another
+#: instruction order), which no test compares across the two: a test compares runs of one suite.
+#: ``MESHTRAIN_TEST_XLA_OPT=default`` leaves XLA's own level (what a user's run compiles with).
+TEST_XLA_FLAGS = "" if os.environ.get("MESHTRAIN_TEST_XLA_OPT") == "default" else "--xla_backend_optimization_level=0"
+
+
+def with_test_xla_flags(env: Optional[dict]) -> Optional[dict]:
+    """``env`` with :data:`TEST_XLA_FLAGS` in its ``XLA_FLAGS`` (``None``: the inherited environment, which
+    conftest already gave them). A test that drops ``XLA_FLAGS`` from a child's environment (to leave
+    out a device-count flag) still compiles like the rest of the suite."""
+    if env is None or not TEST_XLA_FLAGS:
+        return env
+    flags = env.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" in flags:
+        return env
+    return dict(env, XLA_FLAGS=f"{flags} {TEST_XLA_FLAGS}".strip())
+
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
 STDOUT = subprocess.STDOUT
@@ -47,6 +67,7 @@ class ProcessTimeout(AssertionError):
 def start(args: Sequence[str], *, text: bool = True, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen`` in a new session (so :func:`kill` reaches the child's children)."""
     kwargs.setdefault("start_new_session", True)
+    kwargs["env"] = with_test_xla_flags(kwargs.get("env"))
     proc = subprocess.Popen(list(args), text=text, **kwargs)
     proc.own_group = kwargs["start_new_session"]  # its pid is its process group's id
     return proc
