@@ -20,7 +20,7 @@ from meshtrain.commands.run_flags import add_run_flags, preparer, resolved_of
 from meshtrain.errors import ConfigError
 from meshtrain.generation.api import Loaded, load
 from meshtrain.generation.engine import check_prompts, check_stop_ids
-from meshtrain.generation.runs import read_run
+from meshtrain.generation.runs import generation_recipe, read_run
 from meshtrain.generation.sampling import Sampling
 from meshtrain.generation.weights import WeightMemory
 from meshtrain.settings import settings_of
@@ -28,7 +28,8 @@ from meshtrain.train.run_config import GenerationSection
 
 
 #: The run configuration's settings `meshtrain generate` reads.
-GENERATE_KEYS = tuple(f"generation.{s.name}" for s in settings_of(GenerationSection)) + ("distributed.devices",)
+GENERATE_KEYS = tuple(f"generation.{s.name}" for s in settings_of(GenerationSection)) + (
+    "distributed.devices", "recipe.options.replicate_indivisible", "recipe.options.indivisible_heads")
 
 
 def add_parser(sub):
@@ -103,7 +104,11 @@ def run(args) -> int:
     sampling = Sampling(gen.temperature, gen.top_k, gen.top_p, gen.seed)
     stop_ids = check_stop_ids(info.cfg, _ids(gen.stop_ids, "--stop-ids") if gen.stop_ids else [])
     check_prompts(info.cfg, Loaded(None, info.tokenizer, info).encode(prompts), gen.max_new_tokens)
-    loaded = load(args.run_dir, step=info.step, recipe=gen.recipe, mesh=gen.mesh, devices=args.devices,
+    recipe, mesh = gen.recipe, gen.mesh
+    layout = resolved_of(args, GENERATE_KEYS).config.recipe.overrides()  # --replicate-indivisible, --indivisible-heads
+    if layout:
+        recipe, mesh = generation_recipe(gen.recipe, info.recipe, gen.mesh).with_options(**layout), None
+    loaded = load(args.run_dir, step=info.step, recipe=recipe, mesh=mesh, devices=args.devices,
                   quantize=gen.quantize, weight_memory=gen.weight_memory)
     out = loaded.generate(prompts, gen.max_new_tokens, sampling, stop_ids=stop_ids,
                           prompt_logprobs=args.prompt_logprobs)
