@@ -81,7 +81,7 @@ class Setting:
         if self.names_list:
             if isinstance(value, str):  # the command line's comma-separated form
                 value = [part.strip() for part in value.split(",") if part.strip()]
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            if not isinstance(value, (list, tuple)):  # (each name is its owner's to check: a did-you-mean)
                 raise RecipeError(f"{where}={value!r}: use a list of names, e.g. [kv_heads, heads] (on the command "
                                   f"line: kv_heads,heads)")
             return tuple(value)
