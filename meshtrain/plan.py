@@ -28,8 +28,9 @@ from meshtrain.abstract import AbstractState, listed, path_str
 from meshtrain.batch_layout import BATCH_AXIS, BatchLayout, BatchSpec, as_batch_layout  # noqa: F401 (re-export)
 from meshtrain.errors import ConfigError, PlanError, RulesError
 from meshtrain.offload import offload_optimizer, to_host
+from meshtrain.parallel.heads import HEAD_NAMES, heads_report
 from meshtrain.recipes import Offload, Recipe, get_recipe
-from meshtrain.rules import AxisRules, shard_shape
+from meshtrain.rules import AxisRules, IndivisibleError, indivisible_error, shard_shape
 from meshtrain.strategies import Pipeline
 
 GROUPS = ("params", "optimizer", "batch", "model_state")
@@ -193,7 +194,15 @@ class ShardingPlan:
             "per_device_bytes": self.per_device_bytes(),
             "num_params": self.abstract.num_params,
             "replicated_params": [l.path for l in self.replicated("params")],
+            **({"heads": self.heads} if self.heads else {}),
         }
+
+    @functools.cached_property
+    def heads(self) -> Optional[Dict[str, Any]]:
+        """Attention heads that do not divide ``tensor``: what the step does with them (padded, replicated) and
+        the bytes per device that keeping their weights whole costs (:func:`meshtrain.parallel.heads.heads_report`);
+        ``None`` when they divide."""
+        return heads_report(self)
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -215,6 +224,11 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header) - 1)]
         fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         lines += [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 4,))] + [fmt(r) for r in rows]
+        if self.heads:
+            extra = self.heads["extra_bytes_per_device"]
+            lines.append(f"heads: {self.heads['describe']}; weights kept whole on every tensor rank: +"
+                         f"{fmt_bytes(extra['params'])} params, +{fmt_bytes(extra['optimizer'])} optimizer state per "
+                         f"device (--indivisible-heads pad|replicate|refuse)")
         b = self.per_device_bytes()
         lines.append("per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.items()))
         return "\n".join(lines)
@@ -239,12 +253,26 @@ def _resolve_leaf(rules, group, kind, path, shape, dtype, logical, mesh, recipe,
             return (LeafPlan(group, path, tuple(shape), dtype_name, tuple(logical), res.spec, total, per_device,
                              res.reason, res.replicated_dims), NamedSharding(mesh, res.spec))
     sizes = memo["__sizes__"] if memo is not None else dict(mesh.shape)
-    res = rules.resolve(kind, logical, shape, sizes, path=path, replicate_ok=frozenset(recipe.replicate_indivisible))
+    res = _resolve_gathering(rules, kind, logical, shape, sizes, path, recipe.replicate_ok(),
+                             memo.get("__indivisible__") if memo is not None else None)
     leaf = LeafPlan(group, path, tuple(shape), _dtype_name(dtype), tuple(logical), res.spec, _nbytes(shape, dtype),
                     _nbytes(shard_shape(shape, res.spec, sizes), dtype), res.reason, res.replicated_dims)
     if key is not None:
         memo[key] = (res, leaf.dtype, leaf.bytes_total, leaf.bytes_per_device)
     return leaf, NamedSharding(mesh, res.spec)
+
+
+def _resolve_gathering(rules, kind, logical, shape, sizes, path, replicate_ok, found: Optional[list]):
+    """``rules.resolve``; with a ``found`` list, a dimension that does not divide its mesh axes is noted there
+    and kept whole, so that the plan can name every such logical name in one error (:func:`indivisible_error`)."""
+    while True:
+        try:
+            return rules.resolve(kind, logical, shape, sizes, path=path, replicate_ok=replicate_ok)
+        except IndivisibleError as exc:
+            if found is None:
+                raise
+            found.append(exc)
+            replicate_ok = replicate_ok | {exc.name}
 
 
 def _plan_model_state(rules, mesh, recipe, abstract: AbstractState):
@@ -291,7 +319,7 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
     check_mapped(rules, abstract)
     abstract = abstract.with_param_dtype(recipe.param_dtype)
     leaves: List[LeafPlan] = []
-    memo: Dict[Any, Any] = {"__sizes__": dict(mesh.shape)}
+    memo: Dict[Any, Any] = {"__sizes__": dict(mesh.shape), "__indivisible__": []}
 
     flat_params, param_shape, param_tree = abstract.param_structure
     param_sh: Dict[str, NamedSharding] = {}
@@ -322,6 +350,8 @@ def make_plan(abstract: AbstractState, recipe: "Recipe | str", mesh=None, *,
 
     ms_leaves, model_state_shardings = _plan_model_state(rules, mesh, recipe, abstract)
     leaves.extend(ms_leaves)
+    if memo["__indivisible__"]:  # every logical name that does not divide, in one error
+        raise indivisible_error(memo["__indivisible__"])
 
     layout = None if batch is None else as_batch_layout(batch)
     batch_shardings = None
@@ -422,7 +452,7 @@ def gradient_shardings(plan: ShardingPlan):
     if not plan.recipe.shard_gradients:
         return plan.param_shardings
     sizes = plan.mesh_sizes
-    replicate_ok = frozenset(plan.recipe.replicate_indivisible)
+    replicate_ok = plan.recipe.replicate_ok()
 
     def one(keypath, sds):
         path = path_str(keypath)
@@ -431,6 +461,11 @@ def gradient_shardings(plan: ShardingPlan):
         return NamedSharding(plan.mesh, res.spec)
 
     return jax.tree_util.tree_map_with_path(one, plan.abstract.params)
+
+
+def _whole_heads(leaf: LeafPlan) -> bool:
+    """Whether ``leaf`` is replicated only because its heads dimension does not divide ``tensor``."""
+    return bool(leaf.replicated_dims) and all(d.split(" ", 1)[0] in HEAD_NAMES for d in leaf.replicated_dims)
 
 
 def _replication_guard(plan: ShardingPlan) -> None:
@@ -442,8 +477,10 @@ def _replication_guard(plan: ShardingPlan) -> None:
         total = sum(l.bytes_total for l in leaves)
         if not shards or not total:
             continue
-        # small tensors (norms, biases, a tiny model's position table) are not what the guard is for
-        repl = [l for l in plan.replicated(group) if l.bytes_total >= REPLICATION_FLOOR_BYTES]
+        # small tensors (norms, biases, a tiny model's position table) are not what the guard is for, nor
+        # head weights that tensor parallelism keeps whole because their count does not divide (plan.heads)
+        repl = [l for l in plan.replicated(group) if l.bytes_total >= REPLICATION_FLOOR_BYTES
+                and not (plan.heads and _whole_heads(l))]
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
             top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])

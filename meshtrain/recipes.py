@@ -17,7 +17,7 @@ import difflib
 import enum
 import os
 import warnings
-from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple, Type, TypeVar
 
 from meshtrain.axes import LOGICAL_AXES
 from meshtrain.errors import MeshtrainError, RecipeError
@@ -26,8 +26,8 @@ from meshtrain.remat_policies import DEFAULT_OFFLOAD, Remat, parse_offload_names
 from meshtrain.rules import TABLES, AxisRules
 from meshtrain.settings import Setting, coerce_all, setting, settings_of
 from meshtrain.strategies import (FSDP, HSDP, Context, ContextKind, DataParallel, Expert, FlashBackend,  # noqa: F401
-                                  LoadBalance, Pipeline, Schedule, Strategy, Tensor, ZeRO, ZeroStage, compose,
-                                  ResolvedStrategies, resolve_strategies)
+                                  IndivisibleHeads, LoadBalance, Pipeline, Schedule, Strategy, Tensor, ZeRO, ZeroStage,
+                                  compose, ResolvedStrategies, resolve_strategies)
 from meshtrain.strategies import strategies as registered_strategies
 from meshtrain.yaml_files import load_yaml  # noqa: F401 (re-exported: rules files and run configurations read YAML through it)
 
@@ -177,8 +177,10 @@ class Recipe:
                                "pinned host memory between steps")
     offload_activations: str = setting(",".join(DEFAULT_OFFLOAD), "with remat offload: the named activations "
                                        "(comma-separated) kept in pinned host memory until the backward pass")
-    replicate_indivisible: Tuple[str, ...] = setting((), "logical names that may be replicated when a dimension "
-                                                     "does not divide its mesh axes", cli=False)
+    replicate_indivisible: Tuple[str, ...] = setting((), "logical names (comma-separated) kept whole on every device "
+                                                     "of their mesh axes when a dimension does not divide them, e.g. "
+                                                     "vocab,mlp (tensor parallelism already does this for heads "
+                                                     "and kv_heads: see --indivisible-heads)")
     max_replicated_fraction: float = setting(0.02, "at most this share of the bytes a recipe shards may stay "
                                              "replicated (the plan guard; replicated tensors under 64 KiB each, "
                                              "such as norms, biases and small embeddings, are not counted)")
@@ -189,8 +191,7 @@ class Recipe:
         where = f"recipe {self.name!r}"
         with _naming(where):
             set_("strategies", Strategies(resolve_strategies(self.strategies)))
-        set_("replicate_indivisible", tuple(self.replicate_indivisible))
-        coerce_all(self, where + ":")
+        coerce_all(self, where + ":")  # replicate_indivisible: a list, a tuple or "kv_heads,heads" -> a tuple
         set_("offload_activations", ",".join(parse_offload_names(self.offload_activations, where
                                                                   + ": offload_activations")))
         for name in self.replicate_indivisible:
@@ -222,6 +223,13 @@ class Recipe:
         """Defaults ← strategies' rules ← this recipe's own ``rules`` (which may override)."""
         rules, _ = compose(self.strategies)
         return rules.overridden_by(self.rules)
+
+    def replicate_ok(self) -> FrozenSet[str]:
+        """The logical names a plan may keep whole when a dimension does not divide its mesh axes: the recipe's
+        ``replicate_indivisible`` and the names its dimensions handle themselves (``tp``: ``heads`` and
+        ``kv_heads``, unless its ``indivisible_heads`` is ``refuse``). Every plan, step and cache reads this."""
+        own = (name for s in self.strategies for name in getattr(s, "replicated_names", lambda: ())())
+        return frozenset(self.replicate_indivisible) | frozenset(own)
 
     def axis_owners(self) -> Dict[str, str]:
         return compose(self.strategies)[1]

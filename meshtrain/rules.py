@@ -31,6 +31,37 @@ if TYPE_CHECKING:
 TABLES = ("params", "activations", "optimizer")
 
 
+class IndivisibleError(RulesError):
+    """A dimension that does not divide its mesh axes: :meth:`AxisRules.resolve` raises it naming the tensor;
+    :func:`meshtrain.make_plan` gathers them to name every offending logical name at once
+    (:func:`indivisible_error`)."""
+
+    def __init__(self, message: str, *, name: str = "", size: int = 0, split: str = "", path: str = ""):
+        super().__init__(message)
+        self.name, self.size, self.split, self.path = name, size, split, path
+
+
+def indivisible_error(found: Sequence[IndivisibleError]) -> RulesError:
+    """One error for every dimension that does not divide its mesh axes (``found``: one per tensor): the
+    first's own message when one logical name is at fault, else each name with its size, mesh axes and tensors,
+    and the one flag that keeps them all whole."""
+    if len({e.name for e in found}) == 1:
+        return found[0]
+    by_name: Dict[str, list] = {}
+    for e in found:
+        by_name.setdefault(e.name, []).append(e)
+    parts = []
+    for name, errors in by_name.items():
+        paths = list(dict.fromkeys(e.path for e in errors))
+        more = f" and {len(paths) - 2} more" if len(paths) > 2 else ""
+        parts.append(f"{name!r} (size {errors[0].size} by {errors[0].split}; {', '.join(paths[:2])}{more})")
+    names = list(by_name)
+    return RulesError(f"{len(names)} logical names have dimensions not divisible by their mesh axes: "
+                      f"{'; '.join(parts)}. Change the mesh sizes, map them to other axes, or keep them whole on "
+                      f"every device: --replicate-indivisible {','.join(names)} (in a recipe file "
+                      f"replicate_indivisible: [{', '.join(names)}])")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One mapping: ``logical`` → ``mesh_axes`` (outer to inner), contributed by ``source``."""
@@ -195,10 +226,11 @@ class AxisRules:
                     replicated.append(f"{name} (dim {dim}, size {size}) not divisible by {split}: replicated")
                     entries.append(None)
                     continue
-                raise RulesError(
+                raise IndivisibleError(
                     f"{_describe_tensor(what, path, shape, logical)}: dimension {dim} ({name!r}, size {size}) "
                     f"is not divisible by mesh axes {split} = {ways}; change the mesh sizes, map {name!r} to "
-                    f"other axes, or let the recipe replicate it (replicate_indivisible: [{name}])")
+                    f"other axes, or keep it whole on every device (--replicate-indivisible {name}; in a recipe "
+                    f"file replicate_indivisible: [{name}])", name=name, size=size, split=split, path=path)
             if axes:
                 reasons.append(Rule(name, tuple(axes), rule.source).describe())
             entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))

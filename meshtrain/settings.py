@@ -60,8 +60,16 @@ class Setting:
     def choices(self) -> Optional[Tuple[str, ...]]:
         return tuple(e.value for e in self.base_type) if _is_enum(self.base_type) else self.allowed
 
+    @property
+    def names_list(self) -> bool:
+        """Whether the setting is a tuple of names (``Tuple[str, ...]``): a list in YAML, comma-separated text
+        on the command line (``--replicate-indivisible kv_heads,heads``)."""
+        return typing.get_origin(self.base_type) is tuple
+
     def plain(self, value: Any) -> Any:
-        """``value`` as YAML / JSON writes it (an enum's value)."""
+        """``value`` as YAML / JSON writes it (an enum's value, a list for a tuple of names)."""
+        if isinstance(value, tuple):
+            return list(value)
         return value.value if isinstance(value, enum.Enum) else value
 
     def coerce(self, value: Any, where: str) -> Any:
@@ -70,6 +78,13 @@ class Setting:
         kind = self.base_type
         if value is None and self.optional:
             return None
+        if self.names_list:
+            if isinstance(value, str):  # the command line's comma-separated form
+                value = [part.strip() for part in value.split(",") if part.strip()]
+            if not isinstance(value, (list, tuple)):  # (each name is its owner's to check: a did-you-mean)
+                raise RecipeError(f"{where}={value!r}: use a list of names, e.g. [kv_heads, heads] (on the command "
+                                  f"line: kv_heads,heads)")
+            return tuple(value)
         if _is_enum(kind):
             try:
                 return kind(value)
@@ -167,6 +182,8 @@ def add_flags(parser, settings, *, owner: Optional[str] = None) -> None:
             kwargs.update(choices=("on", "off"))
         elif kind in (int, float):
             kwargs["type"] = kind
+        elif s.names_list:
+            kwargs["metavar"] = "NAMES"
         if s.bare is not None:
             kwargs.update(nargs="?", const=s.plain(s.bare))
         parser.add_argument("--" + s.flag.replace("_", "-"), **kwargs)

@@ -186,8 +186,9 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
     for what, heads in (("query heads", getattr(cfg, "n_heads", None)), ("kv heads", getattr(cfg, "n_kv_heads", None))):
         ways = lay.tensor * ctx
         if heads and ways > 1 and heads % ways:
-            out.append(f"{what} ({heads}) not divisible by tensor × context = {lay.tensor} × {ctx}: heads are "
-                       f"split unevenly or replicated; pick tensor × context dividing {heads}")
+            out.append(f"{what} ({heads}) not divisible by tensor × context = {lay.tensor} × {ctx}: their weights "
+                       f"stay whole on every rank and the heads are padded or replicated (the plan's heads line "
+                       f"says which and its bytes); pick tensor × context dividing {heads}")
     ex = expert_axes(plan)
     if ex and any(links.get(a) is Link.SLOW for a in ex):
         out.append(f"expert parallelism over {'×'.join(ex)}={lay.size(ex)} crosses the slow links of {hw.name}: "

@@ -270,6 +270,8 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
               f"model {_model_name(cfg, model_name)}; {_batch_line(plan)}; params {r.param_dtype}, compute "
               f"{r.compute_dtype}, remat {r.remat.value}, micro-batches {resolve_step(plan).batch_splits}",
               kernel_line(plan, hw), _flags_line(hw), ""]
+    if plan.heads and not table:  # the table's own heads line says it otherwise
+        lines.insert(-1, f"heads: {plan.heads['describe']}")
     frac = "" if math.isinf(hw.hbm_bytes) else f" ({mem.total / hw.hbm_bytes:.0%})"
     source = "" if mem.source == ANALYTIC else f" ({mem.source})"
     lines.append(f"memory per device{source}: {fmt_bytes(mem.total, SIG3)} of {fmt_bytes(hw.hbm_bytes, SIG3)} — "

@@ -27,7 +27,7 @@ from meshtrain.commands.run_flags import add_run_flags, preparer, resolved_of
 from meshtrain.errors import ConfigError
 from meshtrain.generation.api import Loaded, load
 from meshtrain.generation.engine import check_prompts, check_stop_ids
-from meshtrain.generation.runs import RunInfo, read_run
+from meshtrain.generation.runs import RunInfo, generation_recipe, read_run
 from meshtrain.generation.sampling import Sampling
 from meshtrain.generation.speed import Speed, compile_seconds
 from meshtrain.generation.weights import WeightMemory
@@ -36,7 +36,8 @@ from meshtrain.train.run_config import GenerationSection
 
 
 #: The run configuration's settings `meshtrain generate` reads.
-GENERATE_KEYS = tuple(f"generation.{s.name}" for s in settings_of(GenerationSection)) + ("distributed.devices",)
+GENERATE_KEYS = tuple(f"generation.{s.name}" for s in settings_of(GenerationSection)) + (
+    "distributed.devices", "recipe.options.replicate_indivisible", "recipe.options.indivisible_heads")
 
 
 def add_parser(sub):
@@ -171,7 +172,11 @@ def run(args) -> int:
     stop_ids = stop_ids_of(gen.stop_ids, info)
     ids = Loaded(None, info.tokenizer, info).encode(prompts)
     check_prompts(info.cfg, ids, gen.max_new_tokens)
-    loaded = load(args.run_dir, step=info.step, recipe=gen.recipe, mesh=gen.mesh, devices=args.devices,
+    recipe, mesh = gen.recipe, gen.mesh
+    layout = resolved_of(args, GENERATE_KEYS).config.recipe.overrides()  # --replicate-indivisible, --indivisible-heads
+    if layout:
+        recipe, mesh = generation_recipe(gen.recipe, info.recipe, gen.mesh).with_options(**layout), None
+    loaded = load(args.run_dir, step=info.step, recipe=recipe, mesh=mesh, devices=args.devices,
                   quantize=gen.quantize, weight_memory=gen.weight_memory)
     sampling.key(0)  # compiles the key helpers now: their compile events name no step (speed.py counts the steps')
     with compile_seconds() as compiled:

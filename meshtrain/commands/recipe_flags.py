@@ -8,7 +8,7 @@ always had and a warning naming the new flag (:func:`meshtrain.recipes.legacy_op
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Collection, Dict, Optional
 
 from meshtrain.recipes import AttentionKind, dimension_settings, recipe_settings
 from meshtrain.settings import add_flags, flag_value
@@ -16,13 +16,17 @@ from meshtrain.settings import add_flags, flag_value
 LEGACY = ("attention", "micro_batches")
 
 
-def add_recipe_flags(parser) -> None:
-    add_flags(parser, recipe_settings(), owner="the recipe's")
+def add_recipe_flags(parser, only: Optional[Collection[str]] = None) -> None:
+    """Every recipe flag, or those named in ``only`` (``generate``'s ``--replicate-indivisible``), with one help
+    text wherever they appear."""
+    add_flags(parser, [s for s in recipe_settings() if only is None or s.flag in only], owner="the recipe's")
     seen = set()
     for cls, s in dimension_settings():
-        if s.flag not in seen:  # (a dimension registered twice under one flag name: first wins)
+        if s.flag not in seen and (only is None or s.flag in only):  # (registered twice under one flag: first wins)
             seen.add(s.flag)
             add_flags(parser, [s], owner=f"the recipe's {cls.key} dimension's, which the recipe must have")
+    if only is not None:
+        return
     parser.add_argument("--attention", choices=[k.value for k in AttentionKind], default=None,
                         help="deprecated (warns): a context kind is --context-kind (needs a cp recipe), dense or "
                              "flash is --local-attention")

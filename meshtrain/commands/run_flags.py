@@ -55,15 +55,17 @@ def add_run_flags(parser, keys: Iterable[str], *, recipe_options: bool = False, 
     the recipe's flags (:mod:`~meshtrain.commands.recipe_flags`). ``with_defaults``: the parsed
     namespace holds each setting's default (as its flag writes it) when the flag is not given, for code
     that reads ``args`` directly (``meshtrain plan``); :func:`resolve` still knows which were given."""
-    settings = [setting_at(k) for k in keys if k not in _HAND_WRITTEN]
+    keys = tuple(keys)
+    options = {k.rsplit(".", 1)[1] for k in keys if k.startswith("recipe.options.")}  # generate's few
+    settings = [setting_at(k) for k in keys if k not in _HAND_WRITTEN and not k.startswith("recipe.options.")]
     before = len(parser._actions)
     add_flags(parser, settings)
     if with_defaults:
         for action in parser._actions[before:]:
             action.__class__ = _Recorded
         parser.set_defaults(given_flags=frozenset(), **{s.flag: to_flag(s, s.default) for s in settings if s.cli})
-    if recipe_options:
-        add_recipe_flags(parser)
+    if recipe_options or options:
+        add_recipe_flags(parser, None if recipe_options else options)
     add_config_args(parser)
 
 

@@ -51,7 +51,7 @@ def cache_shape(cfg: DecoderConfig, batch: int, seq: int):
 def cache_spec(cfg: DecoderConfig, plan, batch: int, seq: int) -> PartitionSpec:
     """The ``PartitionSpec`` of ``k`` and ``v``: :data:`CACHE` through the plan's activation rules."""
     return plan.rules.resolve("activations", CACHE, cache_shape(cfg, batch, seq), plan.mesh_sizes,
-                              path="kv_cache", replicate_ok=frozenset(plan.recipe.replicate_indivisible) | REPLICATE_OK
+                              path="kv_cache", replicate_ok=plan.recipe.replicate_ok() | REPLICATE_OK
                               ).spec
 
 

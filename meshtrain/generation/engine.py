@@ -177,7 +177,7 @@ class Engine:
         self.compute_dtype = jnp.dtype(compute)
         r = plan.recipe
         step = resolve_step(plan).for_generation()  # the plan's step, decoding: dense attention over the cache
-        self.ctx = StepContext(plan.mesh, plan.rules, frozenset(r.replicate_indivisible) | REPLICATE_OK, step.remat,
+        self.ctx = StepContext(plan.mesh, plan.rules, r.replicate_ok() | REPLICATE_OK, step.remat,
                                step.attention.kind, tuple(r.strategies), step.layer_loop, step.scan_unroll,
                                resolved=step)
         self.batch_multiple = plan.data_parallel_size

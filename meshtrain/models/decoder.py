@@ -28,6 +28,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.models.moe import MoE, MoEConfig, find_moe_stats, pop_moe_stats
 from meshtrain.parallel.attention import attention
 from meshtrain.parallel.context import layout_positions
+from meshtrain.parallel.heads import HeadLayout, head_layout
 
 RESIDUAL = ("batch", "residual_seq", "embed")
 #: The MLP gate's activation by name (GeGLU's gelu is the tanh approximation, as Gemma's).
@@ -175,12 +176,16 @@ class Attention(nnx.Module):
         # FP8 scales of each projection (None unless built by meshtrain.fp8.fp8_factory)
         self.fp8_q, self.fp8_k, self.fp8_v, self.fp8_o = (fp8.dot_meta() for _ in range(4))
 
-    def _qkv(self, x_btd, positions_bt):
-        q = fp8.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...], self.fp8_q)
+    def _qkv(self, x_btd, positions_bt, lay: HeadLayout):
+        """Queries (``lay.padded_heads`` heads: zero heads appended when padded for ``tensor``), keys and values
+        (``n_kv_heads``), rotated."""
+        wq_dnh = lay.pad_heads(self.wq_dnh[...], 1, ("embed", "heads", "head_dim"))
+        q = fp8.einsum("btd,dnh->btnh", x_btd, wq_dnh, self.fp8_q)
         k = fp8.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...], self.fp8_k)
         v = fp8.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...], self.fp8_v)
         if self.qkv_bias:
-            q, k, v = q + self.bq_nh[...], k + self.bk_kh[...], v + self.bv_kh[...]
+            q = q + lay.pad_heads(self.bq_nh[...], 0, ("heads", "head_dim"))
+            k, v = k + self.bk_kh[...], v + self.bv_kh[...]
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         k = constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -189,26 +194,32 @@ class Attention(nnx.Module):
         return rope(q, positions_bt, self.theta, self.rope_scaling), rope(k, positions_bt, self.theta,
                                                                           self.rope_scaling), v
 
+    def _out(self, o_btnh, lay: HeadLayout):
+        o = constrain(o_btnh, ("batch", "seq", "heads", "head_dim"))
+        wo_nhd = lay.pad_heads(self.wo_nhd[...], 0, ("heads", "head_dim", "embed"))  # zero rows: padding adds 0
+        return fp8.einsum("btnh,nhd->btd", o, wo_nhd, self.fp8_o)
+
     def __call__(self, x_btd, positions_bt, segment_ids_bt):
-        q, k, v = self._qkv(x_btd, positions_bt)
-        o = attention(q, k, v, segment_ids_bt=segment_ids_bt)
-        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        o = checkpoint_name(o, "attn_context")
-        return fp8.einsum("btnh,nhd->btd", o, self.wo_nhd[...], self.fp8_o)
+        lay = head_layout(self.wq_dnh[...].shape[1], self.wk_dkh[...].shape[1])
+        q, k, v = self._qkv(x_btd, positions_bt, lay)
+        o = attention(q, lay.kv_for_queries(k), lay.kv_for_queries(v), segment_ids_bt=segment_ids_bt)
+        o = checkpoint_name(constrain(o, ("batch", "seq", "heads", "head_dim")), "attn_context")
+        return self._out(o, lay)
 
     def cached(self, x_btd, positions_bt, allowed_bts, k_bskh, v_bskh, index):
         """Attention of ``t`` new tokens written into one layer's KV cache at slot ``index``: returns the
         output and the updated ``(k, v)`` caches. ``allowed_bts`` says which cache slots each new token
         sees (left padding and causality; :meth:`Decoder.__call__` with ``cache=`` builds it)."""
-        q, k, v = self._qkv(x_btd, positions_bt)
+        lay = head_layout(self.wq_dnh[...].shape[1], self.wk_dkh[...].shape[1])
+        q, k, v = self._qkv(x_btd, positions_bt, lay)
         k_bskh = constrain(jax.lax.dynamic_update_slice_in_dim(k_bskh, k.astype(k_bskh.dtype), index, axis=1),
                            CACHE_LAYER)
         v_bskh = constrain(jax.lax.dynamic_update_slice_in_dim(v_bskh, v.astype(v_bskh.dtype), index, axis=1),
                            CACHE_LAYER)
-        o = jax.nn.dot_product_attention(q, k_bskh.astype(q.dtype), v_bskh.astype(q.dtype),
+        o = jax.nn.dot_product_attention(q, lay.kv_for_queries(k_bskh).astype(q.dtype),
+                                         lay.kv_for_queries(v_bskh).astype(q.dtype),
                                          mask=allowed_bts[:, None]).astype(q.dtype)
-        o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        return fp8.einsum("btnh,nhd->btd", o, self.wo_nhd[...], self.fp8_o), k_bskh, v_bskh
+        return self._out(o, lay), k_bskh, v_bskh
 
 
 class MLP(nnx.Module):

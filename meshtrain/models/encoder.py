@@ -25,6 +25,7 @@ from flax import nnx
 
 from meshtrain.annotate import constrain, scan_layers
 from meshtrain.parallel.attention import attention
+from meshtrain.parallel.heads import head_layout
 
 RESIDUAL = ("batch", "residual_seq", "embed")
 
@@ -73,11 +74,15 @@ class SelfAttention(nnx.Module):
 
     def __call__(self, x_btd, segment_ids_bt=None):
         names = ("batch", "seq", "heads", "head_dim")
-        q = constrain(jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...]) + self.bq_nh[...], names)
+        # heads that do not divide `tensor`: padded with zero heads (or replicated), meshtrain.parallel.heads
+        lay = head_layout(self.wq_dnh[...].shape[1])
+        wq_dnh = lay.pad_heads(self.wq_dnh[...], 1, ("embed",) + names[2:])
+        q = constrain(jnp.einsum("btd,dnh->btnh", x_btd, wq_dnh) + lay.pad_heads(self.bq_nh[...], 0, names[2:]), names)
         k = constrain(jnp.einsum("btd,dnh->btnh", x_btd, self.wk_dnh[...]) + self.bk_nh[...], names)
         v = constrain(jnp.einsum("btd,dnh->btnh", x_btd, self.wv_dnh[...]) + self.bv_nh[...], names)
-        o = constrain(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=False), names)
-        return jnp.einsum("btnh,nhd->btd", o, self.wo_nhd[...]) + self.bo_d[...]
+        o = attention(q, lay.kv_for_queries(k), lay.kv_for_queries(v), segment_ids_bt=segment_ids_bt, causal=False)
+        wo_nhd = lay.pad_heads(self.wo_nhd[...], 0, names[2:] + ("embed",))
+        return jnp.einsum("btnh,nhd->btd", constrain(o, names), wo_nhd) + self.bo_d[...]
 
 
 class MLP(nnx.Module):

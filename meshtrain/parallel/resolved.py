@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from meshtrain.annotate import StepContext
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.heads import HeadLayout, plan_heads
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
@@ -180,7 +181,8 @@ class ResolvedStep:
     """Everything a step needs, decided once by :func:`resolve_step` (see the module docstring).
 
     ``target``: the platform compiled for; ``attention``: the kernel every layer runs; ``remat``, ``layer_loop``,
-    ``scan_unroll``: the layer stack (``loop_for(n_layers)`` resolves ``auto``); ``grad_accum``: accumulation
+    ``scan_unroll``: the layer stack (``loop_for(n_layers)`` resolves ``auto``); ``heads``: how attention heads lie
+    over ``tensor``; ``grad_accum``: accumulation
     steps (1 under a pipeline); ``schedule``, ``pipeline_micro_batches``, ``repeats``: the pipeline's (``None`` /
     1 / 1 without one); ``param_dtype`` / ``compute_dtype``: precision; ``offloaded``: the activations
     ``Remat.OFFLOAD`` keeps in host memory. (FP8 is not here: it wraps the model factory before a plan exists.)"""
@@ -198,6 +200,9 @@ class ResolvedStep:
     compute_dtype: str
     #: the activation names ``Remat.OFFLOAD`` keeps in host memory (the recipe's ``offload_activations``)
     offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD
+    #: attention heads over ``tensor`` (:mod:`meshtrain.parallel.heads`): padded, replicated or split; ``None``
+    #: for a model without ``heads``
+    heads: Optional[HeadLayout] = None
 
     @property
     def batch_splits(self) -> int:
@@ -239,7 +244,8 @@ def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> Re
         schedule=pipeline.schedule if pipeline else None,
         pipeline_micro_batches=pipeline.micro_batches if pipeline else 1,
         repeats=pipeline.repeats if pipeline else 1, param_dtype=recipe.param_dtype,
-        compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations))
+        compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations),
+        heads=plan_heads(plan, sizes))
 
 
 def recipe_attention_kind(recipe) -> AttentionKind:
@@ -298,7 +304,7 @@ def step_context_for(plan, mesh=None) -> StepContext:
     mesh = plan.mesh if mesh is None else mesh
     step = resolve_step(plan, mesh=mesh)
     r = plan.recipe
-    return StepContext(mesh, plan.rules, frozenset(r.replicate_indivisible), step.remat, step.attention.kind,
+    return StepContext(mesh, plan.rules, r.replicate_ok(), step.remat, step.attention.kind,
                        tuple(r.strategies), step.layer_loop, step.scan_unroll, resolved=step,
                        offloaded=step.offloaded)
 
