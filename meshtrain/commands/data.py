@@ -52,7 +52,11 @@ def add_parser(sub):
     prep.add_argument("--input", nargs="+", required=True,
                       help="UTF-8 text / .jsonl files, folders or glob patterns (each real file read once)")
     prep.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
-    prep.add_argument("--text-field", default="text", help="the key holding the text in JSON lines")
+    prep.add_argument("--text-field", default=None,
+                      help="the key holding the text in JSON lines (default: text; with --chat: messages)")
+    prep.add_argument("--chat", action="store_true",
+                      help="JSON lines of conversations ({\"messages\": [{\"role\": ..., \"content\": ...}]}), "
+                           "rendered with the tokenizer's chat template; only the assistant's tokens are trained on")
     prep.add_argument("--progress", choices=("auto", "bar", "none"), default="auto",
                       help="a progress bar on stderr (auto: when it is a terminal)")
     prep.set_defaults(run=run_prepare, setup_devices=False)
@@ -98,10 +102,29 @@ def _sampled(files, text_field: str, budget: int, source: str):
 
 def run_prepare(args) -> int:
     tok = load_tokenizer(args.tokenizer)
+    if args.chat:
+        return _prepare_chat(args, tok)
     show = args.progress == "bar" or (args.progress == "auto" and sys.stderr.isatty())
-    meta = prepare_tokens(tok, args.input, args.out, text_field=args.text_field, progress=show)
+    meta = prepare_tokens(tok, args.input, args.out, text_field=args.text_field or "text", progress=show)
     print(f"wrote {args.out}: {meta['num_tokens']:,} tokens ({meta['dtype']}) in {meta['num_docs']:,} documents "
           f"from {len(meta['inputs']):,} files{InputFiles(meta['inputs'], meta['skipped_inputs']).skipped_text()}; "
           f"vocabulary {meta['vocab_size']:,}; train with "
           f"`meshtrain train --data {args.out}`")
+    return 0
+
+
+def _prepare_chat(args, tok) -> int:
+    from meshtrain.data.chat import load_chat_template
+    from meshtrain.data.chat_sft import MESSAGES_FIELD, prepare_chat
+
+    folder = os.path.dirname(tok.path)
+    template = load_chat_template(folder)
+    if template is None:
+        raise ConfigError(f"--chat: the tokenizer in {folder!r} has no chat template (no chat_template in its "
+                          f"tokenizer_config.json, no chat_template.jinja); pass --tokenizer with a model's folder "
+                          f"that has one, or prepare plain text without --chat")
+    meta = prepare_chat(tok, template, args.input, args.out, field=args.text_field or MESSAGES_FIELD)
+    print(f"wrote {args.out}: {meta['num_docs']:,} conversations, {meta['num_tokens']:,} tokens of which "
+          f"{meta['target_tokens']:,} are the assistant's (the only ones trained on), from "
+          f"{len(meta['inputs']):,} files; train with `meshtrain train --model RUN --init-from RUN --data {args.out}`")
     return 0

@@ -6,7 +6,8 @@
 * :func:`token_file_source`: pre-tokenized ids in a ``.npy`` (uint16/uint32) or raw ``.bin`` file,
   memory-mapped, for users with their own tokenizer; documents split at ``eos_id`` if given.
 * :func:`prepared_source`: a folder written by ``meshtrain data prepare`` (:mod:`meshtrain.data.prepare`):
-  memory-mapped ids, document starts, the tokenizer that made them.
+  memory-mapped ids, document starts, the tokenizer that made them, and (``--chat``,
+  :mod:`meshtrain.data.chat_sft`) a loss mask.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class TokenSource:
 
     ``vocab_size`` is an upper bound on token ids (256 for bytes; for token files, the model's).
     ``fingerprint`` identifies the data in checkpoints (a resumed run must read the same data).
+    ``loss_mask``: ``None`` (every token is a target), or one uint8 per token, 1 where the token
+    counts as a target (chat fine-tuning: the assistant's tokens); packing turns the others' targets
+    into ``-1``, which every loss already ignores.
     """
 
     name: str
@@ -40,6 +44,7 @@ class TokenSource:
     doc_starts: np.ndarray
     vocab_size: Optional[int]
     fingerprint: str
+    loss_mask: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -60,10 +65,11 @@ class TokenSource:
         else:
             cut = int(self.doc_starts[i])
             train_docs, val_docs = self.doc_starts[:i], self.doc_starts[i:] - cut
+        mask = self.loss_mask
         return (TokenSource(self.name + ":train", self.tokens[:cut], train_docs, self.vocab_size,
-                            self.fingerprint + ":train"),
+                            self.fingerprint + ":train", None if mask is None else mask[:cut]),
                 TokenSource(self.name + ":val", self.tokens[cut:], val_docs, self.vocab_size,
-                            self.fingerprint + ":val"))
+                            self.fingerprint + ":val", None if mask is None else mask[cut:]))
 
 
 def _from_docs(name: str, docs: Iterable[bytes], fingerprint: str) -> TokenSource:
@@ -187,6 +193,8 @@ def check_token_ids(source: TokenSource, vocab_size: int, chunk: int = 1 << 26) 
 #: The description file of a prepared token folder, and its format tag.
 PREPARED_META = "tokens.json"
 PREPARED_FORMAT = "meshtrain-tokens/1"
+#: A prepared folder's loss mask (``data prepare --chat``): one uint8 per token, 1 = a target.
+LOSS_MASK_FILE = "loss_mask.bin"
 
 
 def is_prepared(path: Optional[str]) -> bool:
@@ -224,6 +232,10 @@ def _checked_folder(path: str):
     if not os.path.isfile(tokens_path) or os.path.getsize(tokens_path) != count * dtype.itemsize:
         raise ConfigError(f"{tokens_path!r} is missing or not {count} {dtype} tokens as {PREPARED_META} says; "
                           f"prepare the folder again with `meshtrain data prepare`")
+    mask_path = os.path.join(path, LOSS_MASK_FILE)
+    if meta.get("loss_mask") and not (os.path.isfile(mask_path) and os.path.getsize(mask_path) == count):
+        raise ConfigError(f"{mask_path!r} is missing or not {count} bytes (one per token) as "
+                          f"{PREPARED_META} says; prepare the folder again with `meshtrain data prepare --chat`")
     return meta, _doc_starts(os.path.join(path, "doc_starts.npy"), count)
 
 
@@ -248,8 +260,13 @@ def prepared_source(path: str) -> TokenSource:
     meta, starts = _checked_folder(path)
     count = meta["num_tokens"]
     tokens = np.memmap(os.path.join(path, "tokens.bin"), dtype=np.dtype(meta["dtype"]), mode="r", shape=(count,))
-    return TokenSource(os.path.basename(os.path.normpath(path)), tokens, starts, meta["vocab_size"],
-                       f"prepared:{meta['tokenizer']}:{count}:{int(starts.shape[0])}")
+    fingerprint = f"prepared:{meta['tokenizer']}:{count}:{int(starts.shape[0])}"
+    mask = None
+    if meta.get("loss_mask"):  # chat fine-tuning data: only the assistant's tokens are targets
+        mask = np.memmap(os.path.join(path, LOSS_MASK_FILE), dtype=np.uint8, mode="r", shape=(count,))
+        fingerprint += ":masked"
+    return TokenSource(os.path.basename(os.path.normpath(path)), tokens, starts, meta["vocab_size"], fingerprint,
+                       mask)
 
 
 def _doc_starts(starts_path: str, count: int) -> np.ndarray:
