@@ -32,10 +32,19 @@ offload transfers are exposed (measured on an H200: optimizer offload added its 
 
 Range: ``low_s`` runs every class at the top of its efficiency range, ``high_s`` at the bottom.
 
-Without a compiled program the FLOPs and bytes are the planner's analytic ones, split into the
-classes above. With one (``meshtrain plan --check``, a :class:`~meshtrain.analysis.compiled.ProgramCost`)
-its counted FLOPs replace the analytic executed FLOPs (the attention share stays analytic: the
-jaxpr does not say which dot is attention). Per-fusion classification of the HLO is not done.
+Sources (``Forecast.source``, ``plan --json``'s ``forecast.source``):
+
+* ``analytic`` (plain ``meshtrain plan``): the planner's FLOPs and bytes, split into the classes above.
+* ``compiled`` (``meshtrain plan --check compile|gpu|tpu``): the classes' FLOPs and bytes are read per
+  op from the compiled program's optimized HLO (:mod:`meshtrain.analysis.hlo_cost`, one device's
+  program, while bodies × their trip count): ``matmul`` = its dots, convolutions, cuBLAS calls and
+  Triton GEMM fusions; ``attention`` = cuDNN fMHA calls (FLOPs from their shapes on the convention
+  above) or, for the dense and blockwise kernels, the dots computing and applying scores, at their
+  executed FLOPs (the blockwise backward recomputes the scores: more than the analytic ``2×``); a
+  splash call (FLOPs not in its HLO) keeps the analytic attention FLOPs; ``memory`` = operand +
+  result bytes of every other op and fusion. Each class runs at its :data:`EFFICIENCY` row (not
+  re-fitted for this source). ``--check compile`` compiles for XLA:CPU: its dot FLOPs are any
+  backend's, its memory-bound bytes XLA:CPU's fusion (more bytes than XLA:GPU's).
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from meshtrain.analysis.steptime import (Backend, _communication, _step_flops, b
                                          axis_links, Link, executed_flops, hbm_traffic)
 from meshtrain.analysis.compiled import has_analytic_model
 from meshtrain.analysis.gpu_aot import hardware_target
+from meshtrain.analysis.hlo_cost import HloCost
 from meshtrain.parallel.resolved import resolve_step
 from meshtrain.recipes import AttentionKind, Remat
 from meshtrain.strategies import FlashBackend
@@ -154,6 +164,7 @@ class Forecast:
     terms: Tuple[Term, ...]
     kernel: str
     hardware: str
+    source: str = "analytic"  # "compiled": the classes' FLOPs and bytes from the compiled program's HLO
 
     @property
     def bottleneck(self) -> str:
@@ -162,7 +173,7 @@ class Forecast:
     def to_dict(self) -> Dict[str, object]:
         return {"step_s": self.step_s, "low_s": self.low_s, "high_s": self.high_s,
                 "tokens_per_s_per_chip": self.tokens_per_s_per_chip, "mfu": self.mfu, "bottleneck": self.bottleneck,
-                "attention_kernel": self.kernel, "hardware": self.hardware,
+                "attention_kernel": self.kernel, "hardware": self.hardware, "source": self.source,
                 "terms": {t.name: {"seconds": t.seconds, "low_s": t.low_s, "high_s": t.high_s, "detail": t.detail}
                           for t in self.terms}}
 
@@ -171,7 +182,8 @@ class Forecast:
         terms = ", ".join(f"{t.name} {t.seconds * 1e3:,.1f}" for t in self.terms if t.seconds > 0)
         return (f"forecast ≈ {self.step_s * 1e3:,.1f} ms/step ({self.low_s * 1e3:,.1f}–{self.high_s * 1e3:,.1f}), "
                 f"{self.tokens_per_s_per_chip:,.0f} tokens/s per chip, MFU {self.mfu:.1%}, bottleneck "
-                f"{self.bottleneck}; terms ms: {terms} (attention kernel {self.kernel}; efficiencies: "
+                f"{self.bottleneck}; terms ms: {terms} (attention kernel {self.kernel}; FLOPs and bytes {self.source}; "
+                f"efficiencies: "
                 f"meshtrain.analysis.forecast.EFFICIENCY)")
 
 
@@ -189,10 +201,12 @@ def attention_kernel(plan, hw: Hardware) -> Kernel:
 
 
 def forecast_step(plan, cfg, hardware: "Hardware | str", *, kernel: "Kernel | str | None" = None, cost=None,
-                  collectives=None) -> Forecast:
+                  collectives=None, hlo: Optional[HloCost] = None) -> Forecast:
     """The step-time forecast of ``plan`` (a decoder ``cfg``) on ``hardware`` (see the module docstring).
     ``kernel`` overrides the attention kernel (e.g. what a measured run reported); ``cost`` is a
-    compiled :class:`~meshtrain.analysis.compiled.ProgramCost` whose FLOPs replace the analytic ones."""
+    compiled :class:`~meshtrain.analysis.compiled.ProgramCost` whose FLOPs replace the analytic ones;
+    ``hlo``: the per-op cost of the compiled program (``hlo_cost(compiled.as_text())``, one device), whose
+    classes replace the analytic split (``source="compiled"``)."""
     lay = layout_of(plan)
     n = lay.num_devices
     hw = get_hardware(hardware, num_devices=n)
@@ -200,29 +214,24 @@ def forecast_step(plan, cfg, hardware: "Hardware | str", *, kernel: "Kernel | st
     B, T = batch_dims(plan)
     flops = _step_flops(cfg, B, T, plan.recipe.remat)
     executed, executed_fwd = executed_flops(plan, cfg, flops)
+    fwd_share = executed_fwd / executed if executed else 0.0
     if cost is not None and getattr(cost, "flops", None):
         executed = float(cost.flops)
     pipe = pipeline_shape(plan)
     stack = pipe.stack_factor if pipe is not None else 1.0
-    att_full_fwd = 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * (B * T)  # 4·L·n·h·T per token, forward
-    rerun = 1 if plan.recipe.remat in (Remat.FULL, Remat.DOTS_NO_BATCH) else 0
-    att_square = att_full_fwd * (3 + rerun) * stack  # in executed: the full square, fwd + bwd + re-run
-    matmul_flops = max(executed - att_square, 0.0)
-    terms = [_flop_term("matmul", matmul_flops / stack, n, hw, efficiency(hw, "matmul"), "weight matmuls")]
-    if kern is Kernel.DENSE:
-        terms.append(_flop_term("attention", att_square / stack, n, hw, efficiency(hw, "matmul"),
-                                "dense: T×T square as matmuls"))
-    else:
-        causal = att_full_fwd / 2 * (3 + rerun)
-        terms.append(_flop_term("attention", causal, n, hw, efficiency(hw, kern.value), f"{kern.value} kernel"))
+    split = _analytic_split(plan, cfg, executed, kern, stack)
+    if hlo is not None:
+        split = _compiled_split(hlo, n, kern, stack, split)
+    matmul_flops, att_flops, att_kernel_flops, att_detail, traffic = split
+    att_eff = efficiency(hw, "matmul" if kern is Kernel.DENSE else kern.value)
+    terms = [_flop_term("matmul", matmul_flops / stack, n, hw, efficiency(hw, "matmul"), "weight matmuls"),
+             _flop_term("attention", att_flops, n, hw, att_eff, att_detail)]
     e_hbm = efficiency(hw, "hbm")
-    traffic = hbm_traffic(plan, cfg, lay)
     terms.append(_rate_term("memory", traffic, hw.hbm_bytes_per_s, e_hbm, "HBM traffic of element-wise work"))
     compute = sum(t.seconds for t in terms)
-    terms.append(_exposed_term(plan, cfg, lay, hw, compute, executed_fwd / executed if executed else 0.0,
-                               collectives))
+    terms.append(_exposed_term(plan, cfg, lay, hw, compute, fwd_share, collectives))
     if pipe is not None and pipe.bubble > 0:
-        idle = (matmul_flops + (att_square if kern is Kernel.DENSE else 0.0)) * (1 - 1 / stack)
+        idle = (matmul_flops + att_kernel_flops) * (1 - 1 / stack)
         terms.append(_flop_term("bubble", idle, n, hw, efficiency(hw, "matmul"), f"pipeline bubble {pipe.bubble:.0%}"))
     host = _host_term(plan, hw)
     if host is not None:
@@ -231,7 +240,35 @@ def forecast_step(plan, cfg, hardware: "Hardware | str", *, kernel: "Kernel | st
     low, high = sum(t.low_s for t in terms), sum(t.high_s for t in terms)
     tokens = B * T
     mfu = flops.model / (step * n * hw.peak_flops) if step > 0 else 0.0
-    return Forecast(step, low, high, tokens / step / n if step > 0 else 0.0, mfu, tuple(terms), kern.value, hw.name)
+    return Forecast(step, low, high, tokens / step / n if step > 0 else 0.0, mfu, tuple(terms), kern.value, hw.name,
+                    "analytic" if hlo is None else "compiled")
+
+
+def _analytic_split(plan, cfg, executed, kern: Kernel, stack):
+    """``(matmul, attention, dense attention in the stack, attention detail, HBM bytes)``, all devices together,
+    from the planner's model."""
+    B, T = batch_dims(plan)
+    att_full_fwd = 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * T * (B * T)  # 4·L·n·h·T per token, forward
+    rerun = 1 if plan.recipe.remat in (Remat.FULL, Remat.DOTS_NO_BATCH) else 0
+    att_square = att_full_fwd * (3 + rerun) * stack  # in executed: the full square, fwd + bwd + re-run
+    matmul = max(executed - att_square, 0.0)
+    traffic = hbm_traffic(plan, cfg, layout_of(plan))
+    if kern is Kernel.DENSE:
+        return matmul, att_square / stack, att_square, "dense: T×T square as matmuls", traffic
+    return matmul, att_full_fwd / 2 * (3 + rerun), 0.0, f"{kern.value} kernel", traffic
+
+
+def _compiled_split(hlo: HloCost, n: int, kern: Kernel, stack, analytic):
+    """:func:`_analytic_split`'s tuple from the compiled program's per-op cost (one device's: FLOPs × ``n``;
+    HBM bytes stay per device). Its FLOPs include a pipeline's idle ticks, as the analytic ``executed`` does
+    (÷ ``stack`` for the busy part). A kernel whose FLOPs the HLO does not state (splash) keeps ``analytic``'s
+    attention FLOPs."""
+    matmul, att = hlo.matmul_flops * n, hlo.attention_flops * n
+    if not hlo.attention_flops_known:
+        return (matmul, analytic[1], analytic[2],
+                f"{kern.value}: {hlo.attention_calls} kernel calls (FLOPs analytic: not in the HLO)", hlo.memory_bytes)
+    what = f"{hlo.attention_calls} {kern.value} kernel calls" if hlo.attention_calls else f"{kern.value} attention dots"
+    return matmul, att / stack, att, what + " (compiled)", hlo.memory_bytes
 
 
 def _flop_term(name, flops, n, hw, e: Efficiency, what) -> Term:
@@ -303,20 +340,23 @@ def forecast_text(plan, cfg, hardware) -> str:
     return forecast_step(plan, cfg, hardware).line()
 
 
-def with_forecast(out, plan, cfg, args):
+def with_forecast(out, plan, cfg, args, *, hlo: Optional[HloCost] = None):
     """``meshtrain plan``'s report with the forecast added: a ``forecast`` object in the JSON dict, a
     forecast line after the text report's step-time line (unchanged when the model has no analytic
-    FLOPs). ``args``: the plan command's (``--hardware``, ``--slices``)."""
+    FLOPs, or when the report has its forecast already). ``args``: the plan command's (``--hardware``,
+    ``--slices``); ``hlo``: the compiled program's per-op cost (``--check``), else the analytic split."""
 
     if plan is None or not has_analytic_model(cfg) or getattr(plan, "batch", None) is None:
         return out
+    if isinstance(out, dict) and "forecast" in out or isinstance(out, str) and "\nforecast ≈ " in out:
+        return out  # the report added it from its compiled program (--check)
     hardware = getattr(args, "hardware", "cpu") or "cpu"
     slices = getattr(args, "slices", None) or 1
     if slices > 1:
         from meshtrain.analysis.planner import PlanRequest  # lazy: the planner imports this module's users
 
         hardware = PlanRequest(None, plan.num_devices, hardware, slices=slices).hw()
-    fc = forecast_step(plan, cfg, hardware)
+    fc = forecast_step(plan, cfg, hardware, hlo=hlo)
     if isinstance(out, dict):
         return {**out, "forecast": fc.to_dict()}
     lines = out.split("\n")

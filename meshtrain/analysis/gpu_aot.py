@@ -31,6 +31,7 @@ from typing import Dict, Iterator, Tuple
 
 from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.compiled import MeasuredMemory, step_inputs
+from meshtrain.analysis.hlo_cost import hlo_cost
 from meshtrain.errors import ConfigError
 from meshtrain.hardware import PROFILES, SCHEDULING_FLAGS, backend_of_hardware
 from meshtrain.parallel.resolved import Target
@@ -288,7 +289,7 @@ def check(plan, args, memory, planned_per_axis, loss_fn=None) -> Dict[str, objec
             "compiler_flags": "meshtrain's XLA:GPU scheduling flags", "measured_memory": measured.to_dict(),
             "estimated_memory": memory.total, "memory_error": memory.total / measured.peak - 1,
             "hlo_bytes_per_axis": compiled_axes, "collectives_planned_vs_compiled": axes,
-            "cudnn_attention_calls": cudnn_attention_calls(text)}
+            "cudnn_attention_calls": cudnn_attention_calls(text), "hlo_cost": hlo_cost(text).to_dict()}
 
 
 def check_lines(chk: Dict[str, object]) -> list:

@@ -22,7 +22,9 @@ from meshtrain.analysis.collectives import hlo_collectives, per_axis
 from meshtrain.analysis.comms import Backend, analytic_collectives, per_axis_estimate
 from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, MeasuredMemory, default_loss, has_analytic_model,
                                          program_cost)
+from meshtrain.analysis.forecast import with_forecast
 from meshtrain.analysis.hardware import get_hardware
+from meshtrain.analysis.hlo_cost import HloCost, hlo_cost
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.memory import Component, estimate_memory, state_memory
 from meshtrain.analysis.moe import moe_lines, moe_summary
@@ -117,13 +119,14 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
         raise ConfigError(f"--check {check} compiles the train step, which needs the model's loss: pass --loss "
                           f"module:fn (a function (model, batch) -> (loss_sum, weight[, metrics]))")
     if check == "compile":
-        cost = a.get("cost")
+        cost, per_op = a.get("cost"), {}
         if cost is not None and cost.source == COMPILED:
             measured, ops = cost.memory, cost.collectives
         else:
             compiled = lowering.compile_local(plan, loss_fn)
             measured, ops = MeasuredMemory.of(compiled), hlo_collectives(compiled.as_text(), plan.mesh)
-        return {"check": "compile", "measured_memory": measured.to_dict(), "estimated_memory": a["memory"].total,
+            per_op = {"hlo_cost": hlo_cost(compiled.as_text()).to_dict()}
+        return {"check": "compile", **per_op, "measured_memory": measured.to_dict(), "estimated_memory": a["memory"].total,
                 "memory_error": a["memory"].total / measured.peak - 1, "hlo_bytes_per_axis": per_axis(ops),
                 "analytic_bytes_per_axis_cpu": per_axis_estimate(
                     analytic_collectives(plan, cfg if analytic else None, Backend.CPU))}
@@ -141,7 +144,8 @@ def _check(plan, cfg, args, a) -> Dict[str, object]:
     measured = MeasuredMemory.of(compiled)
     return {"check": "tpu", "topology": topology, "measured_memory": measured.to_dict(),
             "estimated_memory": a["memory"].total, "memory_error": a["memory"].total / measured.peak - 1,
-            "hlo_bytes_per_axis": per_axis(hlo_collectives(compiled.as_text(), tplan.mesh))}
+            "hlo_bytes_per_axis": per_axis(hlo_collectives(compiled.as_text(), tplan.mesh)),
+            "hlo_cost": hlo_cost(compiled.as_text()).to_dict()}
 
 
 def _batch_leaves(plan) -> Dict[str, Dict[str, object]]:
@@ -201,7 +205,15 @@ def single_dict(plan, cfg, args, *, loss_fn=None, model_name=None) -> Dict[str, 
     if moe is not None:
         out["moe"] = moe
     out.update(_check(plan, cfg, args, a))
-    return _finite(out)
+    return _finite(_compiled_forecast(out, plan, cfg, args, out.get("hlo_cost")))
+
+
+def _compiled_forecast(out, plan, cfg, args, per_op):
+    """The forecast from the compiled program's per-op cost (``--check compile|gpu|tpu``; ``source: compiled``);
+    without one ``meshtrain plan`` adds the analytic forecast afterwards."""
+    if per_op is None:
+        return out
+    return with_forecast(out, plan, cfg, args, hlo=HloCost.from_dict(per_op))
 
 
 def _pipeline(plan, cfg, backend):
@@ -315,7 +327,7 @@ def single_text(plan, cfg, args, *, table: bool = True, loss_fn=None, model_name
     elif chk.get("check") == "lower":
         lines += ["", f"check (lower for {chk['platform']} on an AbstractMesh): {chk['arguments']} arguments, "
                       f"{chk['sharded_arguments']} sharded"]
-    return "\n".join(lines)
+    return _compiled_forecast("\n".join(lines), plan, cfg, args, chk.get("hlo_cost"))
 
 
 def _step_notes(plan, cfg, step) -> List[str]:
