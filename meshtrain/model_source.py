@@ -67,7 +67,7 @@ class ModelSource:
         """``rngs -> nnx.Module``: the factory's own function, else the config's model class."""
         if self.make is not None:
             return self.make
-        from meshtrain.models import model_factory  # on use: classifying loads no JAX
+        from meshtrain.models import model_factory  # lazy: on use, classifying loads no JAX
 
         return model_factory(self.config)
 
@@ -116,13 +116,13 @@ def model_source(text: str, flag: str = "--model") -> ModelSource:
         check_arity(make, text, flag, 1, FACTORY_CONTRACT)
         return ModelSource(text, kind, None, make)
     if kind is SourceKind.HF_FOLDER:
-        from meshtrain.hf.config import decoder_config, read_hf_config  # on use: loads the models
+        from meshtrain.hf.config import decoder_config, read_hf_config  # lazy: on use, loads the models
 
         name = os.path.basename(os.path.normpath(text))
         return ModelSource(text, kind, decoder_config(read_hf_config(text), name, text))
     if kind is SourceKind.RUN:
         return ModelSource(text, kind, run_model_config(text, flag))
-    from meshtrain.models.configs import CONFIGS, get_config  # on use: loads the models
+    from meshtrain.models.configs import CONFIGS, get_config  # lazy: on use, loads the models
 
     if text not in CONFIGS:
         raise ConfigError(f"unknown model {text!r}: {flag} takes {ACCEPTED}; built-in: {', '.join(CONFIGS)}")
@@ -148,7 +148,7 @@ def run_header(run_dir: str) -> Optional[Dict[str, Any]]:
 def run_model_config(run: str, flag: str = "--model"):
     """The model config run folder ``run`` trained (its run header's ``model_config``, checked field by
     field: a damaged header names the file and the field)."""
-    from meshtrain.models.configs import config_from_fields  # on use: loads the models
+    from meshtrain.models.configs import config_from_fields  # lazy: on use, loads the models
 
     header = run_header(run)
     if header is None or not header.get("model_config"):

@@ -114,8 +114,8 @@ def run_prepare(args) -> int:
 
 
 def _prepare_chat(args, tok) -> int:
-    from meshtrain.data.chat import load_chat_template
-    from meshtrain.data.chat_sft import MESSAGES_FIELD, prepare_chat
+    from meshtrain.data.chat import load_chat_template  # lazy: chat templates (jinja2) only for --chat
+    from meshtrain.data.chat_sft import MESSAGES_FIELD, prepare_chat  # lazy: chat templates (jinja2) only for --chat
 
     folder = os.path.dirname(tok.path)
     template = load_chat_template(folder)

@@ -112,7 +112,7 @@ def read_prompts(args) -> List[Union[str, List[int]]]:
 
 def read_conversations(path: str) -> List[List[dict]]:
     """``--messages FILE.json``: one conversation (a list of messages) or a list of them."""
-    from meshtrain.data.chat import check_messages
+    from meshtrain.data.chat import check_messages  # lazy: chat templates (jinja2) only for --chat/--messages
 
     try:
         with open(path, encoding="utf-8") as f:

@@ -86,9 +86,9 @@ def check_layouts(config: Dict[str, Any], layouts: Sequence[Layout], devices_per
 def _plan_layouts(request: dict) -> List[dict]:
     import jax  # the child process: the launcher itself loads no JAX
 
-    from meshtrain.commands.train import decoder_memory_estimate
-    from meshtrain.train.preflight import estimate_bytes
-    from meshtrain.train.trainer import Trainer
+    from meshtrain.commands.train import decoder_memory_estimate  # lazy: the child process only: the launcher loads no JAX
+    from meshtrain.train.preflight import estimate_bytes  # lazy: the child process only
+    from meshtrain.train.trainer import Trainer  # lazy: the child process only
 
     per = request["devices_per_process"]
     out = []

@@ -47,7 +47,7 @@ def config_from_args(args) -> TrainConfig:
 def model_config(model: str):
     """The model config ``--model`` names (:mod:`meshtrain.model_source`: a built-in name, HF_DIR or RUN);
     ``None`` for a model factory (file.py:fn), whose file the Trainer imports, once."""
-    from meshtrain.model_source import SourceKind, model_source, source_kind
+    from meshtrain.model_source import SourceKind, model_source, source_kind  # lazy: model kinds off the flag-reading path
 
     return None if source_kind(model) is SourceKind.FACTORY else model_source(model).config
 
@@ -55,7 +55,7 @@ def model_config(model: str):
 def decoder_memory_estimate(model_name: str):
     """The planner's full per-device estimate (activations included) for a built-in decoder, as the
     Trainer's pre-flight ``memory_estimate``; ``None`` for other models."""
-    from meshtrain.models import DecoderConfig
+    from meshtrain.models import DecoderConfig  # lazy: models load JAX: not on launch's flag-reading path
 
     try:
         cfg = model_config(model_name)
@@ -88,7 +88,7 @@ def check_flags(args) -> None:
 
     import jax
 
-    from meshtrain.models import ViTConfig
+    from meshtrain.models import ViTConfig  # lazy: models load JAX: not on launch's path
 
     resolved = resolve_args(args)
     cfg = resolved.config
@@ -106,8 +106,8 @@ def check_flags(args) -> None:
 def check_context(trainer: Trainer, config: TrainConfig) -> None:
     """A language model's ``--seq-len`` must split over the recipe's context axes (zig-zag: twice
     over): refused here, before the run folder is made, naming the lengths that work."""
-    from meshtrain.models import ViTConfig
-    from meshtrain.parallel.context import check_seq_len as check_context_seq_len
+    from meshtrain.models import ViTConfig  # lazy: models load JAX: not on launch's path
+    from meshtrain.parallel.context import check_seq_len as check_context_seq_len  # lazy: kernels load JAX: not on launch's path
 
     if isinstance(model_config(config.model), ViTConfig):
         return  # an image model's sequence is its patches, fixed by the config
@@ -116,7 +116,7 @@ def check_context(trainer: Trainer, config: TrainConfig) -> None:
 
 
 def run(args) -> int:
-    from meshtrain.train.trainer import Trainer
+    from meshtrain.train.trainer import Trainer  # lazy: the trainer loads JAX: not on launch's path
 
     resolved = resolve_args(args)
     check_flags(args)

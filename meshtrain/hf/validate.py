@@ -152,7 +152,7 @@ def check_tokenizer(folder: str) -> None:
             raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
         if not isinstance(config, dict):
             raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")
-    from meshtrain.data.chat import load_chat_template
+    from meshtrain.data.chat import load_chat_template  # lazy: chat templates (jinja2) only when the folder has one
 
     load_chat_template(folder)  # a chat template that does not compile: refused now, naming the file and line
 

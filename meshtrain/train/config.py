@@ -198,7 +198,7 @@ class TrainConfig:
         check_recipe_overrides(get_recipe(self.recipe), attention=options.get("attention"),
                                schedule=options.get("schedule"), repeats=options.get("repeats"))
         self.build_recipe()  # every other override is checked by the recipe
-        from meshtrain.annotate import ModelRules  # on use: the configuration loads without JAX
+        from meshtrain.annotate import ModelRules  # lazy: on use, the configuration loads without JAX
 
         ModelRules.load(self.rules)  # a bad rules file fails here, naming the file and the key
 
@@ -299,7 +299,7 @@ def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes]) -> o
     with two or more logical axes besides ``layers``: not norms, not biases)."""
     import optax
 
-    from meshtrain.abstract import tree_paths
+    from meshtrain.abstract import tree_paths  # lazy: the optimizer's helpers load JAX: the configuration loads without it
 
     def decay_mask(params):
         return {} if not params else _mask(tree_paths(params))
