@@ -132,8 +132,6 @@ def check_tokenizer(folder: str) -> None:
     """A ``tokenizer.json`` in ``folder`` must load (it is copied into the run, and a broken one would
     only fail at `meshtrain generate`); a ``tokenizer_config.json`` must be a JSON object, and its chat
     template (or ``chat_template.jinja``'s) must compile."""
-    import json
-
     from tokenizers import Tokenizer  # lazy: only imports with a tokenizer pay its import
 
     path = os.path.join(folder, "tokenizer.json")
@@ -145,13 +143,7 @@ def check_tokenizer(folder: str) -> None:
                               f"own tokenizer.json, or remove it to import the weights without a tokenizer") from None
     path = os.path.join(folder, "tokenizer_config.json")
     if os.path.isfile(path):
-        try:
-            with open(path, "rb") as f:
-                config = json.loads(f.read().decode("utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
-        if not isinstance(config, dict):
-            raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")
+        read_json_object(path)
     from meshtrain.data.chat import load_chat_template  # lazy: chat templates (jinja2) only when the folder has one
 
     load_chat_template(folder)  # a chat template that does not compile: refused now, naming the file and line
@@ -160,15 +152,21 @@ def check_tokenizer(folder: str) -> None:
 def check_generation_config(folder: str) -> None:
     """A ``generation_config.json`` in ``folder`` (copied into the run: its ``eos_token_id`` is where
     generation stops) must be a JSON object."""
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(path):
+        read_json_object(path)
+
+
+def read_json_object(path: str) -> dict:
+    """A model folder's JSON file (``tokenizer_config.json``, ``generation_config.json``) as a dict; one that
+    does not read, or is not a JSON object, is refused naming the file and the fix."""
     import json
 
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        return
     try:
         with open(path, "rb") as f:
-            config = json.loads(f.read().decode("utf-8"))
+            value = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
-    if not isinstance(config, dict):
+    if not isinstance(value, dict):
         raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")
+    return value

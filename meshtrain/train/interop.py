@@ -12,7 +12,6 @@ bfloat16 is exact, so import → export reproduces every tensor bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from typing import Any, Dict, Optional
@@ -26,7 +25,7 @@ from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.output import Interrupts, output_folder
 from meshtrain.hf.run_config import run_decoder_config
-from meshtrain.hf.validate import check_generation_config, check_tokenizer, special_token_ids
+from meshtrain.hf.validate import check_generation_config, check_tokenizer, read_json_object, special_token_ids
 from meshtrain.mesh import select_devices
 from meshtrain.models import DecoderConfig, model_factory
 from meshtrain.plan import make_plan
@@ -114,16 +113,7 @@ def generation_config(folder: str) -> Optional[Dict[str, Any]]:
     """``folder``'s ``generation_config.json`` (sampling defaults, special ids), or ``None`` when it has
     none; a damaged one is refused, naming the file (the export would carry it over)."""
     path = os.path.join(folder, hf.GENERATION_FILE)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path} ({exc}); replace it with the model's own, or remove it") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path} is not a JSON object; replace it with the model's own, or remove it")
-    return value
+    return read_json_object(path) if os.path.isfile(path) else None
 
 
 def _mapping(value: Any) -> Optional[Dict[str, Any]]:
