@@ -17,7 +17,7 @@ import pytest
 
 from meshtrain import interrupts
 from meshtrain.errors import ConfigError
-from tests import processes
+import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "recipes" / "launch"

@@ -12,16 +12,16 @@
 #             naming it, Gloo's connection lines summarised
 #   scancel   `scancel --signal=TERM` mid-run → save, exit 99, `scontrol requeue`, resume, same losses
 #   startup   the same SIGTERM before the first step → exit at once (nothing to save), requeue
-#   timelimit `--time=2 --signal=TERM@60`: SLURM's own time-limit warning → requeue(s) → same losses
+#   timelimit `--time=2 --signal=TERM@30`: SLURM's own time-limit warning → requeue(s) → same losses
 #   kill9     `kill -9` of task 1 → the job script retries (same allocation) → completes, same losses
 #   nodes     `sbatch --nodes=1`: the mesh follows (data=1 × fsdp=4), no edit
 # Environment: MESHTRAIN_PYTHON (the python with meshtrain; default python3), SLURM_CHECK_DIR (the
-# work folder; default a new temporary one, removed at the end unless KEEP=1), STEPS (default 60).
+# work folder; default a new temporary one, removed at the end unless KEEP=1), STEPS (default 100).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${MESHTRAIN_PYTHON:-python3}
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-100}
 CASES=${CASES:-"baseline scancel startup timelimit kill9 nodes"}
 T=${SLURM_CHECK_DIR:-$(mktemp -d /tmp/slurm-check.XXXXXX)}
 T=$(cd "$T" && pwd)/slurm
@@ -41,13 +41,18 @@ getent hosts "$H" >/dev/null || die "this machine's name $H does not resolve: th
 
 # -- the cluster --------------------------------------------------------------------------------------
 stop_daemons() {
+  trap - EXIT INT TERM
+  if [ -f "$T/slurmctld.pid" ] && [ -n "$(squeue -h -o %i 2>/dev/null)" ]; then   # jobs outlive slurmd
+    scancel --partition=check 2>/dev/null
+    for _ in $(seq 60); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 1; done
+  fi
   for f in "$T"/slurmd-*.pid "$T/slurmctld.pid" "$T/munged.pid"; do
     [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null
   done
   sleep 1
   if [ "${KEEP:-0}" != 1 ] && [ -z "${SLURM_CHECK_DIR:-}" ]; then rm -rf "$(dirname "$T")"; fi
 }
-trap stop_daemons EXIT
+trap stop_daemons EXIT INT TERM
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -211,9 +216,9 @@ case_startup() {   # SIGTERM once jax.distributed is up, before the first step (
 }
 
 case_timelimit() {
-  local t0 job; t0=$(date +%s); job=$(submit timelimit --time=2 --signal=TERM@60)
+  local t0 job; t0=$(date +%s); job=$(submit timelimit --time=2 --signal=TERM@30)
   wait_state "$job" COMPLETED 1500 || { fail "timelimit: job $job is $(field "$job" JobState)"; return; }
-  say "timelimit: job $job (--time=2 --signal=TERM@60) COMPLETED in $(elapsed "$t0") s"
+  say "timelimit: job $job (--time=2 --signal=TERM@30) COMPLETED in $(elapsed "$t0") s"
   [ "$(field "$job" Restarts)" -ge 1 ] || fail "timelimit: job $job was not requeued"
   has "$job" "requeueing" timelimit; same_losses "$job" timelimit; report "$job"
 }
