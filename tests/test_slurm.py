@@ -109,7 +109,7 @@ def test_sigterm_during_startup_exits_at_once_with_the_status(tmp_path):
                     reason="Debian's slurmctld/slurmd/munge are not installed (apt-get install slurmctld slurmd munge)")
 def test_slurm_check_script_passes_every_case(tmp_path):
     """tools/slurm_check.sh: time-limit and scancel SIGTERM requeue and resume bit-identically, a
-    kill -9 is retried, --nodes changes the mesh, every attempt's log is kept (about 10 minutes)."""
+    kill -9 is retried, --nodes changes the mesh, every attempt's log is kept (28 minutes on 2 busy cores)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), MESHTRAIN_PYTHON=sys.executable, SLURM_CHECK_DIR=str(tmp_path))
     out = processes.run(["bash", str(ROOT / "tools" / "slurm_check.sh")], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=2400)

@@ -15,6 +15,8 @@
 #   timelimit `--time=2 --signal=TERM@30`: SLURM's own time-limit warning → requeue(s) → same losses
 #   kill9     `kill -9` of task 1 → the job script retries (same allocation) → completes, same losses
 #   nodes     `sbatch --nodes=1`: the mesh follows (data=1 × fsdp=4), no edit
+# One run of all six on 2 busy cores: 1656 s, most of it SLURM's ~2-minute hold on each requeued job
+# (README, "On SLURM", has the figures per case).
 # Environment: MESHTRAIN_PYTHON (the python with meshtrain; default python3), SLURM_CHECK_DIR (the
 # work folder; default a new temporary one, removed at the end unless KEEP=1), STEPS (default 100).
 set -uo pipefail
@@ -52,7 +54,8 @@ stop_daemons() {
   sleep 1
   if [ "${KEEP:-0}" != 1 ] && [ -z "${SLURM_CHECK_DIR:-}" ]; then rm -rf "$(dirname "$T")"; fi
 }
-trap stop_daemons EXIT INT TERM
+trap stop_daemons EXIT
+trap 'stop_daemons; exit 143' INT TERM   # (a trap alone would go on with the next case)
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -201,15 +204,17 @@ case_scancel() {
   same_losses "$job" scancel; report "$job"
 }
 
-case_startup() {   # SIGTERM once jax.distributed is up, before the first step (plan, init, compilation)
+case_startup() {   # SIGTERM once the plan is written, before step 1 (initialisation, compilation)
   local job; job=$(submit startup)
   wait_state "$job" RUNNING 300 || { fail "startup: job $job did not start"; return; }
-  local pid; for _ in $(seq 1200); do grep -q "process 1 of 2" "$(log "$job")" 2>/dev/null && break; sleep 0.1; done
-  pid=$(task_pid "$job" 1) || { fail "startup: no process for task 1 of job $job"; return; }
+  local run; run=$(rundir "$job")
+  for _ in $(seq 6000); do [ -e "$run/plan.json" ] && break; sleep 0.05; done
+  local pid; pid=$(task_pid "$job" 1) || { fail "startup: no process for task 1 of job $job"; return; }
   local sent; sent=$(date +%s.%N); scancel --signal=TERM "$job"
+  local at; at=$(last_step "$run")
   for _ in $(seq 1200); do [ -d "/proc/$pid" ] || break; sleep 0.05; done
   local took; took=$("$PY" -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$sent")
-  say "startup: job $job, SIGTERM right after 'process 1 of 2' (before step 1): task 1 gone ${took} s later"
+  say "startup: job $job, SIGTERM once plan.json was written (last logged step: $at): task 1 gone ${took} s later"
   wait_state "$job" COMPLETED 900 || { fail "startup: job $job is $(field "$job" JobState)"; return; }
   [ "$(field "$job" Restarts)" -ge 1 ] || fail "startup: job $job was not requeued"
   has "$job" "SIGTERM during start-up" startup; same_losses "$job" startup; report "$job"
