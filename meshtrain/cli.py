@@ -8,12 +8,13 @@ or file-size limit (a ``DiskError``) the same way with exit code 74 (``meshtrain
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 import warnings
 from typing import List, Optional
 
-from meshtrain import distributed, peer_errors
+from meshtrain import distributed, interrupts, peer_errors
 from meshtrain.errors import MeshtrainError
 from meshtrain.hardware import apply_scheduling_flags
 
@@ -67,6 +68,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     warnings.formatwarning = _one_line_warning
     try:
+        if args.command == "train":   # a SIGTERM while JAX starts: exit at once, if a template asks for it
+            interrupts.guard_startup(_say_now)
         if getattr(args, "prepare", None) is not None:
             args.prepare(args)  # --config / --set read before the devices start (they may set distributed.devices)
         if getattr(args, "xla_flags", "none") == "auto":
@@ -75,7 +78,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             setup_devices(getattr(args, "devices", None))
             # Before any backend starts: MESHTRAIN_* variables, flags or the cluster may ask for it.
             distributed.initialize(distributed.config_from_args(args))
-        return int(args.run(args) or 0)
+        if args.command == "train":   # again: jax.distributed's own SIGTERM handler replaced it
+            interrupts.guard_startup(_say_now)
+        return interrupts.exit_status(int(args.run(args) or 0))
     except MeshtrainError as exc:
         where = distributed.current()
         print(f"error: {f'[process {where.process_id}] ' if where else ''}{exc}", file=sys.stderr)
@@ -95,6 +100,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         path = peer_errors.keep_traceback(exc, getattr(args, "out", None))
         print(f"error: {line}" + (f" (traceback in {path})" if path else ""), file=sys.stderr)
         return _leave(1, grace_s=0.0)   # the peer is gone: waiting in the shutdown barrier for it is pointless
+
+
+def _say_now(text: str) -> None:
+    """One line to stderr from any thread, even while the main thread holds ``sys.stderr``'s lock."""
+    os.write(2, f"meshtrain: {text}\n".encode())
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -392,6 +392,9 @@ def initialize(config: Optional[DistributedConfig] = None, *, environ: Optional[
         done.set()
     _current = dataclasses.replace(cluster, bind=bind)
     _meet(who, timeout_s)
+    # Every process names itself once (a cluster log interleaves them): who, where, which devices.
+    print(f"meshtrain: {_current.describe()}; {jax.local_device_count()} local of {jax.device_count()} devices",
+          flush=True)
     return _current
 
 

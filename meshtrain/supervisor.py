@@ -20,9 +20,11 @@ position (samples of the whole run) carries over. ``metrics.jsonl`` gets a ``sta
 the mesh of every segment; each ``attempt`` event records its processes and gradient accumulation.
 
 No restart for bad input (exit 2), Ctrl-C (130) or a signal the launcher itself received (the
-cluster or the user is stopping the job). On a cluster that restarts jobs itself (SLURM
-``--requeue``, Kubernetes ``restartPolicy``/JobSet ``maxRestarts``), run ``meshtrain train
---resume`` there instead: ``--resume`` is the contract.
+cluster or the user is stopping the job). On a cluster, run ``meshtrain train --resume`` in every
+process instead (``--resume`` is the contract) and let the job script or the cluster restart it:
+``recipes/launch/slurm-gpu.sbatch`` retries crashes in a loop and requeues itself when the run exits
+``$MESHTRAIN_PREEMPTED_EXIT`` (:mod:`meshtrain.interrupts`; SLURM's ``--requeue`` alone never
+requeues a job that exited 0); a JobSet restarts on a failed pod.
 """
 
 from __future__ import annotations

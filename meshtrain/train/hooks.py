@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from meshtrain import interrupts
 from meshtrain.distributed import StopAgreement
 from meshtrain.models.flops import jaxpr_flops
 from meshtrain.train.loop import EvalResult, Run, StepInfo, Stop, ThroughputResult
@@ -251,10 +252,12 @@ class PreemptionHook(Hook):
         self.requested = True
 
     def on_step(self, run: Run, info: StepInfo) -> Optional[Stop]:
+        interrupts.startup_done()   # a SIGTERM from here on is worth a save (before: exits at once, if asked)
         # a collective with several processes: called after every step on every process
         if info.last or not self.agreement.should_stop(info.step, self.requested):
             return None
         run.results.preempted = True
+        interrupts.note_preempted()
         if self.checkpoint is not None:
             self.checkpoint.save(run, info.step)
         run.progress.print(f"SIGTERM: stopped after step {info.step}"

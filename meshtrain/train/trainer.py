@@ -203,6 +203,8 @@ class Trainer:
             resumed_from = resume_step(self.run_dir, cfg.resume is not Resume.NO, ckpt, self._notice)
             if resumed_from is not None and resumed_from >= cfg.steps:
                 return self._already_done(resumed_from)
+            if resumed_from is not None:   # a requeued or restarted job says where it picks up
+                self._notice(f"resuming {self.run_dir} from step {resumed_from} (its newest valid checkpoint)")
             first, self._first_batch = self._first_batch, None
             data = self.task.feed(self._request("train", plan), plan, first=first)
             state, start, restart = self._initial_state(plan, ckpt, data)
