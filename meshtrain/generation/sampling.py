@@ -45,9 +45,13 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def root_key(self):
+        """The seed's key; decode step ``i`` draws with ``fold_in(root_key(), i)`` (:meth:`key`)."""
+        return jax.random.key(self.seed)
+
     def key(self, step):
         """The key of decode step ``step`` (0: the token chosen from the prefill's last logits)."""
-        return jax.random.fold_in(jax.random.key(self.seed), step)
+        return jax.random.fold_in(self.root_key(), step)
 
 
 def token_logprobs(logits_btv, tokens_bt):
