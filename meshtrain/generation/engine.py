@@ -58,9 +58,9 @@ from jax.sharding import NamedSharding
 from meshtrain.abstract import abstract_state
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
-from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device, empty_cache
+from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device
 from meshtrain.generation.loop import (DecodeLoop, decode_loop, decode_loop_kind, empty_layer_cache, layered_forward,
-                                       stop_mask, unstack_layers)
+                                       stacked_cache, stop_mask, unstack_layers)
 from meshtrain.generation.sampling import Sampling, choose, token_logprobs
 from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
                                           place_layers, store_weights, weight_bytes_per_device, weight_format,
@@ -220,8 +220,9 @@ class Engine:
 
     def empty_cache(self, pad, seq: int):
         """A zero KV cache of ``seq`` slots for rows left-padded by ``pad``, in the layout the steps take."""
-        make = empty_layer_cache if self.layered else empty_cache
-        return make(self.cfg, self.plan, pad, seq, self.compute_dtype)
+        if self.layered:
+            return empty_layer_cache(self.cfg, self.plan, pad, seq, self.compute_dtype)
+        return stacked_cache(self.cfg, self.plan, pad, seq, self.compute_dtype)
 
     def padded_batch(self, batch: int) -> int:
         return -(-batch // self.batch_multiple) * self.batch_multiple

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
-from meshtrain.generation.cache import cache_spec
+from meshtrain.generation.cache import KVCache, cache_shape, cache_shardings, cache_spec
 from meshtrain.generation.sampling import Sampling, choose, token_logprobs
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.moe import pop_moe_stats
@@ -113,6 +113,15 @@ def empty_layer_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32
     return LayerCache(tuple(zeros() for _ in range(cfg.n_layers)), tuple(zeros() for _ in range(cfg.n_layers)),
                       jax.device_put(jnp.int32(0), NamedSharding(plan.mesh, PartitionSpec())),
                       jax.device_put(jnp.asarray(pad, jnp.int32), NamedSharding(plan.mesh, rows)))
+
+
+def stacked_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32) -> KVCache:
+    """:func:`meshtrain.generation.cache.empty_cache` (the stacked layout the scanned layers take) made by
+    one compiled program per shape, not a new one per generation."""
+    sh = cache_shardings(cfg, plan, len(pad), seq)
+    zeros = _zeros(cache_shape(cfg, len(pad), seq), jnp.dtype(dtype).name, sh.k)
+    return KVCache(zeros(), zeros(), jax.device_put(jnp.int32(0), sh.index), jax.device_put(jnp.asarray(pad, jnp.int32),
+                                                                                           sh.pad))
 
 
 def cache_mask(index, pad_b, t: int, seq: int):
