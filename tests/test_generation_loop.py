@@ -38,6 +38,7 @@ def assert_same(device, host, sampling=Sampling(), stop_ids=(), new=NEW):
     return a, b
 
 
+@pytest.mark.slow
 def test_the_loop_equals_the_per_token_loop_on_one_device_greedy_sampled_and_stopped():
     device, host = both_loops("tiny", "dp", 1)
     assert isinstance(device.params[LAYERS], tuple) and len(device.params[LAYERS]) == device.cfg.n_layers

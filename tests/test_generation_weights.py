@@ -26,8 +26,9 @@ def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     # int8 + bf16 scales (one per output channel: 1/64 of a d=64 matrix; replicated over fsdp) + bf16 norms
     # and the bf16 output projection (1/8 of the tiny model's weights; 2 % of small's)
     assert 0.5 < ratio < {"dp": 0.6, "fsdp_tp": 0.66}[recipe]
-    q = engines[WeightFormat.INT8].engine.params["blocks"]["attn"]["wq_dnh"]
-    ref = engines[WeightFormat.BF16].engine.params["blocks"]["attn"]["wq_dnh"]
+    # layer 0's (the compiled decode loop's engine stores one array per layer)
+    q = engines[WeightFormat.INT8].engine.params["blocks"][0]["attn"]["wq_dnh"]
+    ref = engines[WeightFormat.BF16].engine.params["blocks"][0]["attn"]["wq_dnh"]
     assert q.q.dtype == jnp.int8 and q.q.sharding.spec == ref.sharding.spec
     # An untrained model's logits are nearly flat, so free-running greedy paths part at the first near-tie
     # (bf16 and f32 part too); compare the two on the same sequence instead (teacher forcing).

@@ -155,12 +155,13 @@ def bench_model(name: str, fmt: str, args) -> list:
         model = Decoder(cfg, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     new = load(model, recipe="dp", devices=1, quantize=fmt).engine
-    old = Engine(cfg, params, new.plan, weights=fmt, loop="host")
+    old = Engine(cfg, params, new.plan, weights=fmt, loop="host") if "host" in args.contenders else None
     prompt = [[(7 * t + 3) % cfg.vocab_size for t in range(args.prompt_len)]]
     n = args.new_tokens
     contenders = {"host": lambda: old.run(prompt, n), "device": lambda: new.run(prompt, n)}
+    contenders = {k: f for k, f in contenders.items() if k in args.contenders}
     hf = None
-    if fmt in ("none", "bf16"):
+    if fmt in ("none", "bf16") and "transformers" in args.contenders:
         dtype = jnp.float32 if fmt == "none" else jnp.bfloat16
         hf_model, hf_params = flax_llama(cfg, params, dtype)
         hf = {k: transformers_call(hf_model, hf_params, k) for k in (n, 1)}
@@ -168,7 +169,7 @@ def bench_model(name: str, fmt: str, args) -> list:
         contenders["transformers"] = lambda: (hf[n](ids), hf[1](ids))
     warm = {k: f() for k, f in contenders.items()}  # compiles
     agree = None
-    if hf is not None:
+    if hf is not None and "device" in warm:
         agree = list(warm["transformers"][0][0, args.prompt_len:]) == list(warm["device"].generations[0].new_ids)
     floor = bytes_per_token(new, args.prompt_len, n)
     rows = []
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--contenders", nargs="+", default=["host", "device", "transformers"],
+                   help="which to run: host (per-token loop), device (compiled loop), transformers")
     p.add_argument("--bandwidth", action="store_true", help="only measure the copy bandwidth")
     p.add_argument("--json", action="store_true", help="one JSON object per round")
     args = p.parse_args(argv)

@@ -263,7 +263,8 @@ class Engine:
         if sampling in self._steps:
             return self._steps[sampling]
 
-        def prefill(params, tokens_bt, cache, key):
+        def prefill(params, tokens_bt, cache, seed):
+            key = jax.random.fold_in(jax.random.key(seed), 0)  # Sampling.key(0), made in the program: no dispatch
             logits_btv, cache = self._forward(params, tokens_bt, cache)
             prompt_lp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:])
             nxt = choose(logits_btv[:, -1], key, sampling)
@@ -274,9 +275,16 @@ class Engine:
             nxt = choose(logits_btv[:, 0], key, sampling)
             return nxt, token_logprobs(logits_btv[:, 0], nxt), cache
 
-        def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, key, n_new):
-            return decode_loop(lambda tokens_bt, c: self._forward(params, tokens_bt, c), first_b, first_lp_b, cache,
-                               limit_b, is_stop_v, key, n_new=n_new, sampling=sampling)  # (Decoded, cache)
+        def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, seed, n_new):
+            def step(tokens_bt, c):
+                # the weights pass a barrier with the step's cache index: without it XLA hoists their
+                # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
+                # converted copy of every weight for the whole decode (int8 would then not stay int8)
+                stored, _ = jax.lax.optimization_barrier((params, c.index))
+                return self._forward(stored, tokens_bt, c)
+
+            return decode_loop(step, first_b, first_lp_b, cache, limit_b, is_stop_v, jax.random.key(seed),
+                               n_new=n_new, sampling=sampling)  # (Decoded, cache)
 
         if self.loop is DecodeLoop.HOST:
             self._steps[sampling] = (jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)))
@@ -312,7 +320,7 @@ class Engine:
         cache = self.empty_cache(pad, longest + max(max_new_tokens - 1, 0))
         start = time.perf_counter()
         first, first_lp, prompt_lp, cache = prefill(self.params, jax.device_put(tokens, self._rows(batch)), cache,
-                                                    sampling.key(0))
+                                                    np.uint32(sampling.seed))
         jax.block_until_ready(first)
         prefill_s = time.perf_counter() - start
         limit = np.where(np.arange(batch) < n, max(max_new_tokens, 1), 1).astype(np.int32)  # dummy rows: done
@@ -332,8 +340,8 @@ class Engine:
             return np.zeros((len(limit), 0), np.int32), np.zeros((len(limit), 0), np.float32), np.zeros_like(limit), []
         _, decode_all = self._compiled(sampling)
         start = time.perf_counter()
-        out = decode_all(self.params, first, first_lp, cache, jax.device_put(limit, self._rows(len(limit), 0)), stop_mask(stop_ids, self.cfg.vocab_size), sampling.root_key(),
-            n_new=max_new_tokens)
+        out = decode_all(self.params, first, first_lp, cache, jax.device_put(limit, self._rows(len(limit), 0)),
+                         stop_mask(stop_ids, self.cfg.vocab_size), np.uint32(sampling.seed), n_new=max_new_tokens)
         out, _ = out  # the cache comes back (into its donated buffers: updated in place), unused
         new_bt, lp_bt, length = (np.asarray(x) for x in (out.new_bn, out.logprobs_bn, out.length_b))
         return new_bt, lp_bt, length, [time.perf_counter() - start]

@@ -96,22 +96,21 @@ def unstack_layers(stacked, n_layers: int) -> Tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _zeros(shape, dtype: str, sharding: NamedSharding):
-    """A compiled maker of zeros laid out by ``sharding``, one per shape (a new ``jax.jit`` per call
-    would compile again at every generation)."""
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+def _zeros(shape, dtype: str, sharding: NamedSharding, count: int = 1):
+    """A compiled maker of ``count`` zero arrays laid out by ``sharding``, one per shape and count (a new
+    ``jax.jit`` per call would compile again at every generation; one program makes them all: one dispatch)."""
+    return jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(count)), out_shardings=(sharding,) * count)
 
 
 def empty_layer_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32) -> LayerCache:
     """A zero :class:`LayerCache` of ``seq`` slots for ``len(pad)`` rows, each layer laid out by the
     stacked cache's sharding (:func:`meshtrain.generation.cache.cache_spec`) without the ``layers`` axis."""
-    batch = len(pad)
+    batch, n = len(pad), cfg.n_layers
     spec = cache_spec(cfg, plan, batch, seq)
     layer = NamedSharding(plan.mesh, PartitionSpec(*tuple(spec)[1:]))
-    zeros = _zeros((batch, seq, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(dtype).name, layer)
+    kv = _zeros((batch, seq, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(dtype).name, layer, 2 * n)()
     rows = plan.rules.resolve("activations", ("batch",), (batch,), plan.mesh_sizes, path="kv_cache/pad").spec
-    return LayerCache(tuple(zeros() for _ in range(cfg.n_layers)), tuple(zeros() for _ in range(cfg.n_layers)),
-                      jax.device_put(jnp.int32(0), NamedSharding(plan.mesh, PartitionSpec())),
+    return LayerCache(kv[:n], kv[n:], jax.device_put(jnp.int32(0), NamedSharding(plan.mesh, PartitionSpec())),
                       jax.device_put(jnp.asarray(pad, jnp.int32), NamedSharding(plan.mesh, rows)))
 
 
@@ -119,8 +118,8 @@ def stacked_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32) ->
     """:func:`meshtrain.generation.cache.empty_cache` (the stacked layout the scanned layers take) made by
     one compiled program per shape, not a new one per generation."""
     sh = cache_shardings(cfg, plan, len(pad), seq)
-    zeros = _zeros(cache_shape(cfg, len(pad), seq), jnp.dtype(dtype).name, sh.k)
-    return KVCache(zeros(), zeros(), jax.device_put(jnp.int32(0), sh.index), jax.device_put(jnp.asarray(pad, jnp.int32),
+    k, v = _zeros(cache_shape(cfg, len(pad), seq), jnp.dtype(dtype).name, sh.k, 2)()
+    return KVCache(k, v, jax.device_put(jnp.int32(0), sh.index), jax.device_put(jnp.asarray(pad, jnp.int32),
                                                                                            sh.pad))
 
 
@@ -177,7 +176,7 @@ def decode_loop(forward: Callable, first_b, first_lp_b, cache, limit_b, is_stop_
     ``forward(tokens_bt, cache) -> (logits_btv, cache)``: one step of the model; ``first_b``, ``first_lp_b``:
     the prefill's tokens and log-probabilities; ``limit_b``: each row's most new tokens (>= 1);
     ``is_stop_v``: ``(vocab,)`` bool, the stop ids; ``key``: the sampling seed's key (step ``i`` draws with
-    ``fold_in(key, i)``, as the per-token loop). A row is done after a stop id or at its limit; its
+    ``fold_in(key, i)``, as the per-token loop's ``Sampling.key(i)``). A row is done after a stop id or at its limit; its
     later tokens are computed (the batch moves together) but not counted. Returns the
     :class:`Decoded` and the cache (returned so that a donated cache is updated in place)."""
     batch = first_b.shape[0]
