@@ -3,7 +3,12 @@
 * **prefill** runs a batch of (left-padded) prompts through the decoder in one pass, writes every
   layer's keys and values into the KV cache, returns each prompt token's log-probability given the
   tokens before it, and chooses the first new token from the last position's logits.
-* **decode** feeds one token per row, writes it at the next cache slot and chooses the next.
+* **decode** feeds one token per row, writes it at the next cache slot and chooses the next. By
+  default (:class:`~meshtrain.generation.loop.DecodeLoop` ``DEVICE``) every decode step runs inside
+  one compiled ``while_loop`` with sampling, each row's stop test and the cache carried inside, and the
+  layer weights are stored one array per layer (:mod:`meshtrain.generation.loop` says why: the host
+  round trip per token, and the copies XLA:CPU made of a stacked layer's weights). ``HOST``: one
+  compiled step per token, the host loops (the reference the loop is tested and benchmarked against).
 
 Both are ``jax.jit`` s whose parameter shardings are the plan's (the recipe's rules: weights where
 training keeps them), whose cache follows the activation rules (:mod:`meshtrain.generation.cache`)
@@ -17,7 +22,8 @@ rounding). The batch is also padded with one-token dummy rows to a multiple of t
 data-parallel size (they are dropped from the results).
 
 **Stop tokens**: a row stops after it emits one of ``stop_ids`` (the stop token is included in its
-``new_ids``); the loop ends when every row has stopped or ``max_new_tokens`` are out.
+``new_ids``); the loop ends when every row has stopped or ``max_new_tokens`` are out. Dummy rows
+are done from the start.
 
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
@@ -52,7 +58,9 @@ from jax.sharding import NamedSharding
 from meshtrain.abstract import abstract_state
 from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
-from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device, empty_cache
+from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device
+from meshtrain.generation.loop import (DecodeLoop, decode_loop, decode_loop_kind, empty_layer_cache, layered_forward,
+                                       stacked_cache, stop_mask, unstack_layers)
 from meshtrain.generation.sampling import Sampling, choose, token_logprobs
 from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
                                           place_layers, store_weights, weight_bytes_per_device, weight_format,
@@ -143,12 +151,16 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Wall seconds of the prefill and of each decode step (each ends when its tokens reach the host)."""
+    """Wall seconds of the prefill (until its tokens are ready) and of each decode *program run*, each
+    ending when its tokens reach the host: one per decode step with ``DecodeLoop.HOST``, one for all
+    of them with ``DecodeLoop.DEVICE``; ``sum(decode_s)`` is the decoding's time either way, over
+    ``decode_steps`` steps."""
 
     batch: int
     prompt_tokens: int
     prefill_s: float
     decode_s: Tuple[float, ...]
+    decode_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,18 +173,30 @@ class Engine:
     """The compiled prefill and decode steps of decoder ``cfg`` with ``params`` (nested dict, any
     placement: they are put on ``plan.param_shardings``) on ``plan`` (a params plan of the same model:
     :func:`meshtrain.generation.plan_for`). ``weights``: how they are stored (:class:`WeightFormat`);
-    ``memory``: where the layer weights live between steps (:class:`WeightMemory`)."""
+    ``memory``: where the layer weights live between steps (:class:`WeightMemory`); ``loop``: where
+    the decode loop runs (:class:`DecodeLoop`: ``device``, one compiled loop, unless comparing with
+    the per-token ``host`` loop). With the layers on the device and the compiled loop, the layer stack
+    is stored one array per layer (``layered``); streamed from host memory it stays stacked and scanned."""
 
     def __init__(self, cfg: DecoderConfig, params, plan, *, weights: "WeightFormat | str" = WeightFormat.NONE,
-                 memory: "WeightMemory | str" = WeightMemory.DEVICE):
+                 memory: "WeightMemory | str" = WeightMemory.DEVICE, loop: "DecodeLoop | str" = DecodeLoop.DEVICE):
         self.cfg = generation_config(cfg)
         self.plan = plan
         self.weights = weight_format(weights)
         self.memory = weight_memory(memory)
+        self.loop = decode_loop_kind(loop)
+        self.layered = self.loop is DecodeLoop.DEVICE and self.memory is WeightMemory.DEVICE
         abstract = abstract_state(model_factory(self.cfg))
         self.graphdef, self.model_state = abstract.graphdef, abstract.model_state
-        placed = jax.device_put(params, plan.param_shardings)
-        self.params = place_layers(store_weights(placed, self.weights), self.memory)
+        stored = store_weights(jax.device_put(params, plan.param_shardings), self.weights)
+        if self.layered:
+            stored = {**stored, LAYERS: unstack_layers(stored[LAYERS], self.cfg.n_layers)}
+            # the stack's shapes stand in for the blocks when the model is merged (layered_forward runs
+            # each block from its own arrays); the graph of one block comes from them
+            self._stack_shapes = abstract.params[LAYERS]
+            model = nnx.merge(self.graphdef, abstract.params, self.model_state)
+            self.block_graphdef = nnx.split(model.blocks)[0]
+        self.params = place_layers(stored, self.memory)
         compute = {WeightFormat.NONE: plan.recipe.compute_dtype}.get(self.weights, "bfloat16")
         self.compute_dtype = jnp.dtype(compute)
         r = plan.recipe
@@ -194,6 +218,12 @@ class Engine:
     def cache_bytes_per_device(self, batch: int, seq: int) -> int:
         return cache_bytes_per_device(self.cfg, self.plan, self.padded_batch(batch), seq, self.compute_dtype)
 
+    def empty_cache(self, pad, seq: int):
+        """A zero KV cache of ``seq`` slots for rows left-padded by ``pad``, in the layout the steps take."""
+        if self.layered:
+            return empty_layer_cache(self.cfg, self.plan, pad, seq, self.compute_dtype)
+        return stacked_cache(self.cfg, self.plan, pad, seq, self.compute_dtype)
+
     def padded_batch(self, batch: int) -> int:
         return -(-batch // self.batch_multiple) * self.batch_multiple
 
@@ -205,6 +235,8 @@ class Engine:
         """The model with the weights outside the layer stack in compute form; the stack stays as stored
         (int8, in host memory) and :meth:`_load_layer` brings one layer at a time into compute form."""
         weights = {k: (v if k == LAYERS else self._compute_form(v)) for k, v in params.items()}
+        if self.layered:
+            weights[LAYERS] = self._stack_shapes  # not read: layered_forward runs the blocks
         if HEAD in params:
             # logits in f32: bf16 logits (8 mantissa bits, ~0.03 apart near |logit| 8) tie exactly, and
             # argmax then takes the lower token id (see the module docstring)
@@ -219,14 +251,20 @@ class Engine:
 
     def _forward(self, params, tokens_bt, cache):
         with step_context(self.ctx):
-            return self._model(params).cached(tokens_bt, cache, load_layer=self._load_layer)
+            model = self._model(params)
+            if self.layered:
+                return layered_forward(model, self.block_graphdef, params[LAYERS], tokens_bt, cache, self._load_layer)
+            return model.cached(tokens_bt, cache, load_layer=self._load_layer)
 
     def _compiled(self, sampling: Sampling):
-        """``(prefill, decode)`` for ``sampling`` (its settings are static: one compile per setting)."""
+        """``(prefill, decode)`` for ``sampling`` (its settings are static: one compile per setting);
+        ``decode`` is one step (``DecodeLoop.HOST``) or the whole loop (``DEVICE``, one compile per
+        ``n_new``)."""
         if sampling in self._steps:
             return self._steps[sampling]
 
-        def prefill(params, tokens_bt, cache, key):
+        def prefill(params, tokens_bt, cache, seed):
+            key = jax.random.fold_in(jax.random.key(seed), 0)  # Sampling.key(0), made in the program: no dispatch
             logits_btv, cache = self._forward(params, tokens_bt, cache)
             prompt_lp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:])
             nxt = choose(logits_btv[:, -1], key, sampling)
@@ -237,12 +275,28 @@ class Engine:
             nxt = choose(logits_btv[:, 0], key, sampling)
             return nxt, token_logprobs(logits_btv[:, 0], nxt), cache
 
-        self._steps[sampling] = (jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)))
+        def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, seed, n_new):
+            def step(tokens_bt, c):
+                # the weights pass a barrier with the step's cache index: without it XLA hoists their
+                # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
+                # converted copy of every weight for the whole decode (int8 would then not stay int8)
+                stored, _ = jax.lax.optimization_barrier((params, c.index))
+                return self._forward(stored, tokens_bt, c)
+
+            return decode_loop(step, first_b, first_lp_b, cache, limit_b, is_stop_v, jax.random.key(seed),
+                               n_new=n_new, sampling=sampling)  # (Decoded, cache)
+
+        if self.loop is DecodeLoop.HOST:
+            self._steps[sampling] = (jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)))
+        else:
+            self._steps[sampling] = (jax.jit(prefill), jax.jit(decode_all, donate_argnums=(3,),
+                                                               static_argnames=("n_new",)))
         return self._steps[sampling]
 
-    def _rows(self, batch: int) -> NamedSharding:
-        spec = self.plan.rules.resolve("activations", ("batch", None), (batch, 1), self.plan.mesh_sizes,
-                                       path="tokens").spec
+    def _rows(self, batch: int, per_row: int = 1) -> NamedSharding:
+        """Where a ``(batch, per_row)`` array of the rows goes (``per_row`` 0: a ``(batch,)`` vector)."""
+        logical, shape = (("batch", None), (batch, per_row)) if per_row else (("batch",), (batch,))
+        spec = self.plan.rules.resolve("activations", logical, shape, self.plan.mesh_sizes, path="tokens").spec
         return NamedSharding(self.plan.mesh, spec)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -262,19 +316,42 @@ class Engine:
         tokens = np.zeros((batch, longest), np.int32)
         for b, p in enumerate(rows):
             tokens[b, pad[b]:] = p
-        prefill, decode_step = self._compiled(sampling)
-        cache = empty_cache(self.cfg, self.plan, pad, longest + max(max_new_tokens - 1, 0), self.compute_dtype)
-        row_sh = self._rows(batch)
+        prefill, _ = self._compiled(sampling)
+        cache = self.empty_cache(pad, longest + max(max_new_tokens - 1, 0))
         start = time.perf_counter()
-        nxt, lp, prompt_lp, cache = prefill(self.params, jax.device_put(tokens, row_sh), cache, sampling.key(0))
-        new = [np.asarray(nxt)]
-        new_lp = [np.asarray(lp)]
-        prompt_lp = np.asarray(prompt_lp)
+        first, first_lp, prompt_lp, cache = prefill(self.params, jax.device_put(tokens, self._rows(batch)), cache,
+                                                    np.uint32(sampling.seed))
+        jax.block_until_ready(first)
         prefill_s = time.perf_counter() - start
+        limit = np.where(np.arange(batch) < n, max(max_new_tokens, 1), 1).astype(np.int32)  # dummy rows: done
+        run_loop = self._decode_host if self.loop is DecodeLoop.HOST else self._decode_device
+        new_bt, lp_bt, length, decode_s = run_loop(sampling, first, first_lp, cache, limit, stop_ids, max_new_tokens)
+        prompt_lp = np.asarray(prompt_lp)
+        stops = set(stop_ids)
+        gens = tuple(self._result(prompts[b], new_bt[b, :length[b]], lp_bt[b, :length[b]],
+                                  prompt_lp[b, pad[b]:] if prompt_logprobs else None, stops, decode)
+                     for b in range(n))
+        steps = int(max(length[:n], default=0)) - 1 if max_new_tokens else 0
+        return Output(gens, Timing(batch, int(batch * longest), prefill_s, tuple(decode_s), max(steps, 0)))
+
+    def _decode_device(self, sampling, first, first_lp, cache, limit, stop_ids, max_new_tokens):
+        """All decode steps in one program run: ``(new_bt, logprobs_bt, length_b, [seconds])``."""
+        if max_new_tokens == 0:
+            return np.zeros((len(limit), 0), np.int32), np.zeros((len(limit), 0), np.float32), np.zeros_like(limit), []
+        _, decode_all = self._compiled(sampling)
+        start = time.perf_counter()
+        out = decode_all(self.params, first, first_lp, cache, jax.device_put(limit, self._rows(len(limit), 0)),
+                         stop_mask(stop_ids, self.cfg.vocab_size), np.uint32(sampling.seed), n_new=max_new_tokens)
+        out, _ = out  # the cache comes back (into its donated buffers: updated in place), unused
+        new_bt, lp_bt, length = (np.asarray(x) for x in (out.new_bn, out.logprobs_bn, out.length_b))
+        return new_bt, lp_bt, length, [time.perf_counter() - start]
+
+    def _decode_host(self, sampling, nxt, lp, cache, limit, stop_ids, max_new_tokens):
+        """One program run per decode step, the host reading each token back (the reference loop)."""
+        _, decode_step = self._compiled(sampling)
+        new, new_lp, decode_s = [np.asarray(nxt)], [np.asarray(lp)], []
         stops = np.asarray(list(stop_ids), np.int32)
-        done = np.isin(new[0], stops)
-        done[n:] = True
-        decode_s = []
+        done = np.isin(new[0], stops) | (limit <= 1)
         for step in range(1, max_new_tokens):
             if done.all():
                 break
@@ -285,10 +362,7 @@ class Engine:
             decode_s.append(time.perf_counter() - start)
             done |= np.isin(new[-1], stops)
         new_bt = np.stack(new, axis=1)[:, :max_new_tokens]
-        lp_bt = np.stack(new_lp, axis=1)[:, :max_new_tokens]
-        gens = tuple(self._result(prompts[b], new_bt[b], lp_bt[b], prompt_lp[b, pad[b]:] if prompt_logprobs else None,
-                                  stops, decode) for b in range(n))
-        return Output(gens, Timing(batch, int(batch * longest), prefill_s, tuple(decode_s)))
+        return new_bt, np.stack(new_lp, axis=1)[:, :max_new_tokens], np.full(len(limit), new_bt.shape[1]), decode_s
 
     @staticmethod
     def _result(prompt, new_t, lp_t, prompt_lp, stops, decode) -> Generation:

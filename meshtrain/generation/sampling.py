@@ -38,15 +38,17 @@ class Sampling:
             raise ConfigError(f"--top-k {self.top_k}: use an integer >= 0 (0: off)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ConfigError(f"--top-p {self.top_p}: use a number in (0, 1] (1: off)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ConfigError(f"--seed {self.seed}: use an integer >= 0")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 32:
+            # the compiled steps make the key from a uint32 seed (no host dispatch per generation)
+            raise ConfigError(f"--seed {self.seed}: use an integer in 0 .. {2 ** 32 - 1}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def key(self, step):
-        """The key of decode step ``step`` (0: the token chosen from the prefill's last logits)."""
+        """The key of decode step ``step`` (0: the token chosen from the prefill's last logits); the
+        compiled loop makes the same keys from the seed inside the program."""
         return jax.random.fold_in(jax.random.key(self.seed), step)
 
 

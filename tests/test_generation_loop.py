@@ -1,0 +1,92 @@
+"""The compiled decode loop (``DecodeLoop.DEVICE``: every decode step in one ``while_loop``, the layer
+weights one array per layer) against the per-token loop (``DecodeLoop.HOST``, the engine before it):
+the same greedy tokens, log-probabilities within 1e-5, the same seeded samples, the same stops, on
+1 device and on the 8-device recipes that generate (fsdp_tp, and fsdp_ep for MoE)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import GENERATION_PROMPTS, make_decoder
+
+from meshtrain.generation import Engine, Sampling, load
+from meshtrain.generation.loop import DecodeLoop, decode_loop, stop_mask
+from meshtrain.generation.weights import LAYERS
+
+NEW = 10
+
+
+def both_loops(name: str, recipe: str, devices: int):
+    """``(device-loop engine, host-loop engine)`` of the same model on the same plan."""
+    model = make_decoder(name)
+    device = load(model, recipe=recipe, devices=devices).engine
+    host = Engine(model.cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), device.plan, loop=DecodeLoop.HOST)
+    return device, host
+
+
+def assert_same(device, host, sampling=Sampling(), stop_ids=(), new=NEW):
+    a = host.run(GENERATION_PROMPTS, new, sampling, stop_ids=stop_ids)
+    b = device.run(GENERATION_PROMPTS, new, sampling, stop_ids=stop_ids)
+    assert [g.new_ids for g in b.generations] == [g.new_ids for g in a.generations]
+    assert [g.stopped for g in b.generations] == [g.stopped for g in a.generations]
+    gap = max(float(np.max(np.abs(np.array(x.new_logprobs) - np.array(y.new_logprobs))))
+              for x, y in zip(a.generations, b.generations))
+    assert gap <= 1e-5, gap
+    return a, b
+
+
+@pytest.mark.slow
+def test_the_loop_equals_the_per_token_loop_on_one_device_greedy_sampled_and_stopped():
+    device, host = both_loops("tiny", "dp", 1)
+    assert isinstance(device.params[LAYERS], tuple) and len(device.params[LAYERS]) == device.cfg.n_layers
+    assert device.weight_bytes_per_device() == host.weight_bytes_per_device()  # the same bytes, one array per layer
+    greedy, loop = assert_same(device, host)
+    # one program run for all decode steps, against one per step
+    assert len(loop.timing.decode_s) == 1 and loop.timing.decode_steps == NEW - 1 == len(greedy.timing.decode_s)
+    assert_same(device, host, Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=3))
+    # a stop id the first prompt emits at its 4th new token: that row stops there, the others run on
+    stop = greedy.generations[0].new_ids[3]
+    _, stopped = assert_same(device, host, stop_ids=(stop,))
+    first = stopped.generations[0]
+    assert first.stopped and first.new_ids[-1] == stop and len(first.new_ids) <= 4
+    # every row stops on its first token: the loop runs no step
+    firsts = tuple({g.new_ids[0] for g in greedy.generations})
+    _, none = assert_same(device, host, stop_ids=firsts)
+    assert none.timing.decode_steps == 0 and all(len(g.new_ids) == 1 for g in none.generations)
+    assert_same(device, host, new=1)
+
+
+def test_each_row_stops_at_its_own_limit_or_stop_id_and_later_tokens_are_not_counted():
+    vocab, n_new = 16, 6
+
+    def forward(tokens_bt, cache):  # the next token is the last one + 1: row b emits first_b + i at step i
+        return jax.nn.one_hot(tokens_bt + 1, vocab) * 10.0, cache + 1
+
+    first_b = jnp.array([0, 3, 7, 2], jnp.int32)
+    limit_b = jnp.array([6, 2, 6, 1], jnp.int32)
+    out, steps_seen = jax.jit(lambda f, c, l, s: decode_loop(forward, f, jnp.zeros(4), c, l, s, jax.random.key(0),
+                                                             n_new=n_new, sampling=Sampling()))(
+        first_b, jnp.int32(0), limit_b, jnp.asarray(stop_mask([9], vocab)))
+    # row 0: limit 6; row 1: limit 2; row 2: 7, 8, 9 (stop); row 3: limit 1 (done from the start)
+    assert np.asarray(out.length_b).tolist() == [6, 2, 3, 1]
+    assert np.asarray(out.new_bn)[0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert np.asarray(out.new_bn)[2, :3].tolist() == [7, 8, 9]
+    assert int(out.steps) == int(steps_seen) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, recipe", [("tiny", "fsdp_tp"), ("tiny-moe", "fsdp_ep"), ("tiny-moe", "dp")])
+def test_the_loop_equals_the_per_token_loop_on_the_8_device_recipes(name, recipe):
+    device, host = both_loops(name, recipe, 1 if recipe == "dp" else 8)
+    greedy, _ = assert_same(device, host)
+    assert all(len(g.new_ids) == NEW for g in greedy.generations)
+    assert_same(device, host, Sampling(temperature=0.8, top_k=10, seed=1), stop_ids=(greedy.generations[1].new_ids[2],))
+    # each layer's weights keep the stacked weights' sharding, less the layers axis
+    stacked = host.params[LAYERS]
+    for l, layer in enumerate(device.params[LAYERS]):
+        for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(layer)):
+            assert tuple(b.sharding.spec) == tuple(a.sharding.spec)[1:]
+            np.testing.assert_array_equal(np.asarray(a[l]), np.asarray(b))
