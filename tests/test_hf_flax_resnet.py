@@ -124,3 +124,43 @@ def test_resnet_matches_one_device_with_batch_stats_updated(recipe):
     for path, value in stats.items():
         assert rel_diff(value, base_stats[path]) <= 1e-5, (recipe, path)
         assert not np.allclose(value, first[path]), f"{path} did not move from its initial value"
+
+
+def test_the_readme_resnet_lines_list_their_model_state(tmp_path, monkeypatch, capsys):
+    """The README's ResNet block, as a model file, through ``meshtrain plan --list-params``: the model state lines
+    the README quotes are what the CLI prints."""
+    import os
+    import re
+
+    from hf_models import ROOT
+    from meshtrain.cli import main
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"```python\n(from transformers import FlaxResNetForImageClassification.*?)```", readme,
+                      re.S).group(1)
+    model = tmp_path / "resnet_model.py"
+    model.write_text("import jax, jax.numpy as jnp, optax\nfrom meshtrain.models import from_linen\n" + block)
+    monkeypatch.chdir(ROOT)  # the block names the shipped rules file from the repository's root
+    assert main(["plan", "--model", f"{model}:make", "--list-params"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    quoted = re.findall(r"\(`(resnet/[^`]*|to_nnx__rngs/[^`]*)`\)", readme)
+    assert len(quoted) == 2 and all(q in lines for q in quoted), (quoted, lines[-20:])
+    assert "# 0 without logical axes" in lines and any(l.startswith("# 16 model state variables") for l in lines)
+
+
+def test_pretrained_batch_stats_are_loaded_and_eval_matches_the_hf_wrapper():
+    """An HF object's ``params`` hold ``batch_stats`` too: from_linen starts from them (they were dropped before),
+    so in eval mode the model's logits are the wrapper's (NCHW there, NHWC here)."""
+    from flax import nnx
+
+    hf = transformers.FlaxResNetForImageClassification(resnet().config, input_shape=(1, SIDE, SIDE, 3))
+    hf.params = {"params": hf.params["params"],
+                 "batch_stats": jax.tree.map(lambda x: x + 0.5, hf.params["batch_stats"])}  # not the init values
+    model = from_linen(hf, jax.ShapeDtypeStruct((1, SIDE, SIDE, 3), jnp.float32), rules=RULES)(nnx.Rngs(0))
+    _, _, state = nnx.split(model, nnx.Param, ...)
+    ours = nnx.to_pure_dict(state)["resnet"]
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(hf.params["batch_stats"]["resnet"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    images = batch_of(1)["images"][:2]
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(images), deterministic=True).logits),
+                               np.asarray(hf(images.transpose(0, 3, 1, 2)).logits), rtol=1e-5, atol=1e-6)

@@ -18,8 +18,14 @@ Logical axes:
   ``logical:`` section, without editing the model.
 
 HuggingFace Flax models: pass the pretrained-model object (``FlaxGPT2LMHeadModel(config)``); the adapter
-takes its ``.module``, starts from its ``.params`` (``weights=Weights.INIT``: fresh ones instead) and keeps
-its ``.config`` as ``factory.config``.
+takes its ``.module``, starts from its ``.params`` (every collection they hold: a ResNet's ``batch_stats``
+too; ``weights=Weights.INIT``: fresh ones instead) and keeps its ``.config`` as ``factory.config``. The model
+calls that Linen module, not the HF wrapper's ``__call__``: what the wrapper does to the inputs (ResNet's and
+ViT's NCHW -> NHWC transpose, GPT-2's and BERT's default position ids and attention mask) is the caller's.
+
+Model state: every Linen collection besides ``params`` that ``init`` created (``batch_stats``, ``cache``; not
+``intermediates``) is mutable on every call, so ``model(x, train=True)`` updates BatchNorm's running
+statistics in place with no ``mutable=`` keyword; the train step carries them out as ``model_state``.
 
 Activations: inside a meshtrain step, every Linen submodule's outputs keep their batch dimension (the
 leading one, of the call's batch size) on the recipe's batch mesh axes; the other dimensions are left to
