@@ -16,7 +16,8 @@ from meshtrain.lazy_exports import lazy_exports as _lazy_exports
 
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ below loads each name
     from meshtrain import models
-    from meshtrain.abstract import AbstractState, ModelFactory, ParamInfo, abstract_state, list_params
+    from meshtrain.abstract import (AbstractState, ModelFactory, ParamInfo, abstract_state, list_model_state,
+                                    list_params)
     from meshtrain.annotate import ModelRules, PathRules, StepContext, constrain, remat, scan_layers
     from meshtrain.axes import LOGICAL_AXES, MESH_AXES, register_logical_axis
     from meshtrain.batch_layout import BatchLayout, BatchLeaf
@@ -52,7 +53,7 @@ def _names(module: str, names: str) -> dict:
 #: submodules load as submodules. Keep in step with the ``TYPE_CHECKING`` imports above
 #: (tests/test_code_rules.py checks that both name the same objects).
 _EXPORTS = {
-    **_names("meshtrain.abstract", "AbstractState ModelFactory ParamInfo abstract_state list_params"),
+    **_names("meshtrain.abstract", "AbstractState ModelFactory ParamInfo abstract_state list_model_state list_params"),
     **_names("meshtrain.annotate", "ModelRules PathRules StepContext constrain remat scan_layers"),
     **_names("meshtrain.axes", "LOGICAL_AXES MESH_AXES register_logical_axis"),
     **_names("meshtrain.batch_layout", "BatchLayout BatchLeaf"),

@@ -180,6 +180,9 @@ class ParamInfo:
     dtype: str
     names: Optional[LogicalAxes]
     source: str
+    #: ``params`` (trained) or ``model_state`` (non-parameter variables: batch statistics, RNG streams;
+    #: named by ``out_sharding`` metadata or a path rule, else replicated)
+    group: str = "params"
 
     def line(self) -> str:
         names = "(none)" if self.names is None else "(" + ", ".join(str(n) for n in self.names) + ")"
@@ -212,6 +215,36 @@ def _param_infos(params_state, rules: Optional[ModelRules]) -> List[ParamInfo]:
         out.append(ParamInfo(path, tuple(var.shape), str(var.dtype), None if names is None else tuple(names),
                              source if names is not None else "none"))
     return out
+
+
+def _state_infos(rest_state, rules: Optional[ModelRules]) -> List[ParamInfo]:
+    """The model state's variables: logical names from their ``out_sharding`` metadata, else from a path rule
+    (``paths: {'.*/normalization/(mean|var)': [mlp]}`` names BatchNorm statistics), else none (replicated).
+    RNG streams (a key and a counter each) are never named by rules: they are scalars, replicated."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    out = []
+    for keypath, var in jax.tree_util.tree_flatten_with_path(rest_state, is_leaf=is_var)[0]:
+        if not isinstance(var, nnx.Variable):
+            continue
+        path = path_str(keypath)
+        names, source = var.get_metadata().get("out_sharding"), "model"
+        if isinstance(var, nnx.RngState):
+            names, source = None, "rng stream: replicated"
+        elif names is None and rules is not None:
+            names, source = rules.lookup(path), "rules"
+        source = source if names is not None or isinstance(var, nnx.RngState) else "replicated"
+        out.append(ParamInfo(path, tuple(var.shape), str(var.dtype), None if names is None else tuple(names),
+                             source, "model_state"))
+    return out
+
+
+def list_model_state(factory: ModelFactory, annotations: Annotations = None) -> List[ParamInfo]:
+    """Every non-parameter variable of the model ``factory`` builds (BatchNorm statistics, RNG streams), with
+    its path, shape, dtype and logical names (``group == "model_state"``): the state the train step carries and
+    checkpoints, which path rules may shard like a parameter."""
+    model = nnx.eval_shape(lambda: _build(factory, 0))
+    _, _, rest_state = nnx.split(model, nnx.Param, ...)
+    return _state_infos(rest_state, model_rules(factory, annotations))
 
 
 def list_params(factory: ModelFactory, annotations: Annotations = None) -> List[ParamInfo]:
@@ -256,16 +289,14 @@ def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformat
     graphdef, params_state, rest_state = nnx.split(model, nnx.Param, ...)
     axes, short = _param_axes(_param_infos(params_state, rules))
     state_axes: Dict[str, LogicalAxes] = {}
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    for keypath, var in jax.tree_util.tree_flatten_with_path(rest_state, is_leaf=is_var)[0]:
-        names = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
-        if names is None:
+    for info in _state_infos(rest_state, rules):
+        if info.names is None:
             continue
-        path, names = path_str(keypath), tuple(names)
-        if len(names) > len(var.shape):
-            raise RulesError(f"variable {path!r} ({type(var).__name__}, shape {tuple(var.shape)}) has logical axes "
-                             f"{names} of rank {len(names)}; give at most one name (or None) per dimension")
-        state_axes[path] = names + (None,) * (len(var.shape) - len(names))  # short: trailing dims unsharded
+        if len(info.names) > len(info.shape):
+            raise RulesError(f"model state {info.path!r} (shape {info.shape}) has logical axes {info.names} "
+                             f"(from {info.source}) of rank {len(info.names)}; give at most one name (or None) "
+                             f"per dimension")
+        state_axes[info.path] = info.names + (None,) * (len(info.shape) - len(info.names))  # trailing: unsharded
     _, params, rest = split_model(model)
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else None
     return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx, state_axes,

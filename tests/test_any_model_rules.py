@@ -287,7 +287,10 @@ def test_list_params_cli_and_model_file_next_to_its_modules(tmp_path):
     assert lines[0] == f"# 9 parameters of --model {tmp_path / 'model.py:make'}: path  shape  dtype  " \
                        f"(logical names)  [from]"
     assert "DenseGeneral_0/kernel  (64, 8, 8)  float32  (embed, joined_kv)  [model]" in lines
-    assert lines[-1] == "# 0 without logical axes"
+    assert "# 0 without logical axes" in lines
+    state = lines[lines.index("# 0 without logical axes") + 1:]  # then the model state: the wrapper's RNG streams
+    assert state[0].startswith("# 4 model state variables") and len(state) == 5, state
+    assert "to_nnx__rngs/dropout/key  ()  key<fry>  (none)  [rng stream: replicated]" in state
 
 
 def test_from_linen_starts_no_jax_backend():

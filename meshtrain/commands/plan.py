@@ -17,7 +17,8 @@ returns an ``nnx.Module`` whose parameters carry logical axis names (``module`` 
 ``path/to/file.py``, whose folder is then importable too, so the file may import its neighbours; the
 current directory is importable). ``--rules FILE.yaml`` gives a model you
 did not write its logical axes (``paths:``) and maps its own logical names (``logical:``);
-``--list-params`` prints every parameter's path, shape, dtype and logical names to write them against.
+``--list-params`` prints every parameter's path, shape, dtype and logical names to write them against,
+then the model state (batch statistics, RNG streams: path rules may name it too).
 ``--batch`` describes the global batch for any model: comma-separated ``name=DIMS[:dtype][@axes]``,
 ``DIMS`` like ``16x8x8x1`` (the leading dimension is the batch), ``dtype`` default ``float32``,
 ``axes`` one logical name per dimension separated by ``/`` (``-`` for none; default ``batch`` on
@@ -47,7 +48,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from meshtrain import fp8
-from meshtrain.abstract import abstract_state, list_params
+from meshtrain.abstract import abstract_state, list_model_state, list_params
 from meshtrain.analysis import gpu_aot
 from meshtrain.annotate import ModelRules
 from meshtrain.batch_layout import BatchLayout, BatchSpec
@@ -120,7 +121,8 @@ def add_parser(sub):
 PLAN_FLAG_KEYS = ("model.name", "model.rules", "recipe.name", "recipe.mesh")
 PLAN_OWN_KEYS = ("data.batch_size", "data.seq_len", "monitor.hardware")
 LIST_PARAMS_HELP = ("print every parameter's path, shape, dtype and logical names (with --rules: as the rules give "
-                    "them), and stop; write path rules against these paths")
+                    "them), then the model state's (batch statistics, RNG streams), and stop; write path rules "
+                    "against these paths")
 
 
 def prepare(args) -> None:
@@ -132,14 +134,26 @@ def prepare(args) -> None:
 
 
 def list_params_text(choice: "ModelChoice", infos=None) -> str:
-    """``--list-params``: one line per parameter, then how many have no logical axes yet."""
-    infos = infos if infos is not None else list_params(choice.factory, choice.rules)
-    missing = sum(i.names is None for i in infos)
-    lines = [f"# {len(infos)} parameters of --model {choice.name}: path  shape  dtype  (logical names)  [from]"]
-    lines += [i.line() for i in infos]
+    """``--list-params``: one line per parameter, then how many have no logical axes yet, then the model state
+    (non-parameter variables: batch statistics, RNG streams), which path rules may name too."""
+    infos = infos if infos is not None else list_params_and_state(choice)
+    params = [i for i in infos if i.group == "params"]
+    state = [i for i in infos if i.group == "model_state"]
+    missing = sum(i.names is None for i in params)
+    lines = [f"# {len(params)} parameters of --model {choice.name}: path  shape  dtype  (logical names)  [from]"]
+    lines += [i.line() for i in params]
     lines.append(f"# {missing} without logical axes" + (": give them path rules (--rules FILE.yaml, paths:)"
                                                          if missing else ""))
+    if state:
+        lines.append(f"# {len(state)} model state variables (not trained; carried by the step and checkpointed; "
+                     f"path rules shard them, else replicated): path  shape  dtype  (logical names)  [from]")
+        lines += [i.line() for i in state]
     return "\n".join(lines)
+
+
+def list_params_and_state(choice: "ModelChoice"):
+    """``--list-params``' entries: the parameters, then the model state (``ParamInfo.group``)."""
+    return list_params(choice.factory, choice.rules) + list_model_state(choice.factory, choice.rules)
 
 
 def _apply_options(recipe, args):
@@ -456,7 +470,7 @@ def run(args) -> int:
     choice = resolve_model(args)
     if getattr(args, "list_params", False):
         try:
-            infos = list_params(choice.factory, choice.rules)
+            infos = list_params_and_state(choice)
         except MeshtrainError:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's factory: say what calling it did

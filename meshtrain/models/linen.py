@@ -18,8 +18,14 @@ Logical axes:
   ``logical:`` section, without editing the model.
 
 HuggingFace Flax models: pass the pretrained-model object (``FlaxGPT2LMHeadModel(config)``); the adapter
-takes its ``.module``, starts from its ``.params`` (``weights=Weights.INIT``: fresh ones instead) and keeps
-its ``.config`` as ``factory.config``.
+takes its ``.module``, starts from its ``.params`` (every collection they hold: a ResNet's ``batch_stats``
+too; ``weights=Weights.INIT``: fresh ones instead) and keeps its ``.config`` as ``factory.config``. The model
+calls that Linen module, not the HF wrapper's ``__call__``: what the wrapper does to the inputs (ResNet's and
+ViT's NCHW -> NHWC transpose, GPT-2's and BERT's default position ids and attention mask) is the caller's.
+
+Model state: every Linen collection besides ``params`` that ``init`` created (``batch_stats``, ``cache``; not
+``intermediates``) is mutable on every call, so ``model(x, train=True)`` updates BatchNorm's running
+statistics in place with no ``mutable=`` keyword; the train step carries them out as ``model_state``.
 
 Activations: inside a meshtrain step, every Linen submodule's outputs keep their batch dimension (the
 leading one, of the call's batch size) on the recipe's batch mesh axes; the other dimensions are left to
@@ -59,13 +65,14 @@ import dataclasses
 import enum
 import functools
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
+from flax.nnx import variablelib
 
 from meshtrain.abstract import Annotations
 from meshtrain.annotate import ModelRules, StepContext, current_step_context
@@ -104,11 +111,35 @@ def _unwrap(module: Any) -> Tuple[nn.Module, Any, Any]:
 
 
 def _load_params(model: nnx.Module, params: Dict[str, Any]) -> None:
-    """Replace the initialised parameters with ``params`` (a Linen ``{'params': ...}`` tree or its inside)."""
-    tree = params.get("params", params) if isinstance(params, dict) else params
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, nn.unbox(tree)))
-    nnx.update(model, state)
+    """Replace the initialised variables with ``params``: a Linen variables tree (``{'params': ...,
+    'batch_stats': ...}``: every collection it holds, so a pretrained BatchNorm keeps its running
+    statistics) or the inside of ``'params'`` alone."""
+    is_variables = isinstance(params, Mapping) and "params" in params
+    collections = dict(params) if is_variables else {"params": params}
+    for name, tree in collections.items():
+        kind = nnx.Param if name == "params" else variablelib.variable_type_from_name(name)
+        state = nnx.state(model, kind)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, nn.unbox(tree)))
+        nnx.update(model, state)
+
+
+#: Collections a Linen module writes only to report (``self.sow``): never made mutable by default, as their
+#: values would grow (sow appends) and change the model state's structure from one step to the next.
+REPORT_ONLY = ("intermediates",)
+
+
+def state_collections(model: nnx.bridge.ToNNX) -> Tuple[str, ...]:
+    """The Linen collections other than ``params`` that ``model`` holds after ``init`` (``batch_stats``,
+    ``cache``, ...; not :data:`REPORT_ONLY`): what each call makes mutable, so their updates become the
+    model's new state (the train step carries it out as ``model_state``)."""
+    names = set()
+    for key, value in vars(model).items():
+        if key.startswith(("to_nnx__", "_pytree__")):
+            continue
+        for leaf in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+            if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
+                names.add(variablelib.variable_name_from_type(type(leaf)))
+    return tuple(sorted(names - set(REPORT_ONLY)))
 
 
 def _batch_rows(args, kwargs) -> Optional[int]:
@@ -148,6 +179,10 @@ class LinenModel(nnx.bridge.ToNNX):
     outputs on the batch mesh axes (:func:`_keep_batch_sharded`); outside a step it is ``ToNNX``."""
 
     def __call__(self, *args, **kwargs):
+        if "mutable" not in kwargs and not self._pytree__state.initializing:
+            # BatchNorm's statistics and other non-parameter collections update in place (the bridge keeps
+            # the updates as the model's new state), so `model(x, train=True)` needs no `mutable=` keyword.
+            kwargs["mutable"] = list(state_collections(self)) or False
         ctx = current_step_context()
         rows = _batch_rows(args, kwargs) if ctx is not None else None
         if rows is None:
