@@ -152,7 +152,7 @@ def _baseline(model, seq):
     return _BASELINES[model, seq]
 
 
-def _check_parity(name, model, seq=SEQ, amax_at_least=False):
+def _check_parity(name, model, seq=SEQ, amax_at_least=False, amax_rtol=5e-2):
     recipe, mesh = h.mesh_for(name)
     recipe = recipe.with_options(fp8="delayed", fp8_amax_history=HISTORY)
     losses, _, state = h.run_steps(recipe, mesh, steps=10, abstract=fp8_abstract(model=model), batch=BATCH, seq=seq)
@@ -162,12 +162,13 @@ def _check_parity(name, model, seq=SEQ, amax_at_least=False):
     # the histories saw the same amaxes (up to FP8 rounding of slightly different sums)
     a = np.asarray(meta_of(state, "blocks", "attn", "fp8_q", "input_amax_history"))
     b = np.asarray(meta_of(base_state, "blocks", "attn", "fp8_q", "input_amax_history"))
+    # amax_rtol: the losses drift up to ~8e-4 apart over the 10 steps (an FP8 rounding flip of a sharded sum),
+    # and an activation's amax follows them: at LLVM -O0 (the suite's) entries differed by up to 2.6 % (fsdp_tp),
+    # 2.1 % (pp_fsdp); a history that missed steps or took another tensor's amax is off by far more
     if amax_at_least:  # idle pipeline ticks add candidates to the max: never a smaller amax
-        assert np.all(a >= b * (1 - 2e-2)), (a, b)
+        assert np.all(a >= b * (1 - amax_rtol)), (a, b)
     else:
-        # rtol 5e-2: the losses drift ~5e-4 apart over the 10 steps (an FP8 rounding flip of a sharded sum), and
-        # an activation's amax follows them; at LLVM -O0 (the suite's) one entry differed by 2.6 %
-        np.testing.assert_allclose(a, b, rtol=5e-2)
+        np.testing.assert_allclose(a, b, rtol=amax_rtol)
 
 
 def test_fp8_fsdp_tp_matches_one_device():
@@ -190,7 +191,8 @@ def test_fp8_fsdp_ep_matches_one_device():
     """MoE: the experts' input and weights in e4m3, their output's gradient in e5m2. The parity tests'
     usual 16 x 64 tokens: an FP8 rounding that lands differently moves the f32 router's top-k for a
     token, and on 16 x 32 tokens one such token moved the loss by 1.1e-3 at step 3 (steps 1-2 equal)."""
-    _check_parity("fsdp_ep", "tiny-moe", seq=64)
+    # a routing flip moves later activations more: one entry of 32 differed by 5.9 % at step 11 (-O0)
+    _check_parity("fsdp_ep", "tiny-moe", seq=64, amax_rtol=0.1)
 
 
 # -- SIGKILL + resume ---------------------------------------------------------------------------

@@ -94,5 +94,9 @@ def test_init_keeps_f32_master_precision():
     bf16 = mt.make_plan(tiny_abstract(), recipe.with_options(param_dtype="bfloat16"), mesh)
     a, b = mt.init_state(f32, seed=3), mt.init_state(bf16, seed=3)
     for path in ("embedding_vd", "lm_head_dv"):
-        np.testing.assert_array_equal(np.asarray(b.opt_state.master[path]), np.asarray(a.params[path]))
-        np.testing.assert_array_equal(np.asarray(b.params[path]), np.asarray(a.params[path].astype(jnp.bfloat16)))
+        master, init = np.asarray(b.opt_state.master[path]), np.asarray(a.params[path])
+        # the f32 init, not its bf16 rounding (relative error up to ~4e-3): two programs (f32 and bf16 outputs)
+        # may differ in the last bit of an f32 value (seen at the suite's LLVM -O0: 6e-8 absolute at most)
+        np.testing.assert_allclose(master, init, rtol=1e-6, atol=1e-7)
+        assert np.abs(master - init.astype(jnp.bfloat16).astype(np.float32)).max() > 1e-4
+        np.testing.assert_array_equal(np.asarray(b.params[path]), master.astype(jnp.bfloat16))  # params: its cast
