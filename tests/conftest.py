@@ -18,11 +18,11 @@ import tempfile
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("XLA_FLAGS", "")
-from processes import TEST_XLA_FLAGS, with_test_xla_flags  # noqa: E402  (tests/ is on sys.path)
+from processes import with_test_xla_flags  # noqa: E402  (tests/ is on sys.path)
 
 # The suite's programs compile at LLVM -O0 (processes.TEST_XLA_FLAGS says why and how to turn it off);
 # set before JAX starts its backend, and inherited by every child a test starts.
-os.environ["XLA_FLAGS"] = with_test_xla_flags(dict(os.environ))["XLA_FLAGS"] if TEST_XLA_FLAGS else os.environ["XLA_FLAGS"]
+os.environ["XLA_FLAGS"] = with_test_xla_flags(dict(os.environ))["XLA_FLAGS"]
 _OWN_CACHE = None
 if "PYTEST_XDIST_WORKER" not in os.environ and "MESHTRAIN_TEST_CACHE" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="meshtrain-tests-jax-cache-")
