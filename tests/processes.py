@@ -41,6 +41,11 @@ DEFAULT_TIMEOUT_S = 600
 #: ``MESHTRAIN_TEST_XLA_OPT=default`` leaves XLA's own level (what a user's run compiles with).
 TEST_XLA_FLAGS = "" if os.environ.get("MESHTRAIN_TEST_XLA_OPT") == "default" else "--xla_backend_optimization_level=0"
 
+#: For a child that mostly runs steps rather than compiling them (the main job's 25 `small` steps):
+#: XLA's own LLVM level. There -O0 costs more CPU than it saves (main job: 51-54 user s at -O0, 36-38
+#: at -O3, 34 at -O1; a tiny pp_fsdp run of 3 steps: 11.8 at -O0, 16.6 at -O3).
+RUNS_MORE_THAN_COMPILES = "--xla_backend_optimization_level=3"
+
 
 def with_test_xla_flags(env: Optional[dict]) -> Optional[dict]:
     """``env`` with :data:`TEST_XLA_FLAGS` in its ``XLA_FLAGS`` (``None``: the inherited environment, which
