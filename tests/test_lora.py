@@ -128,3 +128,41 @@ def test_bad_target_and_too_large_rank_are_typed_errors():
         LoRAConfig(rank=4, targets=("attn/w[q",))
     with pytest.raises(ConfigError, match="is not a matrix"):
         lora_abstract(LoRAConfig(rank=1, targets=("final_norm",)))
+
+
+def test_merged_export_is_base_plus_scaled_product_and_peft_layout(tmp_path):
+    from safetensors.numpy import load_file
+
+    from meshtrain.hf.peft import merge_lora, write_peft_adapters
+    from meshtrain.hf.weights import hf_tensors
+
+    abstract = lora_abstract()
+    recipe, mesh = mesh_for("fsdp")
+    _, _, state, _ = train(recipe, mesh, abstract, steps=2)  # B moved off zero
+    params = {k: np.asarray(v) for k, v in _flat(state.params).items()}
+    model_state = {k: np.asarray(v) for k, v in _flat(state.model_state).items() if k in abstract.frozen_paths}
+    merged = merge_lora(params, model_state, LORA)
+    cfg = mt.models.get_config("tiny")
+    base_hf = dict(hf_tensors(cfg, {**{k: v for k, v in model_state.items() if not k.endswith("/base")},
+                                    **{k[:-5]: v for k, v in model_state.items() if k.endswith("/base")}}))
+    merged_hf = dict(hf_tensors(cfg, merged))
+    out = tmp_path / "adapter"
+    write_peft_adapters(cfg, params, LORA, str(out), base_model="runs/base")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    assert sorted(config["target_modules"]) == ["down_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
+    peft = load_file(str(out / "adapter_model.safetensors"))
+    a = peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    assert a.shape == (4, 64) and peft["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
+    # HF's layout: merged W (out, in) = base + (alpha / r) · lora_B @ lora_A, exactly in f32 (one rounding)
+    changed = 0
+    for name, w in merged_hf.items():
+        stem = "base_model.model." + name[:-len(".weight")]
+        if stem + ".lora_A.weight" not in peft:
+            assert np.array_equal(w, base_hf[name]), name  # not a target: the base, untouched
+            continue
+        want = (base_hf[name].astype(np.float64) + (8.0 / 4) * (peft[stem + ".lora_B.weight"].astype(np.float64)
+                                                                @ peft[stem + ".lora_A.weight"].astype(np.float64)))
+        assert np.array_equal(w, want.astype(np.float32)), name
+        changed += not np.array_equal(w, base_hf[name])
+    assert changed == 10  # q, k, v, o, down on both layers
