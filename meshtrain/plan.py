@@ -484,8 +484,9 @@ def _replication_guard(plan: ShardingPlan) -> None:
             continue
         # small tensors (norms, biases, a tiny model's position table) are not what the guard is for, nor
         # head weights that tensor parallelism keeps whole because their count does not divide (plan.heads)
+        # LoRA adapters (a ``lora_rank`` axis) are small by design: one kept whole under fsdp is not a bug
         repl = [l for l in plan.replicated(group) if l.bytes_total >= REPLICATION_FLOOR_BYTES
-                and not (plan.heads and _whole_heads(l))]
+                and not (plan.heads and _whole_heads(l)) and "lora_rank" not in l.logical_axes]
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
             top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])
