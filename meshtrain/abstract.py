@@ -13,20 +13,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshtrain.annotate import ModelRules, PathRules
+from meshtrain.annotate import ModelRules, PathRules, current_step_context
 from meshtrain.axes import LogicalAxes
 from meshtrain.errors import RulesError
 from meshtrain.precision import has_master_weights, master_weights
 
 #: A model factory: takes ``nnx.Rngs`` and returns the model. ``lambda rngs: MyModel(cfg, rngs=rngs)``.
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+class FrozenParam(nnx.Variable):
+    """A weight that is planned and sharded like a parameter (its ``out_sharding`` names go through the
+    parameter rules) but never trained: no gradient, no optimizer state. LoRA keeps the base model's
+    weights in it (:mod:`meshtrain.models.lora`); the step carries it as model state, unchanged.
+
+    Read inside a step (``w[...]``), a floating weight comes in the recipe's compute dtype, as the step casts
+    the parameters: a bf16-stored base under an f32 step computes in f32, an f32 base under a bf16 step in bf16."""
+
+    def __getitem__(self, index):
+        value = super().__getitem__(index)
+        ctx = current_step_context()
+        compute = getattr(getattr(ctx, "resolved", None), "compute_dtype", None)
+        if compute is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            return value.astype(compute)
+        return value
 
 
 def path_str(keypath) -> str:
@@ -82,6 +99,9 @@ class AbstractState:
     #: ``{path: names given}`` for parameters named with fewer logical names than dimensions (the
     #: trailing dimensions were padded with ``None``: unsharded, as JAX and Flax read a short spec)
     short_axes: Dict[str, int] = dataclasses.field(default_factory=dict)
+    #: paths of the model state that are frozen weights (:class:`FrozenParam`: LoRA's base); the plan
+    #: counts their bytes as ``base``
+    frozen_paths: FrozenSet[str] = frozenset()
 
     # The flattened structures make_plan walks for every recipe and mesh (the planner plans one
     # abstract state many times): computed once per (immutable) state, dropped with it.
@@ -299,5 +319,7 @@ def abstract_state(factory: ModelFactory, tx: Optional[optax.GradientTransformat
         state_axes[info.path] = info.names + (None,) * (len(info.shape) - len(info.names))  # trailing: unsharded
     _, params, rest = split_model(model)
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else None
+    frozen = frozenset(path_str(k) for k, v in jax.tree_util.tree_flatten_with_path(
+        rest_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0] if isinstance(v, FrozenParam))
     return AbstractState(graphdef, params, axes, rest, opt_state, factory, tx, state_axes,
-                         rules.logical if rules is not None else (), short)
+                         rules.logical if rules is not None else (), short, frozen)

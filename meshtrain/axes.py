@@ -35,6 +35,7 @@ LOGICAL_AXES = {
     "expert": "mixture-of-experts experts",
     "layers": "stacked (scanned) layers",
     "stage": "pipeline stages",
+    "lora_rank": "a LoRA adapter's rank (never sharded: r is small)",
 }
 
 

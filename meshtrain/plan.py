@@ -148,15 +148,20 @@ class ShardingPlan:
 
     def per_device_bytes(self) -> Dict[str, int]:
         """Bytes each device holds: ``params``, ``optimizer``, ``batch``, ``model_state`` (only when
-        the model has non-parameter variables) and ``total`` (the state: all but ``batch``). With
+        the model has non-parameter variables), ``base`` (LoRA's frozen weights, not in ``model_state``;
+        ``params`` are then the adapters) and ``total`` (the state: all but ``batch``). With
         ``offload="optimizer"`` the optimizer state's bytes move to ``optimizer_host`` (each device's
         share of host memory) and ``optimizer`` is 0."""
         sums = self._group_bytes
         groups = ("params", "optimizer", "batch") + (("model_state",) if self.group("model_state") else ())
         out = {g: sums.get(g, 0) for g in groups}
+        frozen = getattr(self.abstract, "frozen_paths", None)
+        if frozen:  # LoRA: the frozen base is model state; params and optimizer are the adapters'
+            out["base"] = sum(l.bytes_per_device for l in self.group("model_state") if l.path in frozen)
+            out["model_state"] -= out["base"]
         if self.recipe.offload is Offload.OPTIMIZER:  # in host memory: off the device's books
             out["optimizer_host"], out["optimizer"] = out["optimizer"], 0
-        out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0)
+        out["total"] = out["params"] + out["optimizer"] + out.get("model_state", 0) + out.get("base", 0)
         return out
 
     @functools.cached_property
@@ -479,8 +484,9 @@ def _replication_guard(plan: ShardingPlan) -> None:
             continue
         # small tensors (norms, biases, a tiny model's position table) are not what the guard is for, nor
         # head weights that tensor parallelism keeps whole because their count does not divide (plan.heads)
+        # LoRA adapters (a ``lora_rank`` axis) are small by design: one kept whole under fsdp is not a bug
         repl = [l for l in plan.replicated(group) if l.bytes_total >= REPLICATION_FLOOR_BYTES
-                and not (plan.heads and _whole_heads(l))]
+                and not (plan.heads and _whole_heads(l)) and "lora_rank" not in l.logical_axes]
         fraction = sum(l.bytes_total for l in repl) / total
         if fraction > plan.recipe.max_replicated_fraction:
             top = ", ".join(f"{l.path} {l.shape} {l.logical_axes} ({fmt_bytes(l.bytes_total)})" for l in repl[:5])

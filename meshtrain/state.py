@@ -60,14 +60,22 @@ def init_state(plan: ShardingPlan, seed: int = 0, params: Any = None) -> TrainSt
     Values do not depend on the mesh (JAX's partitionable threefry), so a 1-device and an
     8-device run of the same seed start from identical weights and identical RNG keys.
     ``params`` (a tree like the plan's, e.g. imported weights): start from these instead of the
-    factory's; the optimizer state is initialised from them (fine-tuning starts it fresh).
+    factory's; the optimizer state is initialised from them (fine-tuning starts it fresh). With LoRA
+    (the plan's factory has ``build_on``) ``params`` are the *base* model's: the adapters go on them.
     """
     a = plan.abstract
     if a.tx is None:
         raise ConfigError("init_state needs an optimizer: build the abstract state with abstract_state(factory, tx)")
 
+    # LoRA (meshtrain.models.lora.LoRAFactory): given weights are the base's; the adapters go on them
+    on_base = getattr(a.factory, "build_on", None)
+
     def _init(given):
-        _, built, model_state = split_model(_build(a.factory, seed))
+        if on_base is not None and given is not None:
+            _, built, model_state = split_model(_build(lambda rngs: on_base(rngs, given), seed))
+            given = None
+        else:
+            _, built, model_state = split_model(_build(a.factory, seed))
         if given is not None:
             built = jax.tree.map(lambda x: x.astype(jnp.float32), given)
         params = jax.tree.map(lambda x, target: x.astype(target.dtype), built, a.params)

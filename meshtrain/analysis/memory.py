@@ -325,7 +325,8 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
                 f"without its policy (what the backward holds while it recomputes that segment), counted as the "
                 f"step's residuals, {EXTRAPOLATED}: ÷{t} (tensor) where split" if cost.recompute else "")
              + "; XLA's other working buffers not included"),
-            (Component.OTHER, per.get("model_state", 0), f"{EXACT}: model state (plan)"))
+            (Component.OTHER, per.get("model_state", 0) + per.get("base", 0),
+             f"{EXACT}: model state" + (" and LoRA's frozen base" if "base" in per else "") + " (plan)"))
     return _of_rows(rows, cost.source)
 
 
@@ -354,7 +355,7 @@ def state_memory(plan) -> MemoryEstimate:
             (Component.GRADIENTS, gradient_bytes(plan), GRAD_FORMULA),
             (Component.OPTIMIZER, per["optimizer"], OPTIMIZER_FORMULA),
             (Component.BATCH, per["batch"], BATCH_FORMULA),
-            (Component.OTHER, per.get("model_state", 0), "model state (plan)"))
+            (Component.OTHER, per.get("model_state", 0) + per.get("base", 0), "model state (plan)"))
     return _of_rows(rows, STATE_ONLY)
 
 

@@ -60,6 +60,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.mesh import MeshSpec
 from meshtrain.model_source import FACTORY_CONTRACT, LOSS_CONTRACT, check_arity, load_ref, model_source
 from meshtrain.models import BertConfig, DecoderConfig, ViTConfig
+from meshtrain.models.lora import lora_factory
 from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
@@ -118,7 +119,8 @@ def add_parser(sub):
 #: The run configuration's settings that ``plan`` has flags for (generated), and those that feed its own
 #: flags of the same name when given (``--batch-size``, ``--seq-len``: else the plan's defaults, the
 #: data-parallel size and the model's maximum; ``--hardware``: else cpu).
-PLAN_FLAG_KEYS = ("model.name", "model.rules", "recipe.name", "recipe.mesh")
+PLAN_FLAG_KEYS = ("model.name", "model.rules", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
+                  "model.lora_base", "recipe.name", "recipe.mesh")
 PLAN_OWN_KEYS = ("data.batch_size", "data.seq_len", "monitor.hardware")
 LIST_PARAMS_HELP = ("print every parameter's path, shape, dtype and logical names (with --rules: as the rules give "
                     "them), then the model state's (batch statistics, RNG streams), and stop; write path rules "
@@ -262,12 +264,15 @@ class ModelChoice:
     loss_fn: Optional[Callable]
     #: ``--rules``: path rules and logical mappings for the model (``None``: none given)
     rules: Optional[ModelRules] = None
+    #: LoRA adapters on the model (``--lora-rank``): the estimates come from the traced step, whose
+    #: gradients and optimizer state are the adapters' (the analytic formulas assume every weight trains)
+    lora: bool = False
 
     @property
     def analytic(self) -> bool:
         from meshtrain.analysis.compiled import has_analytic_model  # lazy: analysis (~50 ms) off the CLI's path
 
-        return has_analytic_model(self.cfg)
+        return has_analytic_model(self.cfg) and not self.lora
 
 
 def resolve_model(args) -> ModelChoice:
@@ -280,8 +285,11 @@ def resolve_model(args) -> ModelChoice:
         check_arity(loss_fn, loss, "--loss", 2, LOSS_CONTRACT)
     else:
         loss_fn = None  # a built-in model's own loss, once the batch is known (analysis.compiled.default_loss)
-    return ModelChoice(args.model, source.config, source.factory(), loss_fn,
-                       ModelRules.load(getattr(args, "rules", None)))
+    lora = TrainConfig(lora_rank=getattr(args, "lora_rank", 0) or 0, lora_alpha=float(getattr(args, "lora_alpha", 16.0)),
+                       lora_targets=getattr(args, "lora_targets", "q,k,v,o"),
+                       lora_base=getattr(args, "lora_base", "param")).lora_config()
+    return ModelChoice(args.model, source.config, lora_factory(source.factory(), lora), loss_fn,
+                       ModelRules.load(getattr(args, "rules", None)), lora is not None)
 
 
 _ENTRY = re.compile(r"^(?P<name>[A-Za-z_][\w/.-]*)=(?P<dims>[0-9]+(?:x[0-9]+)*)(?::(?P<dtype>[A-Za-z0-9_]+))?"
@@ -487,9 +495,14 @@ def run(args) -> int:
         plan, _ = build(args, choice)
         warn_dcn(plan, args)
         extra = {} if choice.analytic else {"loss_fn": choice.loss_fn, "model_name": choice.name}
+        cfg = choice.cfg
+        if choice.lora:  # the traced step of the model with adapters, with the decoder's own loss
+            from meshtrain.analysis.compiled import default_loss  # lazy: analysis (~50 ms) off the CLI's path
+
+            cfg, extra["loss_fn"] = None, choice.loss_fn or default_loss(choice.cfg, plan)
         try:
-            out = (report.single_dict(plan, choice.cfg, args, **extra) if args.json
-                   else report.single_text(plan, choice.cfg, args, **extra) + "\n" + _recipe_line(plan.recipe))
+            out = (report.single_dict(plan, cfg, args, **extra) if args.json
+                   else report.single_text(plan, cfg, args, **extra) + "\n" + _recipe_line(plan.recipe))
         except MeshtrainError:
             raise
         except Exception as exc:  # noqa: BLE001 - user code (model or loss) failed while the step was traced

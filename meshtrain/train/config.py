@@ -107,6 +107,16 @@ class TrainConfig:
     init_from: Optional[str] = setting(None, "a HuggingFace model folder (config.json + *.safetensors) or a run "
                                        "folder: start from its weights (a run's latest checkpoint); the optimizer "
                                        "starts fresh (default: the model's own initialisation from --seed)")
+    # LoRA (meshtrain.models.lora): adapters on chosen weights, the rest frozen
+    lora_rank: int = setting(0, "LoRA: adapters of this rank on the --lora-targets weights, every other weight "
+                             "frozen (no gradient, no optimizer state); 0: no LoRA, every weight trains", minimum=0)
+    lora_alpha: float = setting(16.0, "LoRA: the adapters' update is scaled by alpha / rank")
+    lora_targets: str = setting("q,k,v,o", "LoRA: comma-separated weights to adapt: short names q,k,v,o,gate,up,"
+                                "down,head (built-in decoders) or regexes of parameter paths (`meshtrain plan "
+                                "--list-params` prints them), e.g. 'attn/w[qv]'")
+    lora_base: str = setting("param", "LoRA: how the frozen base weights are kept: param (the recipe's "
+                             "parameter dtype), bfloat16, or int8 (targets quantised per output channel, the rest "
+                             "bf16: QLoRA-style)", choices=("param", "bfloat16", "int8"))
     # Data
     data: Optional[str] = setting(None, "text file/folder or .npy/.bin token file (default: the embedded corpus, "
                                   "this Python's standard library)")
@@ -201,6 +211,16 @@ class TrainConfig:
         from meshtrain.annotate import ModelRules  # lazy: on use, the configuration loads without JAX
 
         ModelRules.load(self.rules)  # a bad rules file fails here, naming the file and the key
+        self.lora_config()  # a bad alpha or target pattern fails here, naming the flag
+
+    def lora_config(self):
+        """The run's :class:`~meshtrain.models.lora.LoRAConfig`, or ``None`` when ``lora_rank`` is 0."""
+        if not self.lora_rank:
+            return None
+        from meshtrain.models.lora import LoRAConfig  # lazy: on use, the configuration loads without JAX
+
+        targets = tuple(t.strip() for t in str(self.lora_targets).split(",") if t.strip())
+        return LoRAConfig(self.lora_rank, float(self.lora_alpha), targets, self.lora_base)
 
     @property
     def optimizer_defaults(self) -> OptimizerDefaults:

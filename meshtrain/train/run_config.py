@@ -40,7 +40,7 @@ from meshtrain.train.config import TrainConfig
 
 #: The training sections: ``(section, ((key, TrainConfig field), ...))``; a bare name is both.
 TRAIN_SECTIONS: Tuple[Tuple[str, Tuple[Any, ...]], ...] = (
-    ("model", (("name", "model"), "init_from", "rules")),
+    ("model", (("name", "model"), "init_from", "rules", "lora_rank", "lora_alpha", "lora_targets", "lora_base")),
     ("data", (("path", "data"), "batch_size", "seq_len", "seed", "val_fraction")),
     ("recipe", (("name", "recipe"), "mesh")),
     ("optimizer", ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "b1", "b2", "clip_norm")),

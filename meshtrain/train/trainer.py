@@ -31,6 +31,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshSpec, hybrid_layout, select_devices
 from meshtrain.models import DecoderConfig
 from meshtrain.models.flops import model_flops_per_token
+from meshtrain.models.lora import lora_factory
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
 from meshtrain.state import init_state
@@ -123,7 +124,8 @@ class Trainer:
         self.memory_estimate = memory_estimate
         given = [ModelRules.load(r) for r in (rules, config.rules, path_rules) if r is not None]
         self.path_rules = functools.reduce(ModelRules.combined, given) if given else None  # first ones win
-        self.factory, self.tx, self.loss_fn = task.factory, tx, task.loss_fn
+        # LoRA: the task's model with adapters on the targets, every other weight frozen (model state)
+        self.factory, self.tx, self.loss_fn = lora_factory(task.factory, config.lora_config()), tx, task.loss_fn
         self.model_cfg = task.model_cfg if isinstance(task.model_cfg, DecoderConfig) else None
         self.run_dir = config.out or _default_run_dir(config)
         self.is_main = jax.process_index() == 0
@@ -317,11 +319,20 @@ class Trainer:
                 "batch_size": self.cfg.batch_size, "seq_len": self.cfg.seq_len,
                 "num_params": plan.abstract.num_params}
 
+    def _base_plan(self, plan: ShardingPlan) -> ShardingPlan:
+        """The plan of the model without adapters (LoRA: ``--init-from`` reads the base's weights onto it)."""
+        base = getattr(self.factory, "base", None)
+        if base is None:
+            return plan
+        return make_plan(abstract_state(fp8.recipe_factory(base, plan.recipe), annotations=self.path_rules),
+                         plan.recipe, plan.mesh, check=False)
+
     def _initial_state(self, plan: ShardingPlan, ckpt: Optional[Checkpointer], data):
         """(state, start step, restart record or None)."""
         cfg = self.cfg
         if ckpt is None or cfg.resume is not Resume.LATEST or ckpt.latest_valid_step() is None:
-            params = initial_params(cfg.init_from, plan, self.task.model_cfg, self._notice) if cfg.init_from else None
+            params = initial_params(cfg.init_from, self._base_plan(plan), self.task.model_cfg,
+                                    self._notice) if cfg.init_from else None
             return init_state(plan, seed=cfg.seed, params=params), 0, None
         restored = ckpt.restore(plan)
         if data.restore(restored.data_state) is False:
