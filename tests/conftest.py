@@ -78,6 +78,32 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowest_first)   # stable: a file's tests keep their order (module fixtures, parameters)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``MESHTRAIN_TEST_CPU_LOG=FILE``: one JSON line per test with its wall seconds and the CPU seconds
+    of this worker and of the children it waited for (setup, call and teardown together), so that
+    ``tools/suite_profile.py FILE`` can tell compiling and running from waiting."""
+    log = os.environ.get("MESHTRAIN_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    wall0, (own0, kids0) = time.monotonic(), cpu()
+    yield
+    own1, kids1 = cpu()
+    line = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall0, 3), "cpu_s": round(own1 - own0, 3),
+            "children_cpu_s": round(kids1 - kids0, 3), "slow": item.get_closest_marker("slow") is not None}
+    with open(log, "a") as f:   # one short line per write: workers append without interleaving
+        f.write(json.dumps(line) + "\n")
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/*.json from the code")
 

@@ -99,3 +99,19 @@ def test_compiler_check_lists_its_cases_and_needs_libtpu_only_to_compile():
         assert "libtpu is not installed" in ran.stdout
     else:
         assert "MiB" in ran.stdout
+
+
+def test_suite_profile_splits_cpu_from_waiting(tmp_path):
+    """tools/suite_profile.py reads conftest's MESHTRAIN_TEST_CPU_LOG lines: per-file CPU and the most idle tests."""
+    log = tmp_path / "cpu.jsonl"
+    rows = [{"test": "tests/test_a.py::t1", "wall_s": 10.0, "cpu_s": 1.0, "children_cpu_s": 8.0, "slow": False},
+            {"test": "tests/test_b.py::t2", "wall_s": 40.0, "cpu_s": 0.5, "children_cpu_s": 1.5, "slow": True}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "suite_profile.py"), str(log)],
+                        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "2 tests: 50 s of test wall time, 11 CPU s" in out.stdout and "22 % busy" in out.stdout
+    files = [line for line in out.stdout.split("most waiting")[0].splitlines() if line]
+    assert [line.split()[-1] for line in files[2:]] == ["tests/test_a.py", "tests/test_b.py"]
+    idle = out.stdout.split("most waiting")[1].splitlines()
+    assert idle[2].split() == ["38.0", "40.0", "tests/test_b.py::t2"]
