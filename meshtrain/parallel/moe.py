@@ -22,6 +22,10 @@ mesh axes of size > 1, :func:`experts` runs inside ``jax.shard_map`` and exchang
   local assignment for each destination (``ep × local assignments`` rows sent), so nothing drops;
   :func:`dropless_exchange` says which, and the plan states it.
 
+With ``Expert(all_to_all=hierarchical)`` over an expert axis that spans slices (ICI × DCN) the exchange runs in two
+levels, inside each slice then across slices, and under tensor parallelism each tensor rank moves its share of the
+width (PCC): :mod:`meshtrain.parallel.moe_exchange` (dropless runs the padded exchange there on every platform).
+
 Expert weights keep FSDP/TP rules elsewhere: before the exchange they are gathered on ``embed``
 (FSDP) and stay split on ``mlp`` over tensor axes (a ``psum`` after the down projection).
 
