@@ -32,7 +32,7 @@ from meshtrain.analysis.steptime import estimate_step_time
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.moe_exchange import ExpertExchange, exchange
 from meshtrain.parallel.resolved import resolve_step
-from meshtrain.strategies import AllToAll
+from meshtrain.strategies import AllToAll, Expert
 
 from helpers import put, rel_diff, tiny_abstract, token_batch
 
@@ -107,6 +107,19 @@ def test_cli_refuses_hierarchical_without_dcn_and_plans_it_with_dcn(tmp_path):
     assert re.search(r"expert \(dcn\)\s+slow", out.stdout) and re.search(r"expert \(ici\)\s+fast", out.stdout)
     assert "hierarchical: all-to-all inside each of 2 slices" in out.stdout
     assert "bytes ÷2.00, messages ÷2.00; this plan: hierarchical" in out.stdout
+
+
+def test_the_option_is_one_setting_for_python_yaml_set_and_the_flag():
+    from meshtrain.train.run_config import RunConfig
+
+    recipe = mt.get_recipe("fsdp_tp_ep").with_options(all_to_all="hierarchical")
+    assert recipe.dimension(Expert).all_to_all is AllToAll.HIERARCHICAL
+    from_file = mt.get_recipe(os.path.join(ROOT, "recipes", "fsdp_tp_ep_2slices.yaml"))
+    assert from_file.dimension(Expert).all_to_all is AllToAll.HIERARCHICAL and dict(from_file.mesh.dcn) == {"expert": 2}
+    cfg = RunConfig().with_values({"recipe.name": "fsdp_tp_ep", "recipe.options.all_to_all": "hierarchical"})
+    assert ("all_to_all", "hierarchical") in cfg.train_config().recipe_options
+    with pytest.raises(ConfigError, match="all_to_all='sideways': use one of"):
+        cfg.with_values({"recipe.options.all_to_all": "sideways"})
 
 
 # -- the planner alone ---------------------------------------------------------------------------------------------
