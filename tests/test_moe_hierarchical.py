@@ -208,23 +208,29 @@ def test_compiled_levels_and_dcn_bytes_match_the_planner(name, capacity_factor):
 # -- XLA:TPU, two slices (needs libtpu) ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_tpu_two_slice_compile_has_an_ici_all_to_all_and_a_per_slice_pair_dcn_transfer():
+@pytest.mark.parametrize("name", ["fsdp_ep", "fsdp_tp_ep"])
+def test_tpu_two_slice_compile_has_an_ici_all_to_all_and_a_per_slice_pair_dcn_transfer(name):
     pytest.importorskip("libtpu")
     from jax.experimental import topologies
 
-    devices = list(topologies.get_topology_desc("v5e:2x2", "tpu", num_slices=2).devices)
-    targets = {}
-    for form in ("flat", "hierarchical"):
-        plan = _plan("fsdp_ep", form, 1.25, devices=devices)
-        from meshtrain.analysis.compiled import step_inputs
+    from meshtrain.analysis.collectives import _type_bytes
+    from meshtrain.analysis.compiled import step_inputs
 
+    devices = list(topologies.get_topology_desc("v5e:2x2", "tpu", num_slices=2).devices)
+    groups, sent = {}, {}
+    for form in ("flat", "hierarchical"):
+        plan = _plan(name, form, 1.25, devices=devices)
         state, batch = step_inputs(plan)
         text = mt.make_train_step(plan).lower(state, batch).compile().as_text()
         # XLA:TPU compiles one slice's program: a cross-slice exchange becomes a megascale (DCN) ALL_TO_ALL transfer
-        targets[form] = {len(re.findall(r"\d+", g)) for line in text.splitlines() if " send(" in line
-                         and 'transfer_type="ALL_TO_ALL"' in line
-                         for g in re.findall(r"\{([\d,]+)\}", re.search(r"_xla_megascale_target=(\{\{.*?\}\})",
-                                                                           line).group(1))}
+        # (a host-transfer `send` whose target lists the device ids of each group)
+        dcn = [line for line in text.splitlines() if " send(" in line and 'transfer_type="ALL_TO_ALL"' in line]
+        groups[form] = {len(re.findall(r"\d+", g)) for line in dcn
+                        for g in re.findall(r"\{([\d,]+)\}", re.search(r"_xla_megascale_target=(\{\{.*?\}\})",
+                                                                         line).group(1))}
+        sent[form] = sum(_type_bytes(line.split(" send(")[0].split("=", 1)[1].split(", u32")[0])[0] for line in dcn)
         inside = [c for c in hlo_collectives(text) if c.kind == "all-to-all"]
-        assert bool(inside) == (form == "hierarchical"), form
-    assert targets == {"flat": {4}, "hierarchical": {2}}  # flat: 2 devices of each slice; hierarchical: 1 of each
+        assert bool(inside) == (form == "hierarchical") and all(c.group_size == 2 for c in inside), form
+    assert groups == {"flat": {4}, "hierarchical": {2}}  # flat: 2 devices of each slice; hierarchical: 1 of each
+    # bytes handed to the DCN transfers: the tensor ranks' shares (PCC) halve them under fsdp_tp_ep
+    assert sent["flat"] == sent["hierarchical"] * (2 if name == "fsdp_tp_ep" else 1)
