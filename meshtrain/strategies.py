@@ -2,7 +2,7 @@
 rules and its options; registered by kind, composed into recipes.
 
     DataParallel()  FSDP()  ZeRO(stage=1|2)  HSDP()  Tensor(sequence_parallel=False)
-    Context(kind=ring, load_balance=zigzag, flash_backend=auto)  Expert()
+    Context(kind=ring, load_balance=zigzag, flash_backend=auto)  Expert(all_to_all=flat)
     Pipeline(schedule=gpipe, micro_batches=4, repeats=1)
 
 Composition is strict: two strategies claiming one mesh axis is an error, a strategy whose requirements
@@ -88,6 +88,21 @@ class FlashBackend(str, enum.Enum):
     XLA = "xla"
     CUDNN = "cudnn"
     SPLASH = "splash"
+
+
+class AllToAll(str, enum.Enum):
+    """How expert parallelism exchanges tokens (:mod:`meshtrain.parallel.moe_exchange`).
+
+    * ``flat``: one all-to-all over the whole ``expert`` axis (every device sends to every other);
+    * ``hierarchical``: for an ``expert`` axis that spans slices/nodes (ICI × DCN), an all-to-all inside each
+      slice first, then one across slices, so each device sends one message per remote slice instead of one
+      per remote device (Tutel); with tensor parallelism each tensor rank moves only its ``1/tensor`` share of
+      the hidden width and the ranks all-gather after (PCC), so DCN carries ``1/tensor`` of the bytes.
+      Refused where the expert axis does not cross DCN.
+    """
+
+    FLAT = "flat"
+    HIERARCHICAL = "hierarchical"
 
 
 class Schedule(str, enum.Enum):
@@ -428,6 +443,9 @@ class Expert(Strategy):
                                   "dimension, batch split over `expert` too; tokens reach their experts by all-to-all "
                                   "(meshtrain.parallel.moe)")
     claims: ClassVar[Tuple[str, ...]] = ("expert",)
+    all_to_all: AllToAll = setting(AllToAll.FLAT, "token exchange over `expert`: flat (one all-to-all) or "
+                                   "hierarchical (inside each slice, then across slices; needs an expert axis "
+                                   "that spans DCN)")
 
     def rules(self) -> AxisRules:
         return AxisRules.of(params={"expert": "expert"}, activations={"batch": "expert"})

@@ -58,10 +58,11 @@ import numpy as np
 
 from meshtrain.analysis.collectives import axes_key, wire_bytes
 from meshtrain.analysis.context_comms import context_collectives
+from meshtrain.analysis.exchange import exchange_levels
 from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.moe import capacity_for
-from meshtrain.parallel.resolved import batch_splits
+from meshtrain.parallel.resolved import batch_splits, resolve_step
 from meshtrain.recipes import Remat
 
 
@@ -98,6 +99,9 @@ class CollectiveEstimate:
     what: str
     overlap: Overlap = Overlap.HIDDEN
     phase: Phase = Phase.BACKWARD
+    #: which links carry it when not its axes' (the hierarchical expert exchange's levels, both over `expert`):
+    #: ``"ici"`` inside a slice, ``"dcn"`` across slices; ``""``: its axes' links
+    span: str = ""
 
     @property
     def bytes_per_step(self) -> float:
@@ -110,7 +114,7 @@ class CollectiveEstimate:
     def to_dict(self) -> Dict[str, object]:
         return {"kind": self.kind, "axes": list(self.axes), "bytes": self.bytes, "executions": self.executions,
                 "group_size": self.group_size, "what": self.what, "overlap": self.overlap.value,
-                "phase": self.phase.value}
+                "phase": self.phase.value, **({"span": self.span} if self.span else {})}
 
 
 def batch_dims(plan) -> Tuple[int, int]:
@@ -142,11 +146,11 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
     m = lay.micro_batches
     out: List[CollectiveEstimate] = []
 
-    def add(kind, axes, nbytes, executions, what, overlap=Overlap.HIDDEN, phase=Phase.BACKWARD):
+    def add(kind, axes, nbytes, executions, what, overlap=Overlap.HIDDEN, phase=Phase.BACKWARD, group=None, span=""):
         axes = live(axes)
         if axes and executions and nbytes:
-            out.append(CollectiveEstimate(kind, axes, float(nbytes), int(executions), lay.size(axes), what, overlap,
-                                          phase))
+            out.append(CollectiveEstimate(kind, axes, float(nbytes), int(executions), group or lay.size(axes), what,
+                                          overlap, phase, span))
 
     def put(kind, axes, nbytes, executions, what, overlap=Overlap.HIDDEN, phase=Phase.BACKWARD):
         # ``add`` for axes already made live, with their group size: ``(axes, size)``
@@ -287,6 +291,11 @@ def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
     return tuple(out)
 
 
+def expert_exchange(plan):
+    """The plan's :class:`~meshtrain.parallel.moe_exchange.ExpertExchange` (flat or hierarchical; its resolved step's)."""
+    return cached(plan, "expert_exchange", lambda p: resolve_step(p).expert_exchange)
+
+
 def expert_axes(plan) -> Tuple[str, ...]:
     """Mesh axes (size > 1) that split the ``expert`` dimension of MoE weights under ``plan``."""
     return cached(plan, "expert_axes", _expert_axes, layout_only=True)
@@ -313,6 +322,7 @@ def moe_exchange_bytes(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Dic
     backend = Backend(backend)
     lay = layout_of(plan)
     ep = lay.size(expert_axes(plan))
+    ex = expert_exchange(plan)
     c = np.dtype(lay.compute_dtype).itemsize
     m = lay.micro_batches
     B, T = batch_dims(plan)
@@ -323,12 +333,15 @@ def moe_exchange_bytes(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Dic
     if cfg.capacity_factor is not None:
         per_op, kind, exchange, ids = b * E * capacity_for(cfg.capacity_factor, T, k, E) * d * c, "all-to-all", \
             "capacity (padded fixed-size all-to-all)", 0.0
-    elif backend is Backend.CPU:
-        per_op, kind, exchange, ids = ep * a * d * c, "all-to-all", "dropless, padded exchange (XLA:CPU has no " \
-            "ragged all-to-all; room for every local assignment per destination, nothing drops)", ep * a * 4.0
+    elif backend is Backend.CPU or ex.hierarchical:
+        why = "the two-level exchange is padded" if ex.hierarchical else "XLA:CPU has no ragged all-to-all"
+        per_op, kind, exchange, ids = ep * a * d * c, "all-to-all", f"dropless, padded exchange ({why}; " \
+            "room for every local assignment per destination, nothing drops)", ep * a * 4.0
     else:
         per_op, kind, exchange, ids = a * d * c, "ragged-all-to-all", "dropless, ragged_all_to_all", a * 4.0
     ops = (4 + recompute) * m
+    if ep > 1 and (ex.hierarchical or ex.slices > 1):
+        exchange += "; " + ex.describe()
     return {"ep": ep, "kind": kind, "exchange": exchange, "per_op": float(per_op), "ops_per_layer_step": ops,
             "ids_per_layer_step": ids * (1 + recompute // 2) * m,
             "per_layer_step": float(per_op) * ops + ids * (1 + recompute // 2) * m}
@@ -356,10 +369,22 @@ def _expert_parallel(plan, cfg, lay, backend, c, add) -> None:
     m = lay.micro_batches
     runs, rerun = layer_runs(plan, cfg)
     per = x["ops_per_layer_step"] // m
-    add(x["kind"], axes, x["per_op"], (per // 2) * runs, "MoE token dispatch + combine (forward)",
-        Overlap.EXPOSED, Phase.FORWARD)
-    add(x["kind"], axes, x["per_op"], (per - per // 2) * runs + 2 * rerun, "MoE token dispatch + combine (backward"
-        + (", 1f1b's recomputed stage forward)" if rerun else ")"), Overlap.EXPOSED, Phase.BACKWARD)
+    ex = expert_exchange(plan)
+    t = lay.tensor if ex.hierarchical else 1
+    for level in exchange_levels(ex, x["per_op"], t):
+        where = f" ({level.span}, {level.group} devices)" if level.span else ""
+        # the hierarchical levels share `expert`: their group and span say which links carry each (steptime)
+        add(x["kind"], axes, level.bytes, (per // 2) * runs, f"MoE token dispatch + combine{where} (forward)",
+            Overlap.EXPOSED, Phase.FORWARD, level.group, level.span)
+        add(x["kind"], axes, level.bytes, (per - per // 2) * runs + 2 * rerun, f"MoE token dispatch + combine{where} "
+            f"(backward" + (", 1f1b's recomputed stage forward)" if rerun else ")"), Overlap.EXPOSED, Phase.BACKWARD,
+            level.group, level.span)
+    if t > 1:  # PCC: the tensor ranks all-gather the received shares and reduce-scatter the experts' outputs
+        buf = x["per_op"]
+        add("all-gather", lay.tensor_axes, buf, 2 * runs, "MoE PCC: all-gather of the received token shares "
+            "(forward; the reduce-scatter's transpose in the backward)", Overlap.EXPOSED, Phase.FORWARD)
+        add("reduce-scatter", lay.tensor_axes, buf / t, 2 * runs, "MoE PCC: reduce-scatter of the experts' "
+            "outputs (forward; the all-gather's transpose in the backward)", Overlap.EXPOSED, Phase.BACKWARD)
     if x["ids_per_layer_step"]:
         add(x["kind"], axes, x["ids_per_layer_step"] / m, runs + rerun, "MoE expert ids (dropless exchange)",
             Overlap.EXPOSED, Phase.FORWARD)
@@ -476,8 +501,13 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
     if not sp:
         mlp_down = _moe_down_rows_bytes(plan, cfg, x) if getattr(cfg, "n_experts", 0) else x
         add("all-reduce", axes, x, runs, "TP forward all-reduce (attention out)", crit, fwd)
-        add("all-reduce", axes, mlp_down, runs, "TP forward all-reduce (MLP down" + (", on the experts' token buffer)"
-            if mlp_down != x else ")"), crit, fwd)
+        if getattr(cfg, "n_experts", 0) and expert_exchange(plan).hierarchical:
+            # PCC: the experts' partial sums are reduce-scattered before the exchange (_expert_parallel), and the
+            # combined output all-gathered over `tensor` (its transpose, a reduction, in the backward)
+            add("all-gather", axes, x, runs, "MoE PCC: all-gather of the combined output (forward)", crit, fwd)
+        else:
+            add("all-reduce", axes, mlp_down, runs, "TP forward all-reduce (MLP down" + (
+                ", on the experts' token buffer)" if mlp_down != x else ")"), crit, fwd)
         add("all-reduce", axes, x, (bwd_ar + recompute) * runs + fwd_again, "TP backward all-reduce (input gradients"
             + (", recomputed forward)" if recompute else ")"), crit, bwd)
     else:
@@ -505,11 +535,13 @@ def _tensor_parallel(plan, cfg, lay, backend, c, add) -> None:
         add("all-reduce", axes, b * T * 4, 3 * m, "vocab-parallel loss (max, sum, target logit)", crit, fwd)
 
 
-def per_axis_estimate(estimates: Sequence[CollectiveEstimate]) -> Dict[str, Dict[str, float]]:
-    """``{axes_key: {kind: bytes per step, "total": ...}}`` like :func:`collectives.per_axis`."""
+def per_axis_estimate(estimates: Sequence[CollectiveEstimate], *, by_span: bool = False) -> Dict[str, Dict[str, float]]:
+    """``{axes_key: {kind: bytes per step, "total": ...}}`` like :func:`collectives.per_axis`; ``by_span``: the
+    hierarchical expert exchange's levels under keys of their own, ``"expert (ici)"`` and ``"expert (dcn)"`` (the
+    step time's rows)."""
     out: Dict[str, Dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for e in estimates:
-        key = axes_key(e.axes)
+        key = axes_key(e.axes) + (f" ({e.span})" if by_span and e.span else "")
         out[key][e.kind] += e.bytes_per_step
         out[key]["total"] += e.bytes_per_step
     return {k: dict(v) for k, v in out.items()}

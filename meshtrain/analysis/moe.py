@@ -24,10 +24,12 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from meshtrain.analysis.comms import Backend, batch_dims, expert_axes, moe_exchange_bytes
+from meshtrain.analysis.comms import Backend, batch_dims, expert_axes, expert_exchange, moe_exchange_bytes
+from meshtrain.analysis.exchange import dcn_per_op
 from meshtrain.analysis.layout import cached, layout_of
 from meshtrain.parallel.moe import capacity_for
 from meshtrain.plan import fmt_bytes
+from meshtrain.strategies import AllToAll
 
 
 def moe_summary(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Optional[Dict[str, object]]:
@@ -48,7 +50,36 @@ def moe_summary(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Optional[D
         "exchange": x["exchange"] if x and x["ep"] > 1 else "none (experts not split over devices)",
         "all_to_all_bytes_per_op": x["per_op"] if x and x["ep"] > 1 else 0.0,
         "all_to_all_bytes_per_layer_step": x["per_layer_step"] if x and x["ep"] > 1 else 0.0,
+        "dcn": exchange_dcn(plan, cfg, backend) if x and x["ep"] > 1 else None,
     }
+
+
+def exchange_dcn(plan, cfg, backend: "Backend | str" = Backend.CPU) -> Optional[Dict[str, object]]:
+    """What the token exchange sends across DCN per layer per step, one device, for the plan's form and for the
+    other (:func:`meshtrain.analysis.exchange.dcn_per_op` × the exchange's all-to-alls per layer and step), and the
+    factors flat / hierarchical: ``bytes_factor`` = tensor ranks (PCC; 1 without tensor parallelism), for the same
+    buffer, ``messages_factor`` = expert devices per slice. ``None`` when the expert axes stay inside one slice.
+    Dropless on GPU/TPU: flat is ragged (the rows that exist), hierarchical padded (``ep ×`` the local
+    assignments), so there the factor can fall below 1."""
+    ex = expert_exchange(plan)
+    if ex.slices <= 1 or not ex.expert_axes:
+        return None
+    x = moe_exchange_bytes(plan, cfg, backend)
+    ops, t = x["ops_per_layer_step"], layout_of(plan).tensor
+    own = x["per_op"]
+    if cfg.capacity_factor is None and Backend(backend) is not Backend.CPU:  # flat ragged, hierarchical padded
+        padded = own if ex.hierarchical else own * ex.ep
+        per_op = {AllToAll.HIERARCHICAL: padded, AllToAll.FLAT: padded / ex.ep}
+    else:
+        per_op = {AllToAll.HIERARCHICAL: own, AllToAll.FLAT: own}
+    forms = {}
+    for kind in AllToAll:
+        one = dcn_per_op(dataclasses.replace(ex, kind=kind), per_op[kind], t)
+        forms[kind.value] = {"bytes": one["bytes"] * ops, "messages": one["messages"] * ops}
+    flat, hier = forms["flat"], forms["hierarchical"]
+    return {"all_to_all": ex.kind.value, "slices": ex.slices, "per_slice": ex.per_slice, "tensor": t, **forms,
+            "bytes_factor": flat["bytes"] / hier["bytes"] if hier["bytes"] else None,
+            "messages_factor": flat["messages"] / hier["messages"] if hier["messages"] else None}
 
 
 def moe_lines(summary: Optional[Dict[str, object]]) -> list:
@@ -63,7 +94,18 @@ def moe_lines(summary: Optional[Dict[str, object]]) -> list:
             f"  expert weights: {gib(s['expert_bytes_total'])} in all, {gib(s['expert_bytes_per_device'])} per "
             f"device (ep={s['ep']} over {'+'.join(s['expert_axes']) or 'no axis'})",
             f"  token exchange: {s['exchange']}; all-to-all {gib(s['all_to_all_bytes_per_layer_step'])} per layer "
-            f"per step ({gib(s['all_to_all_bytes_per_op'])} per op)"]
+            f"per step ({gib(s['all_to_all_bytes_per_op'])} per op)"] + _dcn_lines(s.get("dcn"), gib)
+
+
+def _dcn_lines(dcn, gib) -> list:
+    if not dcn:
+        return []
+    f, h = dcn["flat"], dcn["hierarchical"]
+    mine = dcn["all_to_all"]
+    return [f"  across DCN ({dcn['slices']} slices of {dcn['per_slice']} expert devices), per layer per step: "
+            f"flat {gib(f['bytes'])} in {f['messages']:.0f} messages, hierarchical {gib(h['bytes'])} in "
+            f"{h['messages']:.0f} (bytes ÷{dcn['bytes_factor']:.2f}, messages ÷{dcn['messages_factor']:.2f}; "
+            f"this plan: {mine}{'' if mine == 'hierarchical' else ', --all-to-all hierarchical for the other'})"]
 
 
 # ---- helpers for the memory and step-time estimates (analysis.memory, analysis.steptime) ----------

@@ -33,7 +33,7 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from meshtrain.abstract import abstract_state
-from meshtrain.analysis.comms import expert_axes
+from meshtrain.analysis.comms import expert_axes, expert_exchange
 from meshtrain.analysis.hardware import Hardware, get_hardware
 from meshtrain.analysis.layout import cached, layout_of, plan_variant
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
@@ -193,7 +193,9 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
     if ex and any(links.get(a) is Link.SLOW for a in ex):
         out.append(f"expert parallelism over {'×'.join(ex)}={lay.size(ex)} crosses the slow links of {hw.name}: "
                    f"every layer's token all-to-all (dispatch + combine, forward and backward) goes over them; keep "
-                   f"expert × inner axes ≤ {hw.fast_domain} and shard the rest with data/FSDP or a pipeline")
+                   f"expert × inner axes ≤ {hw.fast_domain} and shard the rest with data/FSDP or a pipeline"
+                   + ("" if expert_exchange(plan).hierarchical or expert_exchange(plan).slices <= 1 else
+                      ", or --all-to-all hierarchical (one DCN message per remote slice, tensor ranks' shares)"))
     if pipeline_shape(plan) is not None:
         bubble = bubble_warning(config_for(plan.recipe, plan.mesh_sizes))
         if bubble:

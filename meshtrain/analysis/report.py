@@ -240,7 +240,7 @@ def _pipeline(plan, cfg, backend):
 
 
 def _collective_rows(a) -> List[str]:
-    per = per_axis_estimate(a["ops"])
+    per = per_axis_estimate(a["ops"], by_span=True)
     kinds = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
     times = {t.axes: t for t in a["step"].axes} if a["step"] is not None else {}
     rows = [f"  {'axes':14s} {'link':5s} " + " ".join(f"{k:>15s}" for k in kinds[:3])

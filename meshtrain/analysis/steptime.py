@@ -20,8 +20,9 @@ Mixture of experts: ``model FLOPs`` count the *active* parameters (top-``k`` of 
 ones, :func:`meshtrain.models.flops.matmul_params`); executed FLOPs add the capacity padding
 (``E·C/T − k`` expert rows per token computed for nothing); the token all-to-all (dispatch +
 combine, forward and backward, :func:`meshtrain.analysis.comms.moe_exchange_bytes`) is on the
-critical path over the expert axes' links. Pipelines: executed FLOPs of the layer stack ×
-``1/(1 − bubble)`` (every stage computes on every tick with work; 1f1b also re-runs each stage's
+critical path over the expert axes' links (hierarchical: its level inside a slice on the fast links,
+its level across slices on the slow ones, rows ``expert (ici)`` / ``expert (dcn)``). Pipelines: executed
+FLOPs of the layer stack × ``1/(1 − bubble)`` (every stage computes on every tick with work; 1f1b also re-runs each stage's
 forward in its VJP) and the head on every stage (× ``p``); the per-layer collectives follow the
 ``m·L/(p·(1 − bubble))`` layer passes a device makes, and the stage hand-offs are critical-path
 collective-permutes over ``stage`` (:func:`meshtrain.analysis.comms.analytic_collectives`).
@@ -293,9 +294,11 @@ def _communication(ops, lay: PlanLayout, hw: Hardware, backend: Backend, compute
     seconds = []
     for op in ops:
         link = Link.SLOW if any(a in slow for a in op.axes) else Link.FAST
+        if op.span:  # a level of the hierarchical expert exchange: inside a slice (ICI) or across (DCN)
+            link = Link.SLOW if op.span == "dcn" else Link.FAST
         wire = op.wire_bytes_per_step
         sec = _seconds(op, wire, link, hw)  # collective_seconds(op, link, hw)
-        key = axes_key(op.axes)
+        key = axes_key(op.axes) + (f" ({op.span})" if op.span else "")
         row = per_axes[key]
         row[0] = link
         row[1] += wire

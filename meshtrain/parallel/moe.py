@@ -22,6 +22,10 @@ mesh axes of size > 1, :func:`experts` runs inside ``jax.shard_map`` and exchang
   local assignment for each destination (``ep × local assignments`` rows sent), so nothing drops;
   :func:`dropless_exchange` says which, and the plan states it.
 
+With ``Expert(all_to_all=hierarchical)`` over an expert axis that spans slices (ICI × DCN) the exchange runs in two
+levels, inside each slice then across slices, and under tensor parallelism each tensor rank moves its share of the
+width (PCC): :mod:`meshtrain.parallel.moe_exchange` (dropless runs the padded exchange there on every platform).
+
 Expert weights keep FSDP/TP rules elsewhere: before the exchange they are gathered on ``embed``
 (FSDP) and stay split on ``mlp`` over tensor axes (a ``psum`` after the down projection).
 
@@ -46,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtrain.annotate import current_step_context
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.flash import match_varying, varying_axes
+from meshtrain.parallel.moe_exchange import TokenExchange, active_exchange
 
 #: Keys of the per-layer router statistics (all f32 scalars).
 STAT_KEYS = ("aux_loss", "z_loss", "load_max", "drop_frac")
@@ -358,10 +363,17 @@ def _sharded(x_btd, r: Routing, w_gate_edf, w_up_edf, w_down_efd, capacity, lay:
                             for w in (w_gate_edf, w_up_edf))
     w_down_efd = jax.lax.with_sharding_constraint(w_down_efd, NamedSharding(mesh, P(*eout)))
     row = P(bspec, None, None)
+    # hierarchical (moe_exchange): two exchange levels, the tensor ranks' shares (PCC); dropless runs padded there
+    hier = active_exchange(current_step_context(), ea) if lay.ep > 1 else None
+    tx = TokenExchange(hier, ma, math.prod(mesh.shape[a] for a in ma)) if hier is not None else None
+    if tx is not None:
+        tx.check_width(x_btd.shape[-1])
     kernel = _capacity_kernel if capacity is not None else (
-        _dropless_kernel if dropless_exchange(mesh) == "padded" or lay.ep == 1 else _ragged_kernel)
+        _dropless_kernel if dropless_exchange(mesh) == "padded" or lay.ep == 1 or tx is not None else _ragged_kernel)
 
     def body(x, e, s, k, w, wg, wu, wd):
+        if tx is not None:  # the exchange reduces over the tensor axes itself (TokenExchange.finish)
+            return kernel(x, e, s, k, w, wg, wu, wd, capacity=capacity, expert_axes=ea, ep=lay.ep, tx=tx)
         y = kernel(x, e, s, k, w, wg, wu, wd, capacity=capacity, expert_axes=ea, ep=lay.ep)
         return jax.lax.psum(y, ma) if ma else y
 
@@ -370,9 +382,11 @@ def _sharded(x_btd, r: Routing, w_gate_edf, w_up_edf, w_down_efd, capacity, lay:
     return fn(x_btd, r.expert, r.slot, r.kept, r.weight, w_gate_edf, w_up_edf, w_down_efd)
 
 
-def _capacity_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
+def _capacity_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep, tx=None):
     n_experts = wg.shape[0] * ep
     x_becd = dispatch_rows(x_btd, e_btk, s_btk, k_btk, n_experts, capacity)
+    if tx is not None:
+        return _capacity_exchanged(x_becd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, ep, tx).astype(x_btd.dtype)
     if ep > 1:  # (b, E, C, d) -> (ep·b, E/ep, C, d): each device gets its experts' slots of every row
         x_becd = jax.lax.all_to_all(x_becd, expert_axes, 1, 0, tiled=True)
     y_becd = jax.vmap(swiglu_experts, in_axes=(0, None, None, None))(x_becd, wg, wu, wd)
@@ -381,7 +395,19 @@ def _capacity_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity,
     return combine_rows(y_becd, e_btk, s_btk, k_btk, w_btk).astype(x_btd.dtype)
 
 
-def _dropless_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep):
+def _capacity_exchanged(x_becd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, ep: int, tx: TokenExchange):
+    """The capacity kernel's exchange through ``tx`` (hierarchical, PCC): ``(b, E, C, d)`` as ``ep`` destination
+    groups of ``E/ep`` experts, and back."""
+    b, n_experts, capacity, d = x_becd.shape
+    x_xbecd = x_becd.reshape(b, ep, n_experts // ep, capacity, d).swapaxes(0, 1)
+    x_becd = tx.send(x_xbecd).reshape(ep * b, n_experts // ep, capacity, d)       # (ep sources · b, E/ep, C, d)
+    y_becd = jax.vmap(swiglu_experts, in_axes=(0, None, None, None))(x_becd, wg, wu, wd)
+    y_xbecd = tx.back(y_becd.reshape(ep, b, n_experts // ep, capacity, d))        # width d, or d/t under PCC
+    y_becd = y_xbecd.swapaxes(0, 1).reshape(b, n_experts, capacity, -1)
+    return tx.finish(combine_rows(y_becd, e_btk, s_btk, k_btk, w_btk))
+
+
+def _dropless_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity, expert_axes, ep, tx=None):
     """Dropless with a padded exchange: each destination gets room for all ``N·k`` local assignments."""
     b, t, d = x_btd.shape
     n, k = b * t, e_btk.shape[-1]
@@ -396,15 +422,16 @@ def _dropless_kernel(x_btd, e_btk, s_btk, k_btk, w_btk, wg, wu, wd, *, capacity,
     start = jnp.cumsum(per_dest) - per_dest
     pos = jnp.arange(a) - start[dest]                                  # position within its destination
     send = jnp.zeros((ep, a, d), xs.dtype).at[dest, pos].set(xs)
-    recv = jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)    # (ep sources, a, d)
+    recv = tx.send(send) if tx is not None else jax.lax.all_to_all(send, expert_axes, 0, 0, tiled=True)  # (ep, a, d)
     counts_il = _received_counts(counts, expert_axes, ep, n_local)
     ridx, rinv, sizes = expert_order(counts_il, jnp.arange(ep, dtype=jnp.int32) * a, ep * a)
     ys = _grouped_swiglu(permute_rows(recv.reshape(ep * a, d), ridx, rinv), sizes, wg, wu, wd)
     ys = jnp.where((jnp.arange(ep * a) < jnp.sum(sizes))[:, None], ys, 0)
     y_recv = permute_rows(ys, rinv, ridx).reshape(ep, a, d)
-    back = jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True)  # (ep destinations, a, d)
-    y_sorted = back[dest, pos]
-    return _unsort_combine(y_sorted, order, inv, w_nk).reshape(b, t, d).astype(x_btd.dtype)
+    back = tx.back(y_recv) if tx is not None else jax.lax.all_to_all(y_recv, expert_axes, 0, 0, tiled=True)
+    y_sorted = back[dest, pos]                                         # (a, d), or (a, d/t) under PCC
+    y = _unsort_combine(y_sorted, order, inv, w_nk).reshape(b, t, -1).astype(x_btd.dtype)
+    return tx.finish(y) if tx is not None else y
 
 
 def _sort_assignments(x_btd, e_nk, n_experts: int):

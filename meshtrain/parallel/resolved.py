@@ -25,10 +25,11 @@ import jax.numpy as jnp
 from meshtrain.annotate import StepContext
 from meshtrain.errors import ConfigError
 from meshtrain.parallel.heads import HeadLayout, plan_heads
+from meshtrain.parallel.moe_exchange import ExpertExchange, resolve_exchange
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
-from meshtrain.strategies import Context, FlashBackend, LoadBalance, Pipeline, Schedule
+from meshtrain.strategies import Context, Expert, FlashBackend, LoadBalance, Pipeline, Schedule
 
 #: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
 #: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
@@ -203,6 +204,9 @@ class ResolvedStep:
     #: attention heads over ``tensor`` (:mod:`meshtrain.parallel.heads`): padded, replicated or split; ``None``
     #: for a model without ``heads``
     heads: Optional[HeadLayout] = None
+    #: how expert parallelism exchanges tokens (:mod:`meshtrain.parallel.moe_exchange`): flat, or hierarchical over
+    #: an expert axis that spans slices; decided on the plan's own mesh sizes and DCN layout
+    expert_exchange: ExpertExchange = ExpertExchange()
 
     @property
     def batch_splits(self) -> int:
@@ -245,7 +249,8 @@ def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> Re
         pipeline_micro_batches=pipeline.micro_batches if pipeline else 1,
         repeats=pipeline.repeats if pipeline else 1, param_dtype=recipe.param_dtype,
         compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations),
-        heads=plan_heads(plan, sizes))
+        heads=plan_heads(plan, sizes),
+        expert_exchange=resolve_exchange(recipe.dimension(Expert), plan.rules, recipe.mesh, dict(plan.mesh_sizes)))
 
 
 def recipe_attention_kind(recipe) -> AttentionKind:
