@@ -168,3 +168,30 @@ def test_export_merged_and_adapters_and_generate_of_a_lora_run(tmp_path, capsys)
     # generate on the LoRA run folder (merged on load) = generate on the merged export: the same greedy tokens
     from_run, from_export = generated_ids(capsys, config.out), generated_ids(capsys, merged)
     assert len(from_run) == 8 and from_run == from_export
+
+
+@pytest.mark.slow
+def test_lora_with_fp8_from_init_from_trains_on_the_loaded_base(tmp_path):
+    """The fp8 recipe wraps the LoRA factory (its scales are built with the model): --init-from's weights still
+    go onto the base, which stays bit-identical to the source's after training; the fp8 meta is model state."""
+    from safetensors.numpy import load_file
+
+    from meshtrain.hf.weights import hf_tensors
+
+    folder, _, config = lora_run(tmp_path, recipe_options={"fp8": "delayed"}, steps=2, ckpt_every=2)
+    plan = Trainer(config).build_plan()
+    assert plan.recipe.fp8.value == "delayed"
+    ckpt = Checkpointer(f"{config.out}/checkpoints", save_every=1, reader=True)
+    try:
+        state = ckpt.restore(plan).state
+    finally:
+        ckpt.close()
+    flat = {mt.abstract.path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state.model_state)[0]}
+    assert any(p.endswith("amax_history") for p in flat)   # fp8 scaling state, carried beside the base
+    base = {p[:-len("/base")] if p.endswith("/base") else p: x for p, x in flat.items() if p in plan.abstract.frozen_paths}
+    source = load_file(f"{folder}/model.safetensors")
+    cfg = mt.hf.model_config(folder)
+    for name, tensor in hf_tensors(cfg, base):
+        assert np.array_equal(tensor, source[name]), name
+    assert np.all(np.isfinite([json.loads(l)["loss"] for l in open(f"{config.out}/metrics.jsonl")
+                               if '"loss"' in l and '"step"' in l]))
