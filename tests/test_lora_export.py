@@ -66,7 +66,8 @@ def _adapted_model(base):
 def _compare_adapted_and_merged(base):
     model, lora, cfg = _adapted_model(base)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)))
-    adapted_logits = np.asarray(model(tokens))
+    forward = nnx.jit(lambda m, t: m(t))   # one compiled program per model, not op by op
+    adapted_logits = np.asarray(forward(model, tokens))
     _, params, frozen = split_model(model)
     merged = merge_adapters(_flat(params), _flat(frozen), lora.scale)
     plain = mt.models.model_factory(cfg)(nnx.Rngs(7))   # other random weights: all replaced below
@@ -76,8 +77,8 @@ def _compare_adapted_and_merged(base):
     nnx.replace_by_pure_dict(state, unflatten_dict({tuple(p.split("/")): jnp.asarray(merged[p], wanted[p].dtype)
                                                      for p in wanted}, sep=None))
     nnx.update(plain, state)
-    plain_logits = np.asarray(plain(tokens))
-    base_only = np.asarray(lora_factory(mt.models.model_factory(cfg), lora)(nnx.Rngs(0))(tokens))
+    plain_logits = np.asarray(forward(plain, tokens))
+    base_only = np.asarray(forward(lora_factory(mt.models.model_factory(cfg), lora)(nnx.Rngs(0)), tokens))
     assert rel_diff(adapted_logits, base_only) > 1e-2   # the adapters change the output ...
     assert rel_diff(adapted_logits, plain_logits) <= 1e-5  # ... exactly as the merged weights do
 
@@ -165,6 +166,11 @@ def test_export_merged_and_adapters_and_generate_of_a_lora_run(tmp_path, capsys)
         assert np.array_equal(w, want.astype(np.float32)), name
         moved += not np.array_equal(w, base[name])
     assert moved == 8   # 4 targets × 2 layers: the adapters trained
+    # the imported base holds no adapters: --lora adapters is refused in one line, nothing written
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "none"), "--lora", "adapters"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "holds no LoRA adapters" in err, err
+    assert not (tmp_path / "none").exists()
     # generate on the LoRA run folder (merged on load) = generate on the merged export: the same greedy tokens
     from_run, from_export = generated_ids(capsys, config.out), generated_ids(capsys, merged)
     assert len(from_run) == 8 and from_run == from_export
