@@ -110,6 +110,13 @@ def fp8_factory(factory: Callable[[nnx.Rngs], nnx.Module], mode: "Fp8 | str", am
             return factory(rngs)
 
     build.fp8 = settings  # (readers: the factory was wrapped)
+    on_base = getattr(factory, "build_on", None)
+    if on_base is not None:  # LoRA (meshtrain.models.lora.LoRAFactory): --init-from's weights go on the base
+
+        def build_on(rngs, base_params):
+            with building(settings):
+                return on_base(rngs, base_params)
+        build.build_on = build_on
     return build
 
 

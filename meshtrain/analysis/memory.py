@@ -316,6 +316,8 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
             (Component.TEMPORARIES, extra + (cost.working_set or 0) + (cost.recompute or 0),
              f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
              f"to the compute dtype (Σ E·c ÷ non-batch shards"
+             + ("; LoRA: the frozen base too, gathered, each target read as a new base + s·A@B"
+                if getattr(plan.abstract, "frozen_paths", None) else "")
              + ("; a stacked layer weight, leading logical axis 'layers', one layer's slice: under remat the "
                 "backward gathers each layer's slice again" if cost.recompute is not None else "")
              + f"); {EXTRAPOLATED}: + under tensor parallelism the "

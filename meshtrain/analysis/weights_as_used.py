@@ -79,6 +79,29 @@ def _weights_as_multiplied(plan):
         yield leaf, math.prod(leaf.shape) * compute.itemsize // max(shards, 1), gathered or np.dtype(leaf.dtype) != compute
 
 
+def _frozen_as_multiplied(plan):
+    """``(leaf, bytes, copy)`` per frozen weight of a LoRA plan (model state in ``abstract.frozen_paths``): a
+    target's base (``.../base``) is read as ``base + scale·A@B``, a new buffer in the compute dtype, gathered
+    over the data-parallel axes that shard it; another frozen weight is multiplied in its stored dtype,
+    gathered likewise (a copy when gathered). An int8 base's scales (``.../base_scale``) are left out (tiny)."""
+    frozen = getattr(plan.abstract, "frozen_paths", frozenset())
+    if not frozen:
+        return
+    sizes = plan.mesh_sizes
+    rule = plan.rules.table("activations").get("batch")
+    batch_axes = set(rule.mesh_axes if rule else ())
+    compute = np.dtype(plan.recipe.compute_dtype)
+    for leaf in plan.group("model_state"):
+        if leaf.path not in frozen or leaf.path.endswith("/base_scale"):
+            continue
+        axes = _axes_in(leaf.spec)
+        shards = math.prod(sizes.get(a, 1) for a in axes - batch_axes)
+        gathered = any(sizes.get(a, 1) > 1 for a in axes & batch_axes)
+        target = leaf.path.endswith("/base")
+        itemsize = compute.itemsize if target else np.dtype(leaf.dtype).itemsize
+        yield leaf, math.prod(leaf.shape) * itemsize // max(shards, 1), gathered or target
+
+
 def _stacked(leaf) -> bool:
     """A stacked layer weight: leading logical axis ``layers`` (a layer scan reads one slice per iteration)."""
     return bool(leaf.logical_axes) and leaf.logical_axes[0] == "layers"
@@ -101,6 +124,6 @@ def gathered_layer_bytes(plan, *, remat: bool) -> int:
     layer's forward, gathering its slice again, so no gathered copy is kept from the forward (big_vision's ViT
     with its own scan+remat, fsdp on 16 devices: +26 % with every layer's copy counted, −7 % with one). Without
     remat every layer's copy counts (XLA may keep the forward's gathered slices for the backward: vit-tiny, fsdp,
-    8 devices)."""
+    8 devices). A LoRA plan's frozen base counts as the parameters do (:func:`_frozen_as_multiplied`)."""
     return sum(w // (leaf.shape[0] if remat and _stacked(leaf) and leaf.shape[0] > 0 else 1)
-               for leaf, w, copy in _weights_as_multiplied(plan) if copy)
+               for leaf, w, copy in (*_weights_as_multiplied(plan), *_frozen_as_multiplied(plan)) if copy)

@@ -33,6 +33,7 @@ from meshtrain.checkpoint import integrity
 from meshtrain.checkpoint.faults import DiskFullInjector
 from meshtrain.checkpoint.housekeeping import Janitor, WriterLock, warn
 from meshtrain.checkpoint.peers import PeerStore
+from meshtrain.checkpoint.adapters import read_lora_parts
 from meshtrain.checkpoint.restoring import read_params, read_step
 from meshtrain.checkpoint.retention import RetentionPolicy
 from meshtrain.checkpoint.saving import Saver, fmt_bytes  # noqa: F401 - fmt_bytes: `meshtrain ckpt` reads it here
@@ -333,6 +334,20 @@ class Checkpointer:
         ckpt = cls(directory, save_every=1, reader=True)
         try:
             return ckpt.restore_params(plan, step)
+        finally:
+            ckpt.close()
+
+    @classmethod
+    def read_adapters(cls, directory, step: Optional[int] = None):
+        """``(step, LoRAParts)``: the LoRA adapters (and settings) of checkpoint folder ``directory``'s
+        ``step`` (default: the latest valid one) on the host; :mod:`meshtrain.checkpoint.adapters`."""
+        ckpt = cls(directory, save_every=1, reader=True)
+        try:
+            step = ckpt.latest_valid_step() if step is None else int(step)
+            if step is None or not ckpt.check(step).status.usable:
+                raise CheckpointError(f"no valid checkpoint {'step ' + str(step) + ' ' if step is not None else ''}"
+                                      f"in {ckpt.directory} (steps: {ckpt.all_steps()}); pass another run or step")
+            return step, read_lora_parts(ckpt._manager, ckpt.directory, step)
         finally:
             ckpt.close()
 

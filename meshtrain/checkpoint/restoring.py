@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from meshtrain.checkpoint.adapters import holds_adapters, merged_params, read_lora_parts
 from meshtrain.checkpoint.inspection import read_meta
 from meshtrain.checkpoint.layout import flat_paths, from_nested, key_name, mismatch_error, mismatches, to_nested
 from meshtrain.checkpoint.types import CheckpointError, Restored
@@ -87,11 +88,16 @@ def onto_target(state, target):
 def read_params(manager: ocp.CheckpointManager, directory: Path, step: int, plan):
     """Only the parameters of ``step``, onto ``plan``'s parameter shardings and dtypes (fine-tuning
     from another run: its optimizer state is not read, so any optimizer or recipe may have saved
-    it). A checkpoint with f32 master weights gives those (the exact values, not the 16-bit copy)."""
+    it). A checkpoint with f32 master weights gives those (the exact values, not the 16-bit copy). A LoRA
+    run's checkpoint read onto a plain model's plan gives its merged weights (:mod:`.adapters`)."""
     meta = read_meta(directory / str(step))
     saved = meta["tree"]
-    source = "opt_state/master" if any(p.startswith("opt_state/master/") for p in saved) else "params"
     final = abstract_train_state(plan).params
+    if holds_adapters(saved) and not holds_adapters({f"params/{p}": 0 for p, _ in flat_paths(final)}):
+        # a LoRA run read as the plain model (export, generate, --init-from): the adapters merged into the base
+        parts = read_lora_parts(manager, directory, step, [p for p, _ in flat_paths(final)])
+        return merged_params(parts, final, directory, step)
+    source = "opt_state/master" if any(p.startswith("opt_state/master/") for p in saved) else "params"
     wanted = dict(flat_paths(final))
     problems = [f"{path}: saved {saved.get(source + '/' + path, {}).get('shape')}, planned {list(sds.shape)}"
                 for path, sds in wanted.items()

@@ -12,6 +12,7 @@ Both take flat host dicts ``{path: array}`` of a LoRA state (``.../wq_dnh/lora_a
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from typing import Dict
@@ -21,47 +22,25 @@ import numpy as np
 from meshtrain.errors import ConfigError
 from meshtrain.hf.weights import mappings
 from meshtrain.models import DecoderConfig
-from meshtrain.models.lora import LoRAConfig
+from meshtrain.models.lora import LoRAConfig, adapter_pairs, merge_adapters
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _adapted(params: Dict[str, np.ndarray]) -> Dict[str, tuple]:
-    """``{weight path: (A, B)}`` of the adapters in ``params``."""
-    return {p[:-len("/lora_a")]: (params[p], params[p[:-len("/lora_a")] + "/lora_b"])
-            for p in params if p.endswith("/lora_a")}
+class LoRAExport(str, enum.Enum):
+    """What ``meshtrain export --lora`` writes of a LoRA run: ``merged`` (a plain HuggingFace folder, the
+    adapters merged into the base) or ``adapters`` (PEFT's adapter folder, to load on the base model)."""
 
-
-def delta(a: np.ndarray, b: np.ndarray, ndim: int) -> np.ndarray:
-    """``A @ B`` in the shape of the weight (``ndim`` dims), in float64: the products of f32 values are exact
-    and the sum over r is rounded once, at the end. ``A``: ``(stacked..., in..., r)``, ``B``:
-    ``(stacked..., r, out...)``, so the stacked dims number ``a.ndim + b.ndim - 2 - ndim``."""
-    lead, r = a.ndim + b.ndim - 2 - ndim, a.shape[-1]
-    a2 = a.astype(np.float64).reshape(a.shape[:lead] + (-1, r))
-    b2 = b.astype(np.float64).reshape(b.shape[:lead] + (r, -1))
-    return np.matmul(a2, b2).reshape(a.shape[:-1] + b.shape[lead + 1:])
+    MERGED = "merged"
+    ADAPTERS = "adapters"
 
 
 def merge_lora(params: Dict[str, np.ndarray], model_state: Dict[str, np.ndarray], lora: LoRAConfig,
                dtype=np.float32) -> Dict[str, np.ndarray]:
     """The base model's weights with every adapter merged: ``base + (alpha / r) · A @ B`` (computed in
-    float64, rounded once to ``dtype``); frozen weights as they are (int8 bases dequantised)."""
-    adapted = _adapted(params)
-    out = {}
-    for path, value in model_state.items():
-        weight = path.rsplit("/", 1)[0]
-        if path.endswith("/base") and weight in adapted:
-            base = np.asarray(value, np.float64)
-            a, b = adapted[weight]
-            scale = model_state.get(weight + "/base_scale")
-            if scale is not None:  # int8: one scale per output channel, broadcast over the input dims
-                n_in = base.ndim - np.ndim(scale)
-                lead = a.ndim - 1 - n_in
-                base = base * np.expand_dims(np.asarray(scale, np.float64), tuple(range(lead, lead + n_in)))
-            out[weight] = (base + lora.scale * delta(a, b, base.ndim)).astype(dtype)
-        elif not path.endswith("/base_scale") and weight not in adapted:
-            out[path] = np.asarray(value)
-    return out
+    float64, rounded once to ``dtype``); frozen weights as they are (int8 bases dequantised). See
+    :func:`meshtrain.models.lora.merge_adapters`."""
+    return merge_adapters(params, model_state, lora.scale, dtype)
 
 
 def _module(name: str) -> str:
@@ -72,7 +51,7 @@ def peft_tensors(cfg: DecoderConfig, params: Dict[str, np.ndarray]) -> Dict[str,
     """``{PEFT name: tensor}`` of the adapters (lora_A ``(r, in)``, lora_B ``(out, r)``, per layer)."""
     by_path = {m.path: m for m in mappings(cfg)}
     out = {}
-    for path, (a, b) in _adapted(params).items():
+    for path, (a, b) in adapter_pairs(params).items():
         m = by_path.get(path)
         if m is None or m.per_expert:
             raise ConfigError(f"LoRA target {path} has no HuggingFace/PEFT counterpart; adapt q,k,v,o,gate,up,down "

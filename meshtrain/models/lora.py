@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from meshtrain.abstract import FrozenParam
@@ -240,3 +241,45 @@ def lora_factory(factory: Callable, config: Optional[LoRAConfig]) -> Callable:
 def adapted_weights(model: nnx.Module) -> List[Tuple[str, Adapted]]:
     """``[(path of the weight, Adapted)]`` of a model with adapters (``blocks/attn/wq_dnh``, ...)."""
     return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model) if isinstance(m, Adapted)]
+
+
+# -- merging (host numpy): the export, and a LoRA checkpoint read as the plain model's parameters ---------
+def adapter_pairs(params: Dict[str, "np.ndarray"]) -> Dict[str, tuple]:
+    """``{weight path: (A, B)}`` of the adapters in flat ``params`` (``.../wq_dnh/lora_a`` → ``.../wq_dnh``)."""
+    return {p[:-len("/lora_a")]: (params[p], params[p[:-len("/lora_a")] + "/lora_b"])
+            for p in params if p.endswith("/lora_a")}
+
+
+def delta_f64(a, b, ndim: int):
+    """``A @ B`` in the shape of the weight (``ndim`` dims), in float64: the products of f32 values are exact
+    and the sum over r is rounded once, at the end. ``A``: ``(stacked..., in..., r)``, ``B``:
+    ``(stacked..., r, out...)``, so the stacked dims number ``a.ndim + b.ndim - 2 - ndim``."""
+    lead, r = a.ndim + b.ndim - 2 - ndim, a.shape[-1]
+    a2 = np.asarray(a, np.float64).reshape(a.shape[:lead] + (-1, r))
+    b2 = np.asarray(b, np.float64).reshape(b.shape[:lead] + (r, -1))
+    return np.matmul(a2, b2).reshape(a.shape[:-1] + b.shape[lead + 1:])
+
+
+def merge_adapters(params, frozen, scale: float, dtype=np.float32) -> Dict[str, "np.ndarray"]:
+    """The plain model's weights ``{path: array}`` from a LoRA state's flat host dicts: ``params`` (the
+    adapters ``.../lora_a``, ``.../lora_b``) and ``frozen`` (``.../base`` [``.../base_scale``] and the other
+    frozen weights at their own paths). Each target is ``base + scale · A @ B`` summed in float64 and rounded
+    once to ``dtype`` (an int8 base dequantised first); the other weights are returned as they are.
+
+    Example: ``merge_adapters(adapters, frozen, scale=16 / 8)["blocks/attn/wq_dnh"]``."""
+    adapted = adapter_pairs(params)
+    out = {}
+    for path, value in frozen.items():
+        weight = path.rsplit("/", 1)[0]
+        if path.endswith("/base") and weight in adapted:
+            base = np.asarray(value, np.float64)
+            a, b = adapted[weight]
+            base_scale = frozen.get(weight + "/base_scale")
+            if base_scale is not None:  # int8: one scale per output channel, broadcast over the input dims
+                n_in = base.ndim - np.ndim(base_scale)
+                lead = a.ndim - 1 - n_in
+                base = base * np.expand_dims(np.asarray(base_scale, np.float64), tuple(range(lead, lead + n_in)))
+            out[weight] = (base + scale * delta_f64(a, b, base.ndim)).astype(dtype)
+        elif not path.endswith("/base_scale") and weight not in adapted:
+            out[path] = np.asarray(value)
+    return out

@@ -24,10 +24,12 @@ from meshtrain.abstract import abstract_state, tree_paths
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.errors import ConfigError
 from meshtrain.hf.output import Interrupts, output_folder
+from meshtrain.hf.peft import LoRAExport, write_peft_adapters
 from meshtrain.hf.run_config import run_decoder_config
 from meshtrain.hf.validate import check_generation_config, check_tokenizer, read_json_object, special_token_ids
 from meshtrain.mesh import select_devices
 from meshtrain.models import DecoderConfig, model_factory
+from meshtrain.models.lora import LoRAConfig
 from meshtrain.plan import make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.settings import plain_settings
@@ -121,11 +123,13 @@ def _mapping(value: Any) -> Optional[Dict[str, Any]]:
 
 
 def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional[str] = None,
-              devices: Optional[int] = None) -> Dict[str, Any]:
+              devices: Optional[int] = None, lora: "LoRAExport | str" = LoRAExport.MERGED) -> Dict[str, Any]:
     """Write the parameters of run folder ``run`` (``step``, default the latest valid one) as a
     HuggingFace folder ``out`` in ``dtype`` (default: the imported source's, else float32), with the
     special token ids the import recorded (else the run's tokenizer's) in config.json and
-    generation_config.json."""
+    generation_config.json. A LoRA run (``--lora-rank``): ``lora="merged"`` writes the base with the
+    adapters merged (``base + alpha/r·A@B``), ``"adapters"`` PEFT's adapter folder
+    (:func:`meshtrain.hf.peft.write_peft_adapters`) and nothing else."""
     guard = Interrupts()
     try:
         cfg = run_decoder_config(run, "export")
@@ -133,6 +137,8 @@ def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional
         if not os.path.isdir(os.path.join(run, "checkpoints")):
             raise ConfigError(f"run {run!r} has no checkpoints/ folder; export a run trained with checkpoints "
                               f"(--ckpt-every N) or made by `meshtrain import`")
+        if LoRAExport(lora) is LoRAExport.ADAPTERS:
+            return _export_adapters(run, out, cfg, header, step, guard)
         plan = _plan(cfg, "fsdp", devices, TrainConfig())
         step, params = Checkpointer.read_params(os.path.join(run, "checkpoints"), plan, step)
         host = {path: np.asarray(jax.device_get(x)) for path, x in zip(jax.tree.leaves(tree_paths(params)),
@@ -150,3 +156,17 @@ def export_hf(run: str, out: str, *, step: Optional[int] = None, dtype: Optional
     finally:
         guard.restore()
     return {**summary, "step": step}
+
+
+def _export_adapters(run: str, out: str, cfg: DecoderConfig, header: Dict[str, Any], step: Optional[int],
+                     guard: Interrupts) -> Dict[str, Any]:
+    """PEFT's adapter folder of LoRA run ``run`` (``base_model_name_or_path``: the run's ``--init-from``)."""
+    step, parts = Checkpointer.read_adapters(os.path.join(run, "checkpoints"), step)
+    settings = header.get("run_settings") if isinstance(header.get("run_settings"), dict) else {}
+    base_model = settings.get("init_from") or ""
+    guard.check()
+    lora = LoRAConfig(parts.rank, parts.alpha, parts.targets or ("q",), parts.base)
+    with output_folder(out, guard=guard) as partial:
+        done = write_peft_adapters(cfg, parts.adapters, lora, partial,
+                                   base_model=os.path.abspath(base_model) if os.path.isdir(base_model) else base_model)
+    return {**done, "step": step, "dtype": "float32", "files": 2, "base_model": base_model}

@@ -31,6 +31,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.mesh import MeshSpec, hybrid_layout, select_devices
 from meshtrain.models import DecoderConfig
 from meshtrain.models.flops import model_flops_per_token
+from meshtrain.checkpoint.adapters import LORA_META
 from meshtrain.models.lora import lora_factory
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
@@ -317,7 +318,15 @@ class Trainer:
         return {"recipe": plan.recipe.to_dict(), "mesh": plan.mesh_sizes, "model": self.cfg.model,
                 "seed": self.cfg.seed, "data": self.cfg.data,  # the tokenizer of `meshtrain generate`
                 "batch_size": self.cfg.batch_size, "seq_len": self.cfg.seq_len,
-                "num_params": plan.abstract.num_params}
+                "num_params": plan.abstract.num_params, **self._lora_metadata()}
+
+    def _lora_metadata(self) -> Dict[str, Any]:
+        """A LoRA run's settings (the export and merge-on-load read ``alpha`` from the checkpoint)."""
+        lora = self.cfg.lora_config()
+        if lora is None:
+            return {}
+        return {LORA_META: {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
+                            "base": lora.base.value, "init_from": self.cfg.init_from}}
 
     def _base_plan(self, plan: ShardingPlan) -> ShardingPlan:
         """The plan of the model without adapters (LoRA: ``--init-from`` reads the base's weights onto it)."""
