@@ -24,7 +24,11 @@ layer's VJP from them and takes only the weight cotangent (XLA drops the input h
 
 **Memory.** On top of 1F1B's stash, a stage keeps these halves for the micro-batches between their
 ``B`` and ``W``: at most ``p`` (stage ``p-1``: ``B`` at ``j+p-1``, ``W`` at ``j+2p-2``), a ``p``-slot
-buffer of ``L/p`` layers × (output cotangent + the weight half's residuals) per stage.
+buffer (+ one slot idle ticks write to) of ``L/p`` layers × (output cotangent ``x`` + the weight half's
+residuals ``a_W``) per stage; with the ``B`` tick's own VJP residuals and the halves it is writing,
+at most ``(p+3)·(L/p)·(a_W + x)`` above 1F1B (:func:`meshtrain.analysis.pipeline.zero_bubble_extra_bytes`;
+tests/test_pipeline_zero_bubble.py checks it against ``memory_analysis``). ``a_W`` is about a layer's
+activations without remat whatever the recipe's remat: the deferral is what keeps them.
 """
 
 from __future__ import annotations
