@@ -207,6 +207,14 @@ def test_refused_without_a_pipeline():
         pipe.PipelineConfig(pipe.Schedule.ZERO_BUBBLE, 1, 4).check()
 
 
+def test_fp8_refused_naming_the_fix():
+    from meshtrain import fp8
+    from meshtrain.strategies import Pipeline
+
+    with pytest.raises(ConfigError, match=r"fp8 with the pipeline schedule zero_bubble .* use schedule gpipe"):
+        fp8.check_pipeline([("blocks", "w")], Pipeline(schedule=pipe.Schedule.ZERO_BUBBLE))
+
+
 def test_cli_refusal_has_no_traceback():
     out = run([sys.executable, "-m", "meshtrain", "plan", "--recipe", "dp", "--schedule", "zero_bubble"], timeout=300)
     assert out.returncode != 0 and "Traceback" not in out.stderr
