@@ -94,10 +94,12 @@ def test_layer_split_keeps_only_what_the_weight_half_reads():
     w_l = {"w": jax.ShapeDtypeStruct((D, D), jnp.float32)}
     h = jax.ShapeDtypeStruct((8, D), jnp.float32)
     split = pipe.layer_split(_layer, w_l, h, {}, (h, {}))
-    # tanh(x @ w)'s VJP residuals: w, x, y = tanh(x @ w), 1 - y (the tanh rule: g·(1-y)(1+y)); the weight
-    # half reads the last three (all per micro-batch), never w itself
-    assert split.derived == () and split.stored == (1, 2, 3)
-    assert all(a.shape == (8, D) for a in split.stored_avals)
+    # tanh(x @ w)'s VJP residuals: w, x, y = tanh(x @ w), 1 - y; all but w depend on the micro-batch
+    assert split.data_res == (1, 2, 3)
+    # the input half: dz = g·(1-y)(1+y), dx = dz wᵀ; the weight half only dW = xᵀ dz, from (dz, x)
+    assert [e.primitive.name for e in split.w_jaxpr.eqns if e.primitive.name == "dot_general"] == ["dot_general"]
+    assert sum(e.primitive.name == "dot_general" for e in split.b_jaxpr.eqns) == 1
+    assert [a.shape for a in split.kept_avals] == [(8, D), (8, D)]
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
@@ -142,16 +144,16 @@ def test_bubble_from_compiled_flops(p, m):
 
 
 def test_activation_memory_within_stated_extra():
-    """memory_analysis temp bytes: zero-bubble <= 1F1B + what it states: ``(p+3)·k·(a_W + g)`` per stage,
-    ``a_W`` the residuals the weight half keeps per layer (:func:`layer_split`), ``g`` a layer's output
-    cotangent: ``p`` buffer slots, an idle-tick slot, and the B tick's own VJP residuals and kept halves."""
+    """memory_analysis temp bytes: zero-bubble <= 1F1B + what it states: ``(p+3)·k·(a_W + x)`` per stage,
+    ``a_W`` what the weight half keeps per layer (:func:`layer_split`), ``x`` a layer's input: ``p``
+    buffer slots, an idle-tick slot, and the B tick's own residuals and the halves it is writing."""
     p, m, layers = 2, 8, 4
     k, rows = layers // p, ROWS // m
     ofob = _compiled("1f1b", p, m, layers).memory_analysis().temp_size_in_bytes
     zb = _compiled("zero_bubble", p, m, layers).memory_analysis().temp_size_in_bytes
     h = jax.ShapeDtypeStruct((rows, D), jnp.float32)
     split = pipe.layer_split(_layer, {"w": jax.ShapeDtypeStruct((D, D), jnp.float32)}, h, {}, (h, {}))
-    a_w = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in split.stored_avals)
+    a_w = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in split.kept_avals)
     stated = (p + 3) * k * (a_w + rows * D * 4)
     print(f"temp bytes p={p} m={m}: 1f1b {ofob}, zero_bubble {zb} (+{zb - ofob}), stated extra {stated}")
     assert zb <= ofob + stated
@@ -163,27 +165,37 @@ B, T = 16, 16
 
 
 def _grads(recipe, n):
+    """(loss, grads on host, compiled temp bytes, plan) of one step from the seed-0 state."""
     mesh = recipe.mesh.build(jax.devices()[:n])
     plan = mt.make_plan(tiny_abstract(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16), recipe, mesh,
                         batch=mt.BatchSpec(B, T))
-    state = mt.init_state(plan, seed=0)
-    loss, grads = mt.make_grad_fn(plan)(state, put(token_batch(0, B, T), plan))
-    return float(loss), jax.tree.map(np.asarray, grads)
+    state, batch = mt.init_state(plan, seed=0), put(token_batch(0, B, T), plan)
+    compiled = mt.make_grad_fn(plan).lower(state, batch).compile()
+    loss, grads = compiled(state, batch)
+    return float(loss), jax.tree.map(np.asarray, grads), compiled.memory_analysis().temp_size_in_bytes, plan
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["pp", "pp_fsdp"])
-def test_decoder_parity_with_1f1b_and_one_device(recipe):
-    l1, g1 = _grads(mt.get_recipe("dp"), 1)
+def test_decoder_parity_and_memory_against_1f1b_and_one_device(recipe):
+    from meshtrain.analysis.pipeline import pipeline_summary
+
+    l1, g1 = _grads(mt.get_recipe("dp"), 1)[:2]
     got = {s: _grads(mt.get_recipe(recipe).with_options(schedule=s, pipeline_micro_batches=4), 8)
            for s in ("1f1b", "zero_bubble")}
-    for loss, grads in (got["zero_bubble"], got["1f1b"]):
+    for loss, grads, _, _ in got.values():
         assert abs(loss - l1) <= 1e-5 * abs(l1)
         worst = jax.tree.map(lambda a, b: rel_diff(a, b) if np.abs(b).max() > 1e-6 else 0.0, grads, g1)
         assert max(jax.tree.leaves(worst)) <= 1e-5, worst
-    zb, ofob = got["zero_bubble"][1], got["1f1b"][1]
-    worst = jax.tree.map(lambda a, b: rel_diff(a, b) if np.abs(b).max() > 1e-6 else 0.0, zb, ofob)
+    zb, ofob = got["zero_bubble"], got["1f1b"]
+    worst = jax.tree.map(lambda a, b: rel_diff(a, b) if np.abs(b).max() > 1e-6 else 0.0, zb[1], ofob[1])
     assert max(jax.tree.leaves(worst)) <= 1e-5, worst
+    # activation memory: compiled zero_bubble <= compiled 1f1b + the plan's stated extra
+    cfg = mt.models.get_config("tiny", n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16)
+    acts = pipeline_summary(zb[3], cfg)["activation_bytes_per_schedule"]
+    stated = acts["zero_bubble"] - acts["1f1b"]
+    print(f"{recipe}: temp bytes 1f1b {ofob[2]}, zero_bubble {zb[2]} (+{zb[2] - ofob[2]}), plan's extra {stated}")
+    assert zb[2] <= ofob[2] + stated
 
 
 # ---- refusals and the planner ------------------------------------------------------------------------
