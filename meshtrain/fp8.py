@@ -268,7 +268,7 @@ def check_pipeline(paths, pipeline) -> None:
     stage's group with a gather, whose transpose cannot add the ``fm32`` meta."""
     if not paths or pipeline is None:
         return
-    if pipeline.schedule is Schedule.ONE_F_ONE_B or (pipeline.schedule is Schedule.CIRCULAR and pipeline.repeats > 1):
+    if pipeline.schedule.explicit_vjp or (pipeline.schedule is Schedule.CIRCULAR and pipeline.repeats > 1):
         raise ConfigError(f"fp8 with the pipeline schedule {pipeline.schedule.value} (repeats {pipeline.repeats}) "
                           f"is not supported: use schedule gpipe (or circular with repeats 1), or fp8 none")
 

@@ -501,7 +501,7 @@ for _r in [
 # pipeline parallelism (meshtrain.parallel.pipeline): `stage` outermost, so it can sit on the slow links.
 for _r in [
     _builtin("pp", "Pipeline parallel: the layer stack split over `stage` (2 stages), micro-batches passed between "
-             "neighbours; data parallel over the rest. Pick --schedule gpipe|circular|1f1b.",
+             "neighbours; data parallel over the rest. Pick --schedule gpipe|circular|1f1b|zero_bubble.",
              (DataParallel(), Pipeline()), {"stage": 2, "data": -1},
              max_replicated_fraction=0.6),  # embedding and head stay whole on every stage
     _builtin("pp_fsdp", "Pipeline (2 stages) × FSDP: each stage's layers sharded over `fsdp`.",

@@ -111,12 +111,20 @@ class Schedule(str, enum.Enum):
     * ``gpipe``: all micro-batches forward, then all backward; bubble (p-1)/(m+p-1);
     * ``circular``: each stage holds ``repeats`` non-adjacent layer groups; bubble (p-1)/(r·m+p-1);
     * ``1f1b``: after warm-up each stage alternates a forward and a backward (explicit per-stage VJP),
-      so only the micro-batches in flight keep activations.
+      so only the micro-batches in flight keep activations;
+    * ``zero_bubble``: 1F1B with each backward split into its input-gradient part (on the critical path)
+      and its weight-gradient part, deferred to fill the drain ticks (ZB-H1, lock-step SPMD variant).
     """
 
     GPIPE = "gpipe"
     CIRCULAR = "circular"
     ONE_F_ONE_B = "1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+    @property
+    def explicit_vjp(self) -> bool:
+        """Whether the schedule writes its backward out per stage (1f1b, zero_bubble) instead of autodiff."""
+        return self in (Schedule.ONE_F_ONE_B, Schedule.ZERO_BUBBLE)
 
 
 @dataclasses.dataclass(frozen=True)

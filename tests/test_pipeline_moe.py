@@ -59,10 +59,12 @@ def baseline():
     return _run(mt.get_recipe("dp").with_options(grad_accum=M), 1)
 
 
-#: circular runs gpipe's code path with interleaved groups, pp_fsdp × 1f1b the explicit per-stage VJP;
+#: circular runs gpipe's code path with interleaved groups, pp_fsdp × 1f1b the explicit per-stage VJP, pp ×
+#: zero_bubble the split one (the router losses' cotangents reach both halves);
 #: MESHTRAIN_FULL_PARITY=1 adds pp × gpipe and pp × 1f1b (pp_fsdp × gpipe: the same path as pp × gpipe).
 FULL = os.environ.get("MESHTRAIN_FULL_PARITY", "") not in ("", "0")
-CASES = [("pp", "circular"), ("pp_fsdp", "1f1b")] + ([("pp", "gpipe"), ("pp", "1f1b")] if FULL else [])
+CASES = [("pp", "circular"), ("pp_fsdp", "1f1b"), ("pp", "zero_bubble")] + (
+    [("pp", "gpipe"), ("pp", "1f1b")] if FULL else [])
 
 
 @pytest.mark.slow

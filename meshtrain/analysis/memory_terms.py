@@ -34,7 +34,7 @@ from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
 from meshtrain.parallel.resolved import Target, resolve_step
 from meshtrain.plan import gradient_shardings
-from meshtrain.recipes import AttentionKind, Remat
+from meshtrain.recipes import AttentionKind, Remat, Schedule
 from meshtrain.remat_policies import parse_offload_names
 from meshtrain.strategies import FlashBackend
 
@@ -292,8 +292,12 @@ def activation_terms(s: StepShape) -> Tuple[MemoryTerm, ...]:
                                                                         "router logits/probabilities"))
         return saved + _tpu_activation_terms(s) + gpu_scan_activation_terms(s) + cudnn_packed_terms(s) + (casts,)
     x, m, pipe = s.stage_input, s.pipe.micro_batches, s.pipe
-    stack = MemoryTerm(A, "pipeline stack", pipe.stage_activation_bytes(L, s.layer_saved, x),
-                       "2p stage inputs 2·p·x (stash)" if pipe.one_f_one_b else "ticks·L/(p·r)·a_layer")
+    zb = pipe.schedule is Schedule.ZERO_BUBBLE  # + the deferred weight halves: a layer's remat-none residuals
+    a_w = (s.none.layer_bytes_per_device(s.acfg, B, T, split)
+           + (s.moe.saved_extra_per_layer if s.moe is not None else 0)) if zb else 0
+    stack = MemoryTerm(A, "pipeline stack", pipe.stage_activation_bytes(L, s.layer_saved, x, a_w),
+                       ("2p stage inputs 2·p·x (stash) + (p+3)·L/p·(a_W + x) weight halves" if zb else
+                        "2p stage inputs 2·p·x (stash)") if pipe.one_f_one_b else "ticks·L/(p·r)·a_layer")
     rest = s.tensors - L * s.layer_saved  # embedding output, final norm, logits: outside the stack
     if pipe.one_f_one_b:
         return (stack, MemoryTerm(A, "outside the stack", rest, "one micro-batch's embedding output, norm, logits"),

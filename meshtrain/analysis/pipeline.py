@@ -5,12 +5,16 @@ repeats, ``b = B / (dp·m)`` rows of a micro-batch on one device, ``T`` tokens, 
 
 * bubble: gpipe ``(p-1)/(m+p-1)``, circular ``(p-1)/(r·m+p-1)``, 1f1b ``(p-1)/(m+p-1)`` (its ``m+2p-2``
   ticks hold a forward and a backward slot, but conditionals skip the backward on the ``p-1``
-  warm-up ticks and the forward on the ``p-1`` drain ticks);
+  warm-up ticks and the forward on the ``p-1`` drain ticks); zero_bubble ``(p-1)(1-ω)/(m+(p-1)(1-ω))``
+  (its weight-gradient slot, ``ω = 1/4`` of the work, runs only on the ``m`` ticks where every stage has one);
 * stage input of one micro-batch ``x = b·T·d·w``; one layer's saved activations (remat none)
   ``a = b·T·(4d + 2(n+k)h + 3f + n·T)·w / tensor`` (norm inputs, q/k/v, scores, MLP gate/up/product;
   remat full: ``a = x``);
 * activations per stage: gpipe and circular keep all ``m`` micro-batches: ``m·(L/p)·a``; 1f1b stashes
   ``min(2p-1, m)`` stage inputs and recomputes one micro-batch at a time: ``min(2p-1, m)·x + (L/p)·a``;
+  zero_bubble adds the weight halves it defers: ``(p+3)·(L/p)·(a_W + x)`` (``p`` micro-batches wait between
+  their input and weight gradients, one idle-tick slot, and the input-gradient tick's own residuals and
+  kept halves), ``a_W`` a layer's saved activations without remat (the weight half's residuals);
 * point-to-point per step: each tick every stage sends ``x`` forward and a cotangent ``x`` back:
   ``2·ticks·x``; circular also moves ``(r-1)/r`` of its layer weights (and their gradients) into the
   interleaved order.
@@ -57,15 +61,15 @@ def pipeline_summary(plan, cfg) -> Optional[Dict[str, object]]:
     w = np.dtype(plan.recipe.compute_dtype).itemsize
     b = max(batch // (dp * m), 1)
     x = b * seq * cfg.d_model * w
-    if plan.recipe.remat is Remat.FULL:
-        a = x
-    else:
-        per_tok = (4 * cfg.d_model + 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.d_ff
-                   + cfg.n_heads * seq)
-        a = b * seq * per_tok * w // tensor
+    per_tok = (4 * cfg.d_model + 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim + 3 * cfg.d_ff
+               + cfg.n_heads * seq)
+    a_none = b * seq * per_tok * w // tensor
+    a = x if plan.recipe.remat is Remat.FULL else a_none
     per_stage = cfg.n_layers // p
+    ofob = min(2 * p - 1, m) * x + per_stage * a
     keep = {Schedule.GPIPE.value: m * per_stage * a, Schedule.CIRCULAR.value: m * per_stage * a,
-            Schedule.ONE_F_ONE_B.value: min(2 * p - 1, m) * x + per_stage * a}
+            Schedule.ONE_F_ONE_B.value: ofob,
+            Schedule.ZERO_BUBBLE.value: ofob + zero_bubble_extra_bytes(p, per_stage, a_none, x)}
     ticks = {s.value: schedule_table(s, p, m, max(r, 1)).ticks for s in Schedule} if m >= p else {}
     out.update(
         stage_input_bytes=x, layer_activation_bytes=a,
@@ -74,6 +78,14 @@ def pipeline_summary(plan, cfg) -> Optional[Dict[str, object]]:
         p2p_bytes_per_schedule={k: 2 * t * x for k, t in ticks.items()},
     )
     return out
+
+
+def zero_bubble_extra_bytes(stages: int, layers_per_stage: int, weight_half_bytes: float, stage_input_bytes: float):
+    """What zero_bubble keeps on a stage beyond 1f1b: ``(p+3)·(L/p)·(a_W + x)``: the weight halves of the
+    ``p`` micro-batches between their input and weight gradients (each layer's output cotangent ``x`` and
+    the residuals ``a_W`` the weight gradient reads), an idle-tick slot, and the input-gradient tick's own
+    VJP residuals and the halves it is storing."""
+    return (stages + 3) * layers_per_stage * (weight_half_bytes + stage_input_bytes)
 
 
 def _problem(pc: PipelineConfig, cfg, plan) -> Optional[str]:
@@ -137,7 +149,8 @@ class PipelineShape:
 
     @property
     def one_f_one_b(self) -> bool:
-        return self.schedule is Schedule.ONE_F_ONE_B
+        """1f1b or zero_bubble: the backward written out per stage (a stash of stage inputs, recomputed)."""
+        return self.schedule.explicit_vjp
 
     @property
     def stack_factor(self) -> float:
@@ -154,10 +167,15 @@ class PipelineShape:
         """Layer passes one device runs per step in each direction: ``m·L / (p·(1 - bubble))``."""
         return self.stage_ticks * n_layers / (self.stages * self.repeats)
 
-    def stage_activation_bytes(self, n_layers: int, layer_bytes: float, stage_input_bytes: float) -> float:
+    def stage_activation_bytes(self, n_layers: int, layer_bytes: float, stage_input_bytes: float,
+                               weight_half_bytes: float = 0.0) -> float:
         """Saved activations of the stack on one device: gpipe / circular keep every forward tick's
         residuals (``ticks · L/(p·r) · a``; ticks on padding keep theirs too); 1f1b stashes the stage
-        inputs of the micro-batches in flight (a ``2p``-slot buffer of ``x``)."""
+        inputs of the micro-batches in flight (a ``2p``-slot buffer of ``x``); zero_bubble also keeps
+        the deferred weight halves (:func:`zero_bubble_extra_bytes`, ``weight_half_bytes`` per layer)."""
+        if self.schedule is Schedule.ZERO_BUBBLE:
+            return 2 * self.stages * stage_input_bytes + zero_bubble_extra_bytes(
+                self.stages, n_layers // self.stages, weight_half_bytes, stage_input_bytes)
         if self.one_f_one_b:
             return 2 * self.stages * stage_input_bytes
         return self.layer_runs(n_layers) * layer_bytes

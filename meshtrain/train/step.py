@@ -36,7 +36,6 @@ from meshtrain.parallel import pipeline as pipe
 from meshtrain.parallel.resolved import step_context_for  # noqa: F401 (step_context_for re-exported)
 from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
 from meshtrain.precision import cast_floats
-from meshtrain.recipes import Schedule
 from meshtrain.strategies import Pipeline, ZeRO
 from meshtrain.train.config import NonFinite  # noqa: F401 (re-exported: the step's policy is a run setting)
 from meshtrain.state import TrainState, state_shardings
@@ -108,11 +107,11 @@ def _loss_and_grads(plan: ShardingPlan, loss_fn: LossFn, pipeline: Optional[pipe
     # FP8 scales/histories (model state) are differentiated too and overwritten, never optimised
     meta = fp8.meta_paths(graphdef, plan.abstract.params, plan.abstract.model_state)
     fp8.check_pipeline(meta, pipeline)
-    if pipeline is None or pipeline.schedule is not Schedule.ONE_F_ONE_B:
+    if pipeline is None or not pipeline.schedule.explicit_vjp:
         return fp8.value_and_grad(summed, meta)
 
     def one_f_one_b(params, model_state, batch):
-        # 1F1B: the backward is written out per stage inside the schedule (no jax.grad over the pipeline).
+        # 1F1B / zero-bubble: the backward is written out per stage inside the schedule (no jax.grad over it).
         build = lambda p: nnx.merge(graphdef, cast_floats(p, compute_dtype), model_state)  # noqa: E731
         total, weight, metrics, grads = pipe.value_and_grad_1f1b(
             build, params, loss_fn, _split_batch(batch, plan, pipeline.micro_batches), pipeline,

@@ -51,6 +51,11 @@ load-balancing loss are per micro-batch, not over the whole batch). Layers that 
   after its forward, one new forward per tick; an SPMD buffer of ``2p`` slots) instead of all
   activations of all ``m``.
 
+* ``zero_bubble``: 1f1b's ticks with each backward split into an input-gradient half (1f1b's backward
+  slot) and a weight-gradient half that runs on every stage on the ``m`` ticks ``2p-2 ..``, where every
+  stage has one: bubble ``(p-1)(1-ω)/(m+(p-1)(1-ω))``, ``ω`` the weight gradient's share of the work;
+  a stage also keeps up to ``p`` micro-batches' weight halves (see ``_zero_bubble``).
+
 Every stage computes every tick (SPMD), so the bubble shows up as extra compiled FLOPs:
 ``FLOPs(pipelined stack) / FLOPs(stack without pipeline) = 1 / (1 - bubble)`` (gpipe, circular:
 ``ticks / (r·m)``; 1f1b: ``(m+p-1)/m`` of its forward + recompute + backward). The head runs on every
@@ -62,10 +67,12 @@ from meshtrain.parallel.pipeline._parts import (STAGE, PipelineParts, get_parts,
 from meshtrain.parallel.pipeline._tables import (PipelineConfig, ScheduleTable, bubble_fraction, bubble_warning,
                                                  config_for, schedule_table, timeline)
 from meshtrain.parallel.pipeline._schedules import merge_micro, one_f_one_b, run_stack, split_micro
+from meshtrain.parallel.pipeline._zero_bubble import LayerSplit, layer_split, zero_bubble
 from meshtrain.parallel.pipeline._loss import StandIn, pipelined_loss, value_and_grad_1f1b
 from meshtrain.recipes import Schedule  # what PipelineConfig takes
 
 __all__ = ["STAGE", "PipelineParts", "get_parts", "get_path", "stack_module", "with_path", "without_path",
            "PipelineConfig", "ScheduleTable", "bubble_fraction", "bubble_warning", "config_for", "schedule_table",
-           "timeline", "merge_micro", "one_f_one_b", "run_stack", "split_micro", "StandIn", "pipelined_loss",
+           "timeline", "merge_micro", "one_f_one_b", "run_stack", "split_micro", "LayerSplit", "layer_split",
+           "zero_bubble", "StandIn", "pipelined_loss",
            "value_and_grad_1f1b", "Schedule"]

@@ -14,6 +14,8 @@ from meshtrain.parallel.pipeline._parts import (PipelineParts, get_parts, get_pa
                                                 without_path)
 from meshtrain.parallel.pipeline._schedules import merge_micro, one_f_one_b, run_stack, split_micro
 from meshtrain.parallel.pipeline._tables import PipelineConfig
+from meshtrain.parallel.pipeline._zero_bubble import zero_bubble
+from meshtrain.strategies import Schedule
 
 
 # ---- the model-level entry points the train step uses -------------------------------------------
@@ -157,7 +159,8 @@ def pipelined_loss(model, loss_fn, batch, cfg: PipelineConfig, *, split_batch=No
 
 
 def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: PipelineConfig, unpack):
-    """Loss sums and gradients of ``params`` (a pure dict) under the 1F1B schedule.
+    """Loss sums and gradients of ``params`` (a pure dict) under the 1F1B or zero-bubble schedule
+    (``cfg.schedule``; both write the backward out per stage).
 
     ``build(params) -> model``; ``batch_m`` the batch cut into micro-batches (leading ``m``);
     ``unpack(loss_fn output) -> (loss_sum, weight, metrics)``. Returns
@@ -202,8 +205,8 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
         total, weight, metrics = unpack(loss_fn(StandIn(model, call), b_i))
         return total, (weight, metrics)
 
-    loss, (weight, metrics), d_stack, d_rest, dx_m = one_f_one_b(layer_fn, stack_state, x_m, side_m, head_loss,
-                                                                rest, cfg)
+    run = zero_bubble if cfg.schedule is Schedule.ZERO_BUBBLE else one_f_one_b
+    loss, (weight, metrics), d_stack, d_rest, dx_m = run(layer_fn, stack_state, x_m, side_m, head_loss, rest, cfg)
     (d_before,) = before_vjp(dx_m.astype(x_m.dtype))
     grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_rest, d_before)
     grads = with_path(grads, name, nnx.to_pure_dict(d_stack) if isinstance(d_stack, nnx.State) else d_stack)

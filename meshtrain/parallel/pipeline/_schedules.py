@@ -245,8 +245,13 @@ def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_
                                  y_shape=y_shape, v_shape=v_shape, layers=layers, carry0=carry0, add=add)
 
 
-def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params):
-    """``tick(carry, t, static=None) -> carry``: one tick of :func:`one_f_one_b` (forward, head, backward)."""
+def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params, *,
+                      split_backward=None):
+    """``tick(carry, t, static=None) -> carry``: one tick of :func:`one_f_one_b` (forward, head, backward).
+
+    ``split_backward``: ``(b_part, w_part)`` replacing the backward (zero_bubble, its own module):
+    ``b_part(c, t, dy) -> c`` the input-gradient half on the backward ticks, ``w_part(c, t) -> c`` the
+    weight-gradient half on ticks ``2p-2 ..`` (where every stage has one)."""
     (p, m, table, fwd, bwd, slots, w, stage_fn, run_f, run_b, stash_put, stash_get, put_v, get_v, first, last,
      stages, y_shape, v_shape, layers, add) = (
         s.p, s.m, s.table, s.fwd, s.bwd, s.slots, s.w, s.stage_fn, s.run_f, s.run_b, s.stash_put, s.stash_get,
@@ -309,6 +314,9 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
             else jax.lax.cond(pred, yes, no, *ops)  # noqa: E731
         c, fout, vals = cond(when(0, m + p - 1), f_part, lambda c, t: (dict(c),) + no_f, c, t)
         c, dy = cond(when(p - 1, m + p - 1), h_part, lambda c, t, f, v: (dict(c), no_dy), c, t, fout, vals)
-        return cond(when(p - 1, table.ticks), b_part, lambda c, t, dy: dict(c), c, t, dy)
+        if split_backward is None:
+            return cond(when(p - 1, table.ticks), b_part, lambda c, t, dy: dict(c), c, t, dy)
+        c = cond(when(p - 1, table.ticks), split_backward[0], lambda c, t, dy: dict(c), c, t, dy)
+        return cond(when(2 * p - 2, table.ticks), split_backward[1], lambda c, t: dict(c), c, t)
 
     return tick
