@@ -105,6 +105,7 @@ def test_sigterm_during_startup_exits_at_once_with_the_status(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)   # above its own 2400 s bound: pyproject's 1200 s per test would stop it first
 @pytest.mark.skipif(shutil.which("slurmctld") is None or shutil.which("munged") is None,
                     reason="Debian's slurmctld/slurmd/munge are not installed (apt-get install slurmctld slurmd munge)")
 def test_slurm_check_script_passes_every_case(tmp_path):
