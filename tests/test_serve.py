@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -267,8 +268,10 @@ def test_a_client_that_goes_away_frees_its_slot(served):
     server, _, _ = served
     before = server.request("GET", "/health")[2]["finished"]["cancelled"]
     streams = [server.stream(LONG) for _ in range(2)]  # both slots taken
-    for conn, _ in streams:
-        conn.sock.close()  # the client dies mid-stream
+    for conn, response in streams:
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the client dies mid-stream (the response's file holds the socket)
+        response.close()
+        conn.close()
     deadline = time.monotonic() + BOUND_S
     while time.monotonic() < deadline:
         health = server.request("GET", "/health")[2]
