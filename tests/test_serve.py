@@ -108,18 +108,18 @@ def test_slots_decode_the_engines_tokens_while_requests_join_and_leave():
     for step in range(5):  # prompt 1 joins at step 2 in slot 1; prompt 2 takes slot 0 when prompt 0 is done
         if step == 2:
             join(1, 1)
-        tokens, _ = slots.step(last, length, sampling)
+        tokens, _ = slots.step(last, length, sampling, used=1 if step < 2 else 2)  # slot 1 idle: not run
         for slot, i in ((0, 0), (1, 1)):
             if i in out and len(out[i]) < 6:
                 out[i].append(int(tokens[slot]))
-        last, length = np.array(tokens), length + 1
+        last[:len(tokens)], length = tokens, length + 1
     join(0, 2)
     for _ in range(5):
         tokens, _ = slots.step(last, length, sampling)
         for slot, i in ((0, 2), (1, 1)):
             if len(out[i]) < 6:
                 out[i].append(int(tokens[slot]))
-        last, length = np.array(tokens), length + 1
+        last[:], length = tokens, length + 1
     assert [out[i] for i in range(3)] == reference
 
 

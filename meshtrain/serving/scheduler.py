@@ -245,7 +245,7 @@ class Scheduler:
                 self._finish(slot, Finish.TIMEOUT)
 
     def _step(self) -> None:
-        tokens, _ = self.slots.step(self._last, self._length, self._sampling)
+        tokens, _ = self.slots.step(self._last, self._length, self._sampling, used=max(self._running) + 1)
         for slot in list(self._running):
             self._length[slot] += 1
             self._sampling.step_b[slot] += 1

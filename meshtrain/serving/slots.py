@@ -31,7 +31,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Sequence, Tuple
+import functools
+from typing import Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -76,18 +77,27 @@ class SamplingRows:
 def choose_rows(logits_bv, temperature_b, top_p_b, seed_b, step_b):
     """The next token of each row (int32 ``(batch,)``), each under its own settings: greedy where the
     temperature is 0, else temperature and top-p (the smallest set of most likely tokens whose
-    probability reaches ``top_p``, the first always kept), drawn with ``fold_in(key(seed), step)``."""
+    probability reaches ``top_p``, the first always kept), drawn with ``fold_in(key(seed), step)``.
+    The draws (a sort of the vocabulary per row for top-p) run only when some row samples: ``lax.cond``
+    skips them at run time for an all-greedy batch (at 64 rows they cost more than the tiny model's step)."""
     logits = logits_bv.astype(jnp.float32)
     greedy_b = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature_b, 1e-6)[:, None]
-    sorted_bv = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_bv, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
-    threshold = jnp.min(jnp.where(before < top_p_b[:, None], sorted_bv, jnp.inf), axis=-1, keepdims=True)
-    masked = jnp.where(scaled < threshold, -jnp.inf, scaled)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_b, step_b)
-    drawn_b = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature_b > 0, drawn_b, greedy_b)
+
+    def top_p(scaled):
+        sorted_bv = jnp.sort(scaled, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_bv, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
+        threshold = jnp.min(jnp.where(before < top_p_b[:, None], sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where(scaled < threshold, -jnp.inf, scaled)
+
+    def sample():
+        scaled = logits / jnp.maximum(temperature_b, 1e-6)[:, None]
+        masked = jax.lax.cond(jnp.any(top_p_b < 1), top_p, lambda x: x, scaled)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_b, step_b)
+        drawn_b = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(temperature_b > 0, drawn_b, greedy_b)
+
+    return jax.lax.cond(jnp.any(temperature_b > 0), sample, lambda: greedy_b)
 
 
 def prefill_bucket(length: int, context: int) -> int:
@@ -116,7 +126,7 @@ class Slots:
         cache = empty_layer_cache(engine.cfg, engine.plan, np.zeros(self.n, np.int32), context, engine.compute_dtype)
         self.k, self.v = cache.k, cache.v
         self._admit: Dict[int, object] = {}
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(3, 4))
+        self._decode: Dict[int, object] = {}
 
     # -- the two programs -----------------------------------------------------------------------------
     def _admit_fn(self, params, tokens_bt, length_b, row_cache, slot_k, slot_v, slot, sampling):
@@ -128,11 +138,28 @@ class Slots:
         v = tuple(jax.lax.dynamic_update_slice(s, r[:1].astype(s.dtype), start) for s, r in zip(slot_v, row.v))
         return token_b[0], token_logprobs(last_bv, token_b)[0], k, v
 
-    def _decode_fn(self, params, tokens_b, index_b, slot_k, slot_v, sampling):
-        cache = LayerCache(slot_k, slot_v, index_b, jnp.zeros_like(index_b))
+    def _decode_fn(self, params, tokens_b, index_b, slot_k, slot_v, sampling, *, rows: int):
+        # only the first `rows` slots run (the scheduler fills the lowest free slot first): their part of
+        # the cache is sliced out, decoded, and written back in place (the full cache is donated)
+        part_k, part_v = (tuple(x[:rows] for x in kv) if rows < self.n else kv for kv in (slot_k, slot_v))
+        cache = LayerCache(part_k, part_v, index_b, jnp.zeros_like(index_b))
         logits_btv, cache = self.engine._forward(params, tokens_b[:, None], cache)
         token_b = choose_rows(logits_btv[:, 0], *sampling)
-        return token_b, token_logprobs(logits_btv[:, 0], token_b), cache.k, cache.v
+        if rows < self.n:
+            slot_k = tuple(jax.lax.dynamic_update_slice_in_dim(s, p, 0, axis=0) for s, p in zip(slot_k, cache.k))
+            slot_v = tuple(jax.lax.dynamic_update_slice_in_dim(s, p, 0, axis=0) for s, p in zip(slot_v, cache.v))
+        else:
+            slot_k, slot_v = cache.k, cache.v
+        return token_b, token_logprobs(logits_btv[:, 0], token_b), slot_k, slot_v
+
+    def rows_for(self, used: int) -> int:
+        """The rows a decode step runs when the slots ``< used`` may be busy: the next power of two (a
+        multiple of the data-parallel size), at most :attr:`n`: a few programs, and a lightly loaded server
+        does not pay for its empty slots."""
+        rows = 1
+        while rows < used:
+            rows *= 2
+        return min(self.n, self.engine.padded_batch(rows))
 
     # -- joining and stepping ---------------------------------------------------------------------------
     def admit(self, slot: int, prompt_ids: Sequence[int], sampling: RowSampling) -> Tuple[int, float]:
@@ -156,12 +183,18 @@ class Slots:
             self.engine.params, tokens, lengths, row_cache, self.k, self.v, np.int32(slot), _arrays(one))
         return int(token), float(logprob)
 
-    def step(self, tokens_b: np.ndarray, index_b: np.ndarray, sampling: SamplingRows) -> Tuple[np.ndarray, np.ndarray]:
-        """One decode step of every slot: row ``b`` feeds ``tokens_b[b]`` at cache slot ``index_b[b]``
-        (its length so far). Returns the next tokens and their log-probabilities (host arrays)."""
-        token_b, logprob_b, self.k, self.v = self._decode(self.engine.params, tokens_b.astype(np.int32),
-                                                          np.minimum(index_b, self.context - 1).astype(np.int32),
-                                                          self.k, self.v, _arrays(sampling))
+    def step(self, tokens_b: np.ndarray, index_b: np.ndarray, sampling: SamplingRows,
+             used: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """One decode step of the slots ``< used`` (default: all; :meth:`rows_for` rounds it up): row ``b``
+        feeds ``tokens_b[b]`` at cache slot ``index_b[b]`` (its length so far). Returns the next tokens
+        and their log-probabilities (host arrays of the rows run)."""
+        rows = self.rows_for(self.n if used is None else used)
+        if rows not in self._decode:
+            self._decode[rows] = jax.jit(functools.partial(self._decode_fn, rows=rows), donate_argnums=(3, 4))
+        token_b, logprob_b, self.k, self.v = self._decode[rows](
+            self.engine.params, tokens_b[:rows].astype(np.int32),
+            np.minimum(index_b[:rows], self.context - 1).astype(np.int32), self.k, self.v,
+            tuple(a[:rows] for a in _arrays(sampling)))
         return np.asarray(token_b), np.asarray(logprob_b)
 
 
