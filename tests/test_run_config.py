@@ -55,6 +55,7 @@ COMMANDS = {
     "plan": ["plan"],
     "train": ["train"],
     "generate": ["generate", "RUN", "--prompt", "x"],
+    "serve": ["serve", "RUN"],
     "launch": ["launch", "--processes", "2", "--", "train"],
     "config show": ["config", "show"],
 }
@@ -113,7 +114,7 @@ def test_generated_flags_have_one_help_text():
     --recipe/--mesh/--seed (the generation section's: the run's recipe, the sampling seed)."""
     own = {("plan", "--batch-size"), ("plan", "--seq-len"), ("plan", "--hardware"), ("plan", "--dcn"),
            ("generate", "--recipe"),
-           ("generate", "--mesh"), ("generate", "--seed")}
+           ("generate", "--mesh"), ("generate", "--seed"), ("serve", "--recipe"), ("serve", "--mesh")}
     by_command = {c: _options(argv) for c, argv in COMMANDS.items() if c != "launch"}
     shared = 0
     settings = {"--" + setting_at(k).flag.replace("_", "-") for k in all_keys()}

@@ -141,7 +141,7 @@ class Server:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            ticket = self.scheduler.submit(request.job, deliver)
+            ticket = self.scheduler.submit(request.job, deliver, whole=not request.stream)
         except Overloaded as exc:
             status, kind_ = (503, "server_shutting_down") if exc.draining else (429, "rate_limit_exceeded")
             return error_response(ApiError(status, str(exc), None, kind_, kind_),

@@ -124,8 +124,9 @@ class Ticket:
     """One submitted request: its :class:`Job`, where its events go, its deadline, and its state on the
     scheduler's side. :meth:`cancel` (any thread) asks the scheduler to end it and free its slot."""
 
-    def __init__(self, job: Job, deliver: Callable[[Event], None], deadline: float, decode: Callable):
-        self.job, self.deliver, self.deadline = job, deliver, deadline
+    def __init__(self, job: Job, deliver: Callable[[Event], None], deadline: float, decode: Callable, whole: bool):
+        self.job, self.deliver, self.deadline, self.whole = job, deliver, deadline, whole
+        self.held: List[Event] = []  # a whole response's pieces: handed over at the end, in one event
         self.stream = TextStream(decode, job.stop_texts)
         self.cancelled = threading.Event()
         self.generated = 0
@@ -157,8 +158,10 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job, deliver: Callable[[Event], None]) -> Ticket:
-        """Queue ``job``; :class:`Overloaded` when the waiting line is full or the server is draining."""
+    def submit(self, job: Job, deliver: Callable[[Event], None], whole: bool = False) -> Ticket:
+        """Queue ``job``; :class:`Overloaded` when the waiting line is full or the server is draining.
+        ``whole``: ``deliver`` gets one event at the end, with all the text and ids (a response that is
+        not streamed: one wake-up of the server's event loop per request, not one per token)."""
         with self._cond:
             if self._closing:
                 raise Overloaded("the server is shutting down; send the request to another replica", 1, True)
@@ -166,7 +169,7 @@ class Scheduler:
                 self.counts["rejected"] += 1
                 raise Overloaded(f"{len(self._waiting)} requests are waiting for one of {self.slots.n} slots "
                                  f"(serve.max_queue {self.max_queue}); retry later", self.retry_after_s())
-            ticket = Ticket(job, deliver, time.monotonic() + self.timeout_s, self.decode)
+            ticket = Ticket(job, deliver, time.monotonic() + self.timeout_s, self.decode, whole)
             self._waiting.append(ticket)
             self._cond.notify()
             return ticket
@@ -266,6 +269,8 @@ class Scheduler:
         elif ticket.generated >= job.max_tokens or self._length[slot] >= self.slots.context:
             # (the next token would be written at slot _length: past the slot's end, it cannot be fed)
             self._finish(slot, Finish.LENGTH, text + ticket.stream.rest(), (token,))
+        elif ticket.whole:
+            ticket.held.append(Event(text, (token,)))
         else:
             ticket.deliver(Event(text, (token,)))
 
@@ -278,4 +283,7 @@ class Scheduler:
         if finish in (Finish.STOP, Finish.LENGTH):
             took = time.monotonic() - ticket.started
             self._seconds_per_request = 0.8 * self._seconds_per_request + 0.2 * took
+        if ticket.held:
+            text = "".join(e.text for e in ticket.held) + text
+            last = tuple(t for e in ticket.held for t in e.token_ids) + last
         ticket.deliver(Event(text, last, finish, ticket.generated))
