@@ -4,6 +4,7 @@ after another.
     python tools/bench_serve.py RUN --recipe dp --devices 1             # N = 1, 4, 16, 64
     python tools/bench_serve.py --clients 1 16 --requests-per-client 4 --max-tokens 64
     python tools/bench_serve.py --json
+    python tools/bench_serve.py --no-http                              # the scheduler alone, in this process
 
 Without RUN, a ``tiny`` run is trained for one step into a temporary folder (the weights do not change
 the speed). Each client sends ``--requests-per-client`` completions one after another: a
@@ -20,6 +21,10 @@ Figures per row: throughput = completion tokens of all requests ÷ the wall seco
 request sent to the last answer; latency = each request's seconds from sent to answered (p50, p99 over
 the row's requests). The last line: N = 16's throughput over the one-after-another row's (the issue's
 bar: >= 4x), and the load average before and after.
+
+``--no-http`` measures the same rows against the scheduler itself (:mod:`meshtrain.serving.scheduler`,
+built as ``meshtrain serve`` builds it, in this process): continuous batching without the HTTP layer,
+the requests submitted from threads of this process.
 """
 
 from __future__ import annotations
@@ -111,6 +116,34 @@ def measure(server: Server, clients: int, per_client: int, args) -> Dict:
             "p50_s": round(float(np.percentile(latencies, 50)), 3), "p99_s": round(float(np.percentile(latencies, 99)), 3)}
 
 
+class InProcess:
+    """The scheduler ``meshtrain serve`` would run, without HTTP: ``complete`` submits and waits."""
+
+    def __init__(self, run: str, args, max_batch: int):
+        from meshtrain.serving.build import build_server
+        from meshtrain.train.run_config import RunConfig
+
+        cfg = RunConfig().with_values({"serve.max_batch": max_batch, "serve.max_queue": 4096,
+                                       "generation.recipe": args.recipe})
+        self.built = build_server(run, None, cfg, args.devices)
+        self.built.scheduler.start()
+
+    def complete(self, body: Dict) -> Dict:
+        import threading
+
+        from meshtrain.serving.protocol import Kind, parse
+
+        request = parse(Kind.COMPLETION, {**body, "model": self.built.model.name}, self.built.model)
+        done, box = threading.Event(), []
+        self.built.scheduler.submit(request.job, lambda e: (box.append(e), done.set()), whole=True)
+        done.wait(START_BOUND_S)
+        return {"usage": {"completion_tokens": box[0].completion_tokens}}
+
+    def stop(self) -> None:
+        self.built.scheduler.close()
+        self.built.scheduler.join(60)
+
+
 def tiny_run(folder: str) -> str:
     run = os.path.join(folder, "tiny")
     subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", "tiny", "--steps", "1", "--ckpt-every", "1",
@@ -129,15 +162,20 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--recipe", default="dp")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--no-http", action="store_true", help="the scheduler alone, in this process")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.no_http:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     load_before = os.getloadavg()
     folder = tempfile.mkdtemp(prefix="bench_serve_")
     run = args.run or tiny_run(folder)
     extra = ["--recipe", args.recipe, "--devices", str(args.devices), "--model-name", "bench"]
     rows = []
     for max_batch in (args.max_batch, 1):
-        server = Server(run, extra, max_batch, folder)
+        server = InProcess(run, args, max_batch) if args.no_http else Server(run, extra, max_batch, folder)
         try:
             server.complete(request_body(0, args))  # warm: every program compiled before the clock starts
             if max_batch == 1:
@@ -155,7 +193,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rows": rows, "ratio_16": ratio, "load_before": load_before, "load_after": load_after}))
         return
-    print(f"run {run}; {args.prompt_len}-token prompts, {args.max_tokens} new tokens each, greedy, "
+    print(f"{'scheduler alone (no HTTP)' if args.no_http else 'HTTP'}; run {run}; {args.prompt_len}-token prompts, {args.max_tokens} new tokens each, greedy, "
           f"{args.requests_per_client} requests per client; recipe {args.recipe} on {args.devices} device(s)")
     print("| clients | slots | requests | wall s | tokens/s | p50 latency s | p99 latency s |")
     print("|---|---|---|---|---|---|---|")
