@@ -92,6 +92,7 @@ def test_text_stream_holds_back_what_could_start_a_stop_text():
     assert partial.push(1) == ("é", False) and partial.push(2) == ("", False) and partial.rest() == "\ufffd"
 
 
+@pytest.mark.slow
 def test_slots_decode_the_engines_tokens_while_requests_join_and_leave():
     engine = load(make_decoder("tiny"), recipe="dp", devices=1).engine
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30))]
