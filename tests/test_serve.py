@@ -93,12 +93,17 @@ def test_text_stream_holds_back_what_could_start_a_stop_text():
 
 
 @pytest.mark.slow
-def test_slots_decode_the_engines_tokens_while_requests_join_and_leave():
-    engine = load(make_decoder("tiny"), recipe="dp", devices=1).engine
+@pytest.mark.parametrize("recipe, devices", [("dp", 1), ("fsdp_tp", 8)])
+def test_slots_decode_the_engines_tokens_while_requests_join_and_leave(recipe, devices):
+    """Against the engine on one device: the slotted cache on the recipe's plan (fsdp_tp: the cache's
+    kv heads over ``tensor``, the weights over ``fsdp`` and ``tensor``)."""
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30))]
-    reference = [list(g.new_ids) for g in engine.run(prompts, 6).generations]
+    one_device = load(make_decoder("tiny"), recipe="dp", devices=1).engine
+    reference = [list(g.new_ids) for g in one_device.run(prompts, 6).generations]
+    engine = load(make_decoder("tiny"), recipe=recipe, devices=devices).engine
     slots = Slots(engine, 2, 64)
-    last, length, sampling, out = np.zeros(2, np.int32), np.zeros(2, np.int32), SamplingRows.empty(2), {}
+    n = slots.n  # 2, or more: a multiple of the data-parallel size
+    last, length, sampling, out = np.zeros(n, np.int32), np.zeros(n, np.int32), SamplingRows.empty(n), {}
 
     def join(slot, i):
         last[slot], _ = slots.admit(slot, prompts[i], RowSampling())
@@ -116,11 +121,11 @@ def test_slots_decode_the_engines_tokens_while_requests_join_and_leave():
         last[:len(tokens)], length = tokens, length + 1
     join(0, 2)
     for _ in range(5):
-        tokens, _ = slots.step(last, length, sampling)
+        tokens, _ = slots.step(last, length, sampling, used=2)
         for slot, i in ((0, 2), (1, 1)):
             if len(out[i]) < 6:
                 out[i].append(int(tokens[slot]))
-        last[:], length = tokens, length + 1
+        last[:len(tokens)], length = tokens, length + 1
     assert [out[i] for i in range(3)] == reference
 
 

@@ -223,15 +223,14 @@ class Attention(nnx.Module):
 def write_cache(cache_bskh, new_btkh, index):
     """``cache_bskh`` with ``new_btkh`` written from slot ``index``: an int32 scalar (every row at the same
     slot: left-padded batches) or ``(batch,)``, one slot per row for one new token each (a server's rows
-    are at different lengths: :mod:`meshtrain.serving.slots`). The per-row write is a select over the
-    slots, elementwise, so it keeps the cache's sharding whatever the mesh."""
+    are at different lengths: :mod:`meshtrain.serving.slots`); a slot past the end writes nothing."""
     new_btkh = new_btkh.astype(cache_bskh.dtype)
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice_in_dim(cache_bskh, new_btkh, index, axis=1)
     if new_btkh.shape[1] != 1:
         raise ConfigError(f"a per-row cache index writes one token per row; got {new_btkh.shape[1]}")
-    at_bs = jnp.arange(cache_bskh.shape[1], dtype=jnp.int32)[None, :] == index[:, None]
-    return jnp.where(at_bs[:, :, None, None], new_btkh, cache_bskh)
+    rows = jnp.arange(cache_bskh.shape[0], dtype=jnp.int32)
+    return cache_bskh.at[rows, index].set(new_btkh[:, 0], mode="drop")  # a scatter: in place in a donated cache
 
 
 class MLP(nnx.Module):
