@@ -55,6 +55,7 @@ COMMANDS = {
     "plan": ["plan"],
     "train": ["train"],
     "generate": ["generate", "RUN", "--prompt", "x"],
+    "serve": ["serve", "RUN"],
     "launch": ["launch", "--processes", "2", "--", "train"],
     "config show": ["config", "show"],
 }
@@ -113,7 +114,7 @@ def test_generated_flags_have_one_help_text():
     --recipe/--mesh/--seed (the generation section's: the run's recipe, the sampling seed)."""
     own = {("plan", "--batch-size"), ("plan", "--seq-len"), ("plan", "--hardware"), ("plan", "--dcn"),
            ("generate", "--recipe"),
-           ("generate", "--mesh"), ("generate", "--seed")}
+           ("generate", "--mesh"), ("generate", "--seed"), ("serve", "--recipe"), ("serve", "--mesh")}
     by_command = {c: _options(argv) for c, argv in COMMANDS.items() if c != "launch"}
     shared = 0
     settings = {"--" + setting_at(k).flag.replace("_", "-") for k in all_keys()}
@@ -213,7 +214,7 @@ def test_a_run_records_its_config_and_the_recorded_file_reproduces_it(tmp_path, 
 
     (h1, l1), (h2, l2) = header_and_losses(first), header_and_losses(second)
     assert l1 == l2 and len(l1) == 2
-    assert h1 == {k: v for k, v in recorded.to_dict().items() if k != "generation"}
+    assert h1 == {k: v for k, v in recorded.to_dict().items() if k not in ("generation", "serve")}
     h1["checkpoint"].pop("out"), h2["checkpoint"].pop("out")
     assert h1 == h2
 

@@ -10,7 +10,7 @@ from typing import Optional
 from meshtrain.distributed import add_distributed_args
 from meshtrain.errors import ConfigError
 
-COMMANDS = ("recipes", "plan", "train", "generate", "ckpt", "launch", "data", "import", "export", "config")
+COMMANDS = ("recipes", "plan", "train", "generate", "serve", "ckpt", "launch", "data", "import", "export", "config")
 #: Sub-commands whose module name differs from the command (``import`` is a keyword).
 MODULES = {"import": "hf_import", "export": "hf_export", "config": "config_cmd"}
 

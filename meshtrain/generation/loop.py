@@ -127,12 +127,13 @@ def cache_mask(index, pad_b, t: int, seq: int):
     """``(positions_bt, allowed_bts)`` of ``t`` new tokens written at slot ``index`` of a ``seq``-slot
     cache of left-padded rows: row ``b``'s token at slot ``s`` has position ``s - pad[b]`` and sees slots
     ``pad[b] .. s`` (as :meth:`meshtrain.models.decoder.Decoder.cached`); a padding slot's query sees
-    itself, so no softmax row is empty (its output is never read)."""
-    slots_t = index + jnp.arange(t, dtype=jnp.int32)
-    positions_bt = jnp.maximum(slots_t[None, :] - pad_b[:, None], 0)
+    itself, so no softmax row is empty (its output is never read). ``index`` may also be ``(batch,)``:
+    each row's own slot (a server's rows, :mod:`meshtrain.serving.slots`)."""
+    slots_bt = jnp.reshape(index, (-1, 1)) + jnp.arange(t, dtype=jnp.int32)[None, :]  # (1, t), or (batch, t)
+    positions_bt = jnp.maximum(slots_bt - pad_b[:, None], 0)
     keys_s = jnp.arange(seq, dtype=jnp.int32)
-    allowed_bts = (keys_s[None, None, :] >= pad_b[:, None, None]) & (keys_s[None, None, :] <= slots_t[None, :, None])
-    return positions_bt, allowed_bts | (keys_s[None, :] == slots_t[:, None])[None]
+    allowed_bts = (keys_s[None, None, :] >= pad_b[:, None, None]) & (keys_s[None, None, :] <= slots_bt[:, :, None])
+    return positions_bt, allowed_bts | (keys_s[None, None, :] == slots_bt[:, :, None])
 
 
 def layered_forward(model, block_graphdef, layers: Tuple, tokens_bt, cache: LayerCache,

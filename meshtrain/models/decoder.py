@@ -212,14 +212,25 @@ class Attention(nnx.Module):
         sees (left padding and causality; :meth:`Decoder.__call__` with ``cache=`` builds it)."""
         lay = head_layout(self.wq_dnh[...].shape[1], self.wk_dkh[...].shape[1])
         q, k, v = self._qkv(x_btd, positions_bt, lay)
-        k_bskh = constrain(jax.lax.dynamic_update_slice_in_dim(k_bskh, k.astype(k_bskh.dtype), index, axis=1),
-                           CACHE_LAYER)
-        v_bskh = constrain(jax.lax.dynamic_update_slice_in_dim(v_bskh, v.astype(v_bskh.dtype), index, axis=1),
-                           CACHE_LAYER)
+        k_bskh = constrain(write_cache(k_bskh, k, index), CACHE_LAYER)
+        v_bskh = constrain(write_cache(v_bskh, v, index), CACHE_LAYER)
         o = jax.nn.dot_product_attention(q, lay.kv_for_queries(k_bskh).astype(q.dtype),
                                          lay.kv_for_queries(v_bskh).astype(q.dtype),
                                          mask=allowed_bts[:, None]).astype(q.dtype)
         return self._out(o, lay), k_bskh, v_bskh
+
+
+def write_cache(cache_bskh, new_btkh, index):
+    """``cache_bskh`` with ``new_btkh`` written from slot ``index``: an int32 scalar (every row at the same
+    slot: left-padded batches) or ``(batch,)``, one slot per row for one new token each (a server's rows
+    are at different lengths: :mod:`meshtrain.serving.slots`); a slot past the end writes nothing."""
+    new_btkh = new_btkh.astype(cache_bskh.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache_bskh, new_btkh, index, axis=1)
+    if new_btkh.shape[1] != 1:
+        raise ConfigError(f"a per-row cache index writes one token per row; got {new_btkh.shape[1]}")
+    rows = jnp.arange(cache_bskh.shape[0], dtype=jnp.int32)
+    return cache_bskh.at[rows, index].set(new_btkh[:, 0], mode="drop")  # a scatter: in place in a donated cache
 
 
 class MLP(nnx.Module):

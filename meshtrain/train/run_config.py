@@ -10,6 +10,8 @@
     monitor:      progress, hardware, peak_flops_per_device, memory_check, hang_timeout, straggler_fraction
     distributed:  devices, dcn
     generation:   max_new_tokens, temperature, top_k, top_p, seed, stop_ids, quantize, weight_memory, recipe, mesh
+    serve:        host, port, max_batch, max_queue, request_timeout, context, model_name (``meshtrain serve``;
+                  its recipe, mesh and weight format are generation's)
 
 Every setting is defined once: the training sections reuse :class:`~meshtrain.train.config.TrainConfig`'s
 fields (help text, default, type, flag name), the recipe options the recipe's own settings
@@ -140,6 +142,27 @@ class GenerationSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeSection:
+    """The ``serve:`` section (``meshtrain serve``): where it listens, how many requests decode together and
+    how many may wait, e.g. ``serve: {port: 8000, max_batch: 16}``. The recipe, mesh and weight format are
+    the ``generation:`` section's."""
+
+    host: str = setting("127.0.0.1", "address to listen on (127.0.0.1: this machine only; 0.0.0.0: every "
+                        "interface)")
+    port: int = setting(8000, "TCP port (0: any free port; the line 'serving ... at http://HOST:PORT' names it)",
+                        minimum=0)
+    max_batch: int = setting(8, "KV-cache slots: requests decoded together (rounded up to a multiple of the "
+                             "recipe's data-parallel size)", minimum=1)
+    max_queue: int = setting(32, "requests that may wait for a slot; past it a request gets 429 with Retry-After",
+                             minimum=0)
+    request_timeout: float = setting(300.0, "seconds a request may wait and run before it ends with 504 (a "
+                                     "stream: an error event)")
+    context: Optional[int] = setting(None, "tokens per slot, prompt and completion together (default: the "
+                                     "model's max_seq_len)", minimum=1)
+    model_name: Optional[str] = setting(None, "the model id clients send (default: the run folder's name)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole run, by section; every field has a default: ``RunConfig()`` is ``meshtrain train``'s main job.
     Build one from YAML / dotted keys (:meth:`from_dict`, :meth:`with_values`), turn it into the Trainer's
@@ -158,6 +181,7 @@ class RunConfig:
     monitor: MonitorSection = dataclasses.field(default_factory=MonitorSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
     generation: GenerationSection = dataclasses.field(default_factory=GenerationSection)
+    serve: ServeSection = dataclasses.field(default_factory=ServeSection)
 
     # -- reading --------------------------------------------------------------------------------
     @classmethod
@@ -361,7 +385,7 @@ CONFIG_FILE = "config.yaml"
 
 def recorded(cfg: TrainConfig) -> Dict[str, Dict[str, Any]]:
     """The training sections of ``cfg``'s RunConfig (what the run header and ``config.yaml`` hold)."""
-    return {k: v for k, v in RunConfig.from_train_config(cfg).to_dict().items() if k != "generation"}
+    return {k: v for k, v in RunConfig.from_train_config(cfg).to_dict().items() if k not in ("generation", "serve")}
 
 
 def write_record(run_dir: str, cfg: TrainConfig) -> str:

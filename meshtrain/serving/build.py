@@ -1,0 +1,77 @@
+"""Everything ``meshtrain serve`` puts together before it listens: the run's model on the generation
+plan (as ``meshtrain generate`` restores it), its slotted cache, the compiled steps (warmed up), the
+scheduler and the app.
+
+Example::
+
+    built = build_server("runs/smollm", None, RunConfig().with_values({"serve.max_batch": 4}), devices=1)
+    built.app          # an ASGI app: uvicorn.run(built.app)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import numpy as np
+
+from meshtrain.generation.api import load
+from meshtrain.generation.runs import generation_recipe, read_run
+from meshtrain.serving.app import make_app
+from meshtrain.serving.protocol import ServedModel
+from meshtrain.serving.scheduler import Scheduler
+from meshtrain.serving.slots import MIN_BUCKET, RowSampling, SamplingRows, Slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    app: object
+    model: ServedModel
+    scheduler: Scheduler
+    description: str
+
+
+def served_model(info, name: str, context: int) -> ServedModel:
+    """The run's model as requests are checked against it (tokenizer, chat template, end ids)."""
+    tokenizer = info.tokenizer
+    template = info.chat_template()
+    render = (lambda messages: template.render(messages, add_generation_prompt=True)) if template else None
+    return ServedModel(name, context, info.cfg.vocab_size, tuple(info.end_ids),
+                       tokenizer.encode if tokenizer is not None else None, render)
+
+
+def warm_up(slots: Slots) -> None:
+    """Compile the shortest prompts' prefill and the decode steps now, not at the first request."""
+    slots.admit(0, [0], RowSampling())
+    used = 1
+    while True:  # each decode program: 1, 2, 4, ... rows up to every slot
+        slots.step(np.zeros(slots.n, np.int32), np.ones(slots.n, np.int32), SamplingRows.empty(slots.n), used)
+        if slots.rows_for(used) >= slots.n:
+            break
+        used = slots.rows_for(used) + 1
+    if slots.context > MIN_BUCKET:
+        slots.admit(0, [0] * (MIN_BUCKET + 1), RowSampling())  # the next bucket: most chat prompts
+
+
+def build_server(run_dir: str, step: Optional[int], cfg, devices: Optional[int]) -> Built:
+    """The served model of ``run_dir`` under run configuration ``cfg`` (its ``serve`` and ``generation``
+    sections: recipe, mesh, weight format)."""
+    gen, serve = cfg.generation, cfg.serve
+    info = read_run(run_dir, step)
+    context = serve.context or info.cfg.max_seq_len
+    recipe, mesh = gen.recipe, gen.mesh
+    layout = cfg.recipe.overrides()  # --replicate-indivisible, --indivisible-heads
+    if layout:
+        recipe, mesh = generation_recipe(gen.recipe, info.recipe, gen.mesh).with_options(**layout), None
+    loaded = load(run_dir, step=info.step, recipe=recipe, mesh=mesh, devices=devices, quantize=gen.quantize)
+    slots = Slots(loaded.engine, serve.max_batch, context)
+    warm_up(slots)
+    name = serve.model_name or os.path.basename(os.path.normpath(str(info.folder or run_dir)))
+    model = served_model(info, name, context)
+    decode = info.tokenizer.decode if info.tokenizer is not None else (lambda ids: "")
+    scheduler = Scheduler(slots, decode, max_queue=serve.max_queue, timeout_s=serve.request_timeout)
+    plan = loaded.engine.plan
+    description = (f"{slots.n} slots x {context} tokens, recipe {plan.recipe.name} on {plan.mesh.devices.size} "
+                   f"device(s), weights {gen.quantize}")
+    return Built(make_app(model, scheduler, serve.request_timeout), model, scheduler, description)

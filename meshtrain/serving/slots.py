@@ -1,0 +1,202 @@
+"""The server's KV cache: ``slots`` rows of ``context`` tokens each, one request per row, on the plan.
+
+A request **joins** by its prefill: its prompt runs through the model in a one-row cache (the prompt
+right-padded to a power-of-two *bucket*, so a few programs serve every prompt length; a real token
+never sees the padding after it), its first token is chosen from the logits of its last real token,
+and the row's keys and values are copied into its slot. It **leaves** by being forgotten: nothing is
+cleared, the next occupant's prefill overwrites the slot and the mask hides what lies past each
+row's length.
+
+One **decode step** feeds every slot its last token: row ``b`` writes at its own cache slot
+``index[b]`` (its length so far; :func:`meshtrain.models.decoder.write_cache`) and sees the slots
+``0 .. index[b]`` (:func:`meshtrain.generation.loop.cache_mask` with a per-row index). Free slots
+compute too (the batch moves together) and their tokens are dropped. The caller (the scheduler)
+keeps each row's length and sampling settings on the host and passes them every step, so joining
+and leaving between steps is a host-side bookkeeping change, never a recompile.
+
+The weights, the cache layout and the activations are the generation engine's
+(:class:`~meshtrain.generation.engine.Engine`): the plan's shardings, the stored format (int8, bf16)
+and the layers one array each.
+
+Sampling is per row (:func:`choose_rows`): temperature 0 is greedy; otherwise temperature and top-p,
+drawn with ``fold_in(key(seed), step)`` (the key :meth:`Sampling.key` makes for the same seed and step).
+
+Example::
+
+    slots = Slots(engine, n_slots=8, context=2048)
+    token, logprob = slots.admit(0, prompt_ids, RowSampling(temperature=0.0))
+    tokens_b, logprobs_b = slots.step(last_tokens_b, lengths_b, sampling_b)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshtrain.errors import ConfigError
+from meshtrain.generation.engine import Engine
+from meshtrain.generation.loop import LayerCache, empty_layer_cache
+from meshtrain.generation.sampling import token_logprobs
+
+#: the shortest prefill bucket: shorter prompts share one program
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """One request's sampling: ``temperature`` 0 greedy; ``top_p`` 1 off; ``seed`` the draws' seed."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Every slot's sampling settings as arrays (``(slots,)`` each), and each row's step number
+    (0: the prefill's token), which picks its key."""
+
+    temperature_b: np.ndarray
+    top_p_b: np.ndarray
+    seed_b: np.ndarray
+    step_b: np.ndarray
+
+    @classmethod
+    def empty(cls, n: int) -> "SamplingRows":
+        return cls(np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.int32))
+
+    def set(self, b: int, s: RowSampling, step: int = 0) -> None:
+        self.temperature_b[b], self.top_p_b[b], self.seed_b[b], self.step_b[b] = s.temperature, s.top_p, s.seed, step
+
+
+def choose_rows(logits_bv, temperature_b, top_p_b, seed_b, step_b):
+    """The next token of each row (int32 ``(batch,)``), each under its own settings: greedy where the
+    temperature is 0, else temperature and top-p (the smallest set of most likely tokens whose
+    probability reaches ``top_p``, the first always kept), drawn with ``fold_in(key(seed), step)``.
+    The draws (a sort of the vocabulary per row for top-p) run only when some row samples: ``lax.cond``
+    skips them at run time for an all-greedy batch (at 64 rows they cost more than the tiny model's step)."""
+    logits = logits_bv.astype(jnp.float32)
+    greedy_b = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def top_p(scaled):
+        sorted_bv = jnp.sort(scaled, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_bv, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
+        threshold = jnp.min(jnp.where(before < top_p_b[:, None], sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where(scaled < threshold, -jnp.inf, scaled)
+
+    def sample():
+        scaled = logits / jnp.maximum(temperature_b, 1e-6)[:, None]
+        masked = jax.lax.cond(jnp.any(top_p_b < 1), top_p, lambda x: x, scaled)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_b, step_b)
+        drawn_b = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(temperature_b > 0, drawn_b, greedy_b)
+
+    return jax.lax.cond(jnp.any(temperature_b > 0), sample, lambda: greedy_b)
+
+
+def prefill_bucket(length: int, context: int) -> int:
+    """The padded prefill length of a ``length``-token prompt: the next power of two from
+    :data:`MIN_BUCKET`, at most ``context``."""
+    bucket = MIN_BUCKET
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, context)
+
+
+class Slots:
+    """The slotted cache of ``engine``'s model and its two compiled programs (module docstring).
+    ``n_slots`` is rounded up to a multiple of the plan's data-parallel size (:attr:`n`); ``context``:
+    tokens per slot (at most the model's ``max_seq_len``)."""
+
+    def __init__(self, engine: Engine, n_slots: int, context: int):
+        if not engine.layered:
+            raise ConfigError("serving keeps the layer weights on the devices: drop --offload-weights "
+                              "(generation.weight_memory: device)")
+        if not 1 <= context <= engine.cfg.max_seq_len:
+            raise ConfigError(f"serve.context {context}: give 1 .. {engine.cfg.max_seq_len} (max_seq_len of model "
+                              f"{engine.cfg.name!r})")
+        self.engine, self.context = engine, context
+        self.n = engine.padded_batch(n_slots)
+        cache = empty_layer_cache(engine.cfg, engine.plan, np.zeros(self.n, np.int32), context, engine.compute_dtype)
+        self.k, self.v = cache.k, cache.v
+        self._admit: Dict[int, object] = {}
+        self._decode: Dict[int, object] = {}
+
+    # -- the two programs -----------------------------------------------------------------------------
+    def _admit_fn(self, params, tokens_bt, length_b, row_cache, slot_k, slot_v, slot, sampling):
+        logits_btv, row = self.engine._forward(params, tokens_bt, row_cache)
+        last_bv = jnp.take_along_axis(logits_btv, (length_b - 1)[:, None, None], axis=1)[:, 0]
+        token_b = choose_rows(last_bv, *sampling)
+        start = (slot, 0, 0, 0)
+        k = tuple(jax.lax.dynamic_update_slice(s, r[:1].astype(s.dtype), start) for s, r in zip(slot_k, row.k))
+        v = tuple(jax.lax.dynamic_update_slice(s, r[:1].astype(s.dtype), start) for s, r in zip(slot_v, row.v))
+        return token_b[0], token_logprobs(last_bv, token_b)[0], k, v
+
+    def _decode_fn(self, params, tokens_b, index_b, slot_k, slot_v, sampling, *, rows: int):
+        # only the first `rows` slots run (the scheduler fills the lowest free slot first): their part of
+        # the cache is sliced out, decoded, and written back in place (the full cache is donated)
+        part_k, part_v = (tuple(x[:rows] for x in kv) if rows < self.n else kv for kv in (slot_k, slot_v))
+        cache = LayerCache(part_k, part_v, index_b, jnp.zeros_like(index_b))
+        logits_btv, cache = self.engine._forward(params, tokens_b[:, None], cache)
+        token_b = choose_rows(logits_btv[:, 0], *sampling)
+        if rows < self.n:
+            slot_k = tuple(jax.lax.dynamic_update_slice_in_dim(s, p, 0, axis=0) for s, p in zip(slot_k, cache.k))
+            slot_v = tuple(jax.lax.dynamic_update_slice_in_dim(s, p, 0, axis=0) for s, p in zip(slot_v, cache.v))
+        else:
+            slot_k, slot_v = cache.k, cache.v
+        return token_b, token_logprobs(logits_btv[:, 0], token_b), slot_k, slot_v
+
+    def rows_for(self, used: int) -> int:
+        """The rows a decode step runs when the slots ``< used`` may be busy: the next power of two (a
+        multiple of the data-parallel size), at most :attr:`n`: a few programs, and a lightly loaded server
+        does not pay for its empty slots."""
+        rows = 1
+        while rows < used:
+            rows *= 2
+        return min(self.n, self.engine.padded_batch(rows))
+
+    # -- joining and stepping ---------------------------------------------------------------------------
+    def admit(self, slot: int, prompt_ids: Sequence[int], sampling: RowSampling) -> Tuple[int, float]:
+        """Prefill ``prompt_ids`` into slot ``slot``; the first new token and its log-probability. The
+        row's length is then ``len(prompt_ids)``; the caller checks that it fits :attr:`context`."""
+        length = len(prompt_ids)
+        if not 1 <= length <= self.context:
+            raise ConfigError(f"a prompt of {length} tokens does not fit a slot of {self.context}")
+        bucket = prefill_bucket(length, self.context)
+        rows = self.engine.padded_batch(1)  # one request, and dummy rows up to the data-parallel size
+        tokens = np.zeros((rows, bucket), np.int32)
+        tokens[0, :length] = prompt_ids
+        lengths = np.ones(rows, np.int32)
+        lengths[0] = length
+        one = SamplingRows.empty(rows)
+        one.set(0, sampling)
+        if bucket not in self._admit:
+            self._admit[bucket] = jax.jit(self._admit_fn, donate_argnums=(4, 5))
+        row_cache = self.engine.empty_cache(np.zeros(rows, np.int32), bucket)
+        token, logprob, self.k, self.v = self._admit[bucket](
+            self.engine.params, tokens, lengths, row_cache, self.k, self.v, np.int32(slot), _arrays(one))
+        return int(token), float(logprob)
+
+    def step(self, tokens_b: np.ndarray, index_b: np.ndarray, sampling: SamplingRows,
+             used: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """One decode step of the slots ``< used`` (default: all; :meth:`rows_for` rounds it up): row ``b``
+        feeds ``tokens_b[b]`` at cache slot ``index_b[b]`` (its length so far). Returns the next tokens
+        and their log-probabilities (host arrays of the rows run)."""
+        rows = self.rows_for(self.n if used is None else used)
+        if rows not in self._decode:
+            self._decode[rows] = jax.jit(functools.partial(self._decode_fn, rows=rows), donate_argnums=(3, 4))
+        token_b, logprob_b, self.k, self.v = self._decode[rows](
+            self.engine.params, tokens_b[:rows].astype(np.int32),
+            np.minimum(index_b[:rows], self.context - 1).astype(np.int32), self.k, self.v,
+            tuple(a[:rows] for a in _arrays(sampling)))
+        return np.asarray(token_b), np.asarray(logprob_b)
+
+
+def _arrays(s: SamplingRows) -> Tuple[np.ndarray, ...]:
+    return s.temperature_b, s.top_p_b, s.seed_b, s.step_b
