@@ -35,6 +35,7 @@ LOGICAL_AXES = {
     "expert": "mixture-of-experts experts",
     "layers": "stacked (scanned) layers",
     "stage": "pipeline stages",
+    "grad_replica": "data-parallel replicas of a gradient's error-feedback state (grad_compression: onebit)",
 }
 
 

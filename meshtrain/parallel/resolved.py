@@ -24,11 +24,13 @@ import jax.numpy as jnp
 
 from meshtrain.annotate import StepContext
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.grad_compression import CompressionChoice
+from meshtrain.parallel.grad_compression import resolve as resolve_compression
 from meshtrain.parallel.heads import HeadLayout, plan_heads
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
-from meshtrain.strategies import Context, FlashBackend, LoadBalance, Pipeline, Schedule
+from meshtrain.strategies import Context, FlashBackend, GradCompression, LoadBalance, Pipeline, Schedule
 
 #: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
 #: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
@@ -203,6 +205,8 @@ class ResolvedStep:
     #: attention heads over ``tensor`` (:mod:`meshtrain.parallel.heads`): padded, replicated or split; ``None``
     #: for a model without ``heads``
     heads: Optional[HeadLayout] = None
+    #: the gradient reduction over `data` across DCN (:mod:`meshtrain.parallel.grad_compression`)
+    grad_compression: CompressionChoice = CompressionChoice(GradCompression.NONE)
 
     @property
     def batch_splits(self) -> int:
@@ -245,7 +249,7 @@ def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> Re
         pipeline_micro_batches=pipeline.micro_batches if pipeline else 1,
         repeats=pipeline.repeats if pipeline else 1, param_dtype=recipe.param_dtype,
         compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations),
-        heads=plan_heads(plan, sizes))
+        heads=plan_heads(plan, sizes), grad_compression=resolve_compression(recipe, dict(plan.mesh_sizes)))
 
 
 def recipe_attention_kind(recipe) -> AttentionKind:
