@@ -327,6 +327,11 @@ _COMPRESSION_HELP = ("gradient reduction across DCN over `data` (which must be t
                      "(per-block scales) or onebit (sign + scale, error feedback in the model state)")
 
 
+def _feedback_rule(kind: GradCompression) -> Dict[str, str]:
+    """``onebit`` keeps one error-feedback residual per ``data`` replica (logical ``grad_replica``)."""
+    return {"grad_replica": "data"} if kind is GradCompression.ONEBIT else {}
+
+
 # ---- built-in strategies -------------------------------------------------------------------
 
 @register_strategy
@@ -338,7 +343,7 @@ class DataParallel(Strategy):
     grad_compression: GradCompression = setting(GradCompression.NONE, _COMPRESSION_HELP, flag="grad_compression")
 
     def rules(self) -> AxisRules:
-        return AxisRules.of(params={"grad_replica": "data"}, activations={"batch": "data"})
+        return AxisRules.of(params=_feedback_rule(self.grad_compression), activations={"batch": "data"})
 
 
 @register_strategy
@@ -392,7 +397,8 @@ class HSDP(Strategy):
     grad_compression: GradCompression = setting(GradCompression.NONE, _COMPRESSION_HELP, flag="grad_compression")
 
     def rules(self) -> AxisRules:
-        return AxisRules.of(params={"embed": "fsdp", "grad_replica": "data"}, activations={"batch": ("data", "fsdp")})
+        return AxisRules.of(params={"embed": "fsdp", **_feedback_rule(self.grad_compression)},
+                            activations={"batch": ("data", "fsdp")})
 
 
 @register_strategy
