@@ -35,7 +35,6 @@ LOGICAL_AXES = {
     "expert": "mixture-of-experts experts",
     "layers": "stacked (scanned) layers",
     "stage": "pipeline stages",
-    "grad_replica": "data-parallel replicas of a gradient's error-feedback state (grad_compression: onebit)",
 }
 
 
