@@ -477,7 +477,9 @@ def _replication_guard(plan: ShardingPlan) -> None:
     """Fail a sharded recipe that leaves too many bytes replicated, naming the largest leaves."""
     sizes = plan.mesh_sizes
     for group, kind in (("params", "params"), ("optimizer", "optimizer")):
-        shards = any(any(sizes.get(a, 1) > 1 for a in r.mesh_axes) for r in plan.rules.table(kind).values())
+        # (grad_replica: onebit's error-feedback residuals per replica, model state; not a parameter layout)
+        shards = any(any(sizes.get(a, 1) > 1 for a in r.mesh_axes) for r in plan.rules.table(kind).values()
+                     if r.logical != "grad_replica")
         leaves = plan.group(group)
         total = sum(l.bytes_total for l in leaves)
         if not shards or not total:

@@ -256,7 +256,9 @@ class Recipe:
                 mine[key] = value
                 continue
             cls, setting_ = _dimension_option(key)
-            dim = next((d for d in self.strategies if isinstance(d, cls)), None)
+            # (an option two dimensions share, e.g. dp's and hsdp's --grad-compression: whichever the recipe has)
+            dim = next((d for d in self.strategies if isinstance(d, cls)
+                        or any(s.flag == setting_.flag for s in settings_of(type(d)))), None)
             if dim is None:
                 raise RecipeError(f"option {key!r} belongs to the {cls.key!r} dimension ({cls.__name__}); recipe "
                                   f"{self.name!r} has none (its strategies: {', '.join(self.strategies.names())})")

@@ -105,6 +105,17 @@ class AllToAll(str, enum.Enum):
     HIERARCHICAL = "hierarchical"
 
 
+class GradCompression(str, enum.Enum):
+    """How the gradient reduction over the data-parallel axis that crosses DCN is sent
+    (:mod:`meshtrain.parallel.grad_compression`): ``none`` (full precision), ``int8`` (per-block scales),
+    ``onebit`` (sign bits + per-block scale, with error feedback kept as model state). The reduction inside a
+    slice stays exact either way."""
+
+    NONE = "none"
+    INT8 = "int8"
+    ONEBIT = "onebit"
+
+
 class Schedule(str, enum.Enum):
     """Pipeline schedule over the ``stage`` axis (:mod:`meshtrain.parallel.pipeline`).
 
@@ -334,6 +345,16 @@ def _compose(dims: Tuple[Strategy, ...]) -> Tuple[AxisRules, Dict[str, str]]:
     return AxisRules.defaults().merged(composed), owners
 
 
+#: one help text for the option ``dp`` and ``hsdp`` share (one ``--grad-compression`` flag)
+_COMPRESSION_HELP = ("gradient reduction across DCN over `data` (which must be the DCN axis): none, int8 "
+                     "(per-block scales) or onebit (sign + scale, error feedback in the model state)")
+
+
+def _feedback_rule(kind: GradCompression) -> Dict[str, str]:
+    """``onebit`` keeps one error-feedback residual per ``data`` replica (logical ``grad_replica``)."""
+    return {"grad_replica": "data"} if kind is GradCompression.ONEBIT else {}
+
+
 # ---- built-in strategies -------------------------------------------------------------------
 
 @register_strategy
@@ -342,9 +363,10 @@ class DataParallel(Strategy):
     key: ClassVar[str] = "dp"
     description: ClassVar[str] = "data parallelism: batch split over `data`, weights replicated, gradients all-reduced"
     claims: ClassVar[Tuple[str, ...]] = ("data",)
+    grad_compression: GradCompression = setting(GradCompression.NONE, _COMPRESSION_HELP, flag="grad_compression")
 
     def rules(self) -> AxisRules:
-        return AxisRules.of(activations={"batch": "data"})
+        return AxisRules.of(params=_feedback_rule(self.grad_compression), activations={"batch": "data"})
 
 
 @register_strategy
@@ -395,9 +417,11 @@ class HSDP(Strategy):
     key: ClassVar[str] = "hsdp"
     description: ClassVar[str] = "hybrid sharded DP: FSDP within `fsdp` groups, replicas across `data` (the DCN axis)"
     claims: ClassVar[Tuple[str, ...]] = ("data", "fsdp")
+    grad_compression: GradCompression = setting(GradCompression.NONE, _COMPRESSION_HELP, flag="grad_compression")
 
     def rules(self) -> AxisRules:
-        return AxisRules.of(params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")})
+        return AxisRules.of(params={"embed": "fsdp", **_feedback_rule(self.grad_compression)},
+                            activations={"batch": ("data", "fsdp")})
 
 
 @register_strategy

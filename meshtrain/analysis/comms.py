@@ -159,8 +159,9 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
                                           phase))
 
     pipe = pipeline_shape(plan)
+    compression = resolve_step(plan).grad_compression
     for x in cached(plan, "param_collectives", _param_collective_leaves, layout_only=True):
-        _param_leaf_collectives(x, plan, cfg, backend, pipe, m, c, put)
+        _param_leaf_collectives(x, plan, cfg, backend, pipe, m, c, put, compression)
     if cfg is not None:
         _tensor_parallel(plan, cfg, lay, backend, c, add)
         _expert_parallel(plan, cfg, lay, backend, c, add)
@@ -199,10 +200,11 @@ class _ParamLeaf:
     expert: bool = False  # an MoE expert weight (logical axis `expert`)
 
 
-def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int, put) -> None:
+def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int, put, compression=None) -> None:
     """One parameter's collectives (FSDP gathers, gradient reductions, ZeRO-1), each passed to
     ``put(kind, (axes, size), bytes, executions, what[, overlap, phase])``; ``c`` is the compute
-    dtype's item size, ``m`` the micro-batches, ``pipe`` the pipeline shape or None."""
+    dtype's item size, ``m`` the micro-batches, ``pipe`` the pipeline shape or None, ``compression`` the
+    step's :class:`~meshtrain.parallel.grad_compression.CompressionChoice` (``None``: none)."""
     cpu = backend is Backend.CPU
     elems, p, t, layer, f, r, z = x.elems, x.p, x.t, x.layer, x.f, x.r, x.z
     per = (cfg.n_layers if cfg is not None else x.lead) if layer else 1
@@ -256,6 +258,12 @@ def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int
         # XLA:GPU (measured: fsdp_cp and fsdp_tp_cp's `context` all-reduces on 8xH100 are the bf16 shards');
         # XLA:CPU reduces in the parameter's dtype.
         g_reduce = g_shard * c / p if not cpu and c < p else g_shard
+        if compression is not None and compression.active and r[0] == ("data",):
+            # grad_compression: the exact reduction inside the slice above, then every replica's compressed
+            # shard all-gathered over `data` (DCN): payload_bytes_per_value per value (scales included)
+            payload = g_shard / p * compression.payload_bytes_per_value
+            put("all-gather", r, payload * r[1], reduce_runs, f"{compression.kind.value} {x.what[4]}")
+            return
         put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 
 

@@ -48,6 +48,7 @@ import warnings
 from typing import Any, Callable, Dict, Optional
 
 from meshtrain import fp8
+from meshtrain.parallel import grad_compression
 from meshtrain.abstract import abstract_state, list_model_state, list_params
 from meshtrain.analysis import gpu_aot
 from meshtrain.annotate import ModelRules
@@ -402,7 +403,8 @@ def build(args, choice: Optional[ModelChoice] = None):
         mesh = recipe.mesh.abstract(n)
     try:
         # train's optimizer (AdamW after global-norm clipping): the same optimizer-state paths as its plan.json
-        abstract = abstract_state(fp8.recipe_factory(choice.factory, recipe), default_optimizer(TrainConfig(), {}),
+        factory = grad_compression.feedback_factory(fp8.recipe_factory(choice.factory, recipe), recipe)
+        abstract = abstract_state(factory, default_optimizer(TrainConfig(), {}),
                                   annotations=choice.rules)
     except MeshtrainError:
         raise

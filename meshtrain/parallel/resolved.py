@@ -24,12 +24,14 @@ import jax.numpy as jnp
 
 from meshtrain.annotate import StepContext
 from meshtrain.errors import ConfigError
+from meshtrain.parallel.grad_compression import CompressionChoice
+from meshtrain.parallel.grad_compression import resolve as resolve_compression
 from meshtrain.parallel.heads import HeadLayout, plan_heads
 from meshtrain.parallel.moe_exchange import ExpertExchange, resolve_exchange
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
 from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
-from meshtrain.strategies import Context, Expert, FlashBackend, LoadBalance, Pipeline, Schedule
+from meshtrain.strategies import Context, Expert, FlashBackend, GradCompression, LoadBalance, Pipeline, Schedule
 
 #: Packed documents on cuDNN: segments per row the ragged layout has room for (a static shape). A
 #: step whose rows have more runs blockwise XLA on that device (:func:`flash_attention`). Room costs
@@ -207,6 +209,8 @@ class ResolvedStep:
     #: how expert parallelism exchanges tokens (:mod:`meshtrain.parallel.moe_exchange`): flat, or hierarchical over
     #: an expert axis that spans slices; decided on the plan's own mesh sizes and DCN layout
     expert_exchange: ExpertExchange = ExpertExchange()
+    #: the gradient reduction over `data` across DCN (:mod:`meshtrain.parallel.grad_compression`)
+    grad_compression: CompressionChoice = CompressionChoice(GradCompression.NONE)
 
     @property
     def batch_splits(self) -> int:
@@ -250,7 +254,8 @@ def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> Re
         repeats=pipeline.repeats if pipeline else 1, param_dtype=recipe.param_dtype,
         compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations),
         heads=plan_heads(plan, sizes),
-        expert_exchange=resolve_exchange(recipe.dimension(Expert), plan.rules, recipe.mesh, dict(plan.mesh_sizes)))
+        expert_exchange=resolve_exchange(recipe.dimension(Expert), plan.rules, recipe.mesh, dict(plan.mesh_sizes)),
+        grad_compression=resolve_compression(recipe, dict(plan.mesh_sizes)))
 
 
 def recipe_attention_kind(recipe) -> AttentionKind:

@@ -18,6 +18,7 @@ accuracy. A weight of 0 divides by 1 (the loss reads 0).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional
 
@@ -32,6 +33,7 @@ from meshtrain.annotate import current_step_context, step_context  # noqa: F401 
 from meshtrain.errors import ConfigError
 from meshtrain.losses import (RESERVED_METRICS, LossFn, next_token_loss,  # noqa: F401 (re-export)
                               unpack_loss)
+from meshtrain.parallel import grad_compression as gc
 from meshtrain.parallel import pipeline as pipe
 from meshtrain.parallel.resolved import step_context_for  # noqa: F401 (step_context_for re-exported)
 from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
@@ -178,6 +180,22 @@ def _accumulate(grad_fn, params, model_state, batch, micro: int, plan: ShardingP
     return total, weight, metrics, grads, model_state
 
 
+def _compressed(choice, grad_fn, state, batch, plan: ShardingPlan, grad_sh, ctx):
+    """:func:`_accumulate` (one micro-batch) per ``data`` replica, then the gradient sum over ``data`` sent
+    compressed (:mod:`meshtrain.parallel.grad_compression`); the new error feedback lands in the model state."""
+    def local(params, model_state, batch):
+        # inside shard_map over `data`: constraints name the other axes only, on the mesh with `data` manual
+        local_ctx = dataclasses.replace(ctx, rules=gc.local_rules(ctx.rules), mesh=jax.sharding.get_abstract_mesh())
+        with step_context(local_ctx):
+            (total, (weight, metrics, new_ms)), grads = grad_fn(params, model_state, batch)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return total, weight, metrics, grads, new_ms
+
+    total, weight, metrics, stacked, model_state = gc.per_replica(local, plan, state.params, state.model_state, batch)
+    grads, model_state = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state)
+    return total, weight, metrics, grads, model_state
+
+
 def _denominator(weight):
     return jnp.where(weight > 0, weight, 1.0)
 
@@ -237,10 +255,18 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
     nonfinite = NonFinite(nonfinite)
     grad_sh = gradient_shardings(plan)  # ZeRO-2: the optimizer state's sharding; else the params'
 
+    compression = ctx.resolved.grad_compression
+    if compression.active:
+        gc.check_model_state(plan)
+
     def step(state: TrainState, batch):
         with step_context(ctx):
-            total, weight, metrics, grads, model_state = _accumulate(grad_fn, state.params, state.model_state,
-                                                                     batch, micro, plan, grad_sh)
+            if compression.active:  # per-replica gradients, then a compressed exchange over `data` (DCN)
+                total, weight, metrics, grads, model_state = _compressed(compression, grad_fn, state, batch, plan,
+                                                                         grad_sh, ctx)
+            else:
+                total, weight, metrics, grads, model_state = _accumulate(grad_fn, state.params, state.model_state,
+                                                                         batch, micro, plan, grad_sh)
             denom = _denominator(weight)
             grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from meshtrain import fp8
+from meshtrain.parallel import grad_compression
 from meshtrain.abstract import Annotations, ModelFactory, abstract_state
 from meshtrain.annotate import ModelRules, PathRules
 from meshtrain.batch_layout import BatchLayout
@@ -138,6 +139,7 @@ class Trainer:
         """The run's :class:`ShardingPlan` (recipe + overrides, mesh over the devices, batch layout)."""
         recipe, mesh = self._recipe_and_mesh(devices)
         factory = fp8.recipe_factory(self.factory, recipe)  # the recipe's fp8: dense layers get their scales
+        factory = grad_compression.feedback_factory(factory, recipe)  # onebit: its error feedback (model state)
         tx = self.tx or default_optimizer(self.cfg, abstract_state(factory, annotations=self.path_rules).param_axes)
         abstract = abstract_state(factory, tx, annotations=self.path_rules)
         return make_plan(abstract, recipe, mesh, batch=self._layout())
