@@ -27,7 +27,8 @@ are done from the start.
 
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
-(:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step. The
+(:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step (bf16 on
+XLA:CPU, which converts to f32 for every matmul: once per generation, :attr:`Engine.hoist_bf16`). The
 logits of an untied head are f32 whatever the weights' format (a tied head shares the embedding table,
 which stays in the compute dtype so that the residual stream does too): bf16 logits near the top are
 0.03-0.06 apart and tie exactly (argmax then picks the lower token id): 14 of the 17 held-out positions
@@ -151,7 +152,8 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Wall seconds of the prefill (until its tokens are ready) and of each decode *program run*, each
+    """Wall seconds of the prefill (from its call until its tokens are ready; with ``DecodeLoop.DEVICE`` the
+    decode program is already queued behind it) and of each decode *program run*, each
     ending when its tokens reach the host: one per decode step with ``DecodeLoop.HOST``, one for all
     of them with ``DecodeLoop.DEVICE``; ``sum(decode_s)`` is the decoding's time either way, over
     ``decode_steps`` steps."""
@@ -292,7 +294,9 @@ class Engine:
                 # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
                 # converted copy of every weight for the whole decode (int8 would then not stay int8). bf16 on
                 # XLA:CPU goes without it (see hoist_bf16): the per-step bf16 -> f32 conversion halved its speed
-                stored = params if self.hoist_bf16 else jax.lax.optimization_barrier((params, c.index))[0]
+                # weights stored in compute form (f32 as trained) convert nothing: no barrier either
+                stored = params if self.hoist_bf16 or self.weights is WeightFormat.NONE else \
+                    jax.lax.optimization_barrier((params, c.index))[0]
                 return self._forward(stored, tokens_bt, c)
 
             return decode_loop(step, first_b, first_lp_b, cache, limit_b, is_stop_v, jax.random.key(seed),
