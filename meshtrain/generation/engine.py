@@ -27,7 +27,8 @@ are done from the start.
 
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
-(:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step. The
+(:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step (bf16 on
+XLA:CPU, which converts to f32 for every matmul: once per generation, :attr:`Engine.hoist_bf16`). The
 logits of an untied head are f32 whatever the weights' format (a tied head shares the embedding table,
 which stays in the compute dtype so that the residual stream does too): bf16 logits near the top are
 0.03-0.06 apart and tie exactly (argmax then picks the lower token id): 14 of the 17 held-out positions
@@ -60,8 +61,8 @@ from meshtrain.annotate import StepContext, step_context
 from meshtrain.errors import ConfigError
 from meshtrain.generation.cache import REPLICATE_OK, cache_bytes_per_device
 from meshtrain.generation.loop import (DecodeLoop, decode_loop, decode_loop_kind, empty_layer_cache, layered_forward,
-                                       stacked_cache, stop_mask, unstack_layers)
-from meshtrain.generation.sampling import Sampling, choose, token_logprobs
+                                       stacked_cache, stop_mask, traced_cache, unstack_layers)
+from meshtrain.generation.sampling import Sampling, choose_with_logprobs, token_logprobs
 from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
                                           place_layers, store_weights, weight_bytes_per_device, weight_format,
                                           weight_memory)
@@ -151,7 +152,8 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Wall seconds of the prefill (until its tokens are ready) and of each decode *program run*, each
+    """Wall seconds of the prefill (from its call until its tokens are ready; with ``DecodeLoop.DEVICE`` the
+    decode program is already queued behind it) and of each decode *program run*, each
     ending when its tokens reach the host: one per decode step with ``DecodeLoop.HOST``, one for all
     of them with ``DecodeLoop.DEVICE``; ``sum(decode_s)`` is the decoding's time either way, over
     ``decode_steps`` steps."""
@@ -205,7 +207,13 @@ class Engine:
                                step.attention.kind, tuple(r.strategies), step.layer_loop, step.scan_unroll,
                                resolved=step)
         self.batch_multiple = plan.data_parallel_size
+        #: bf16 weights on XLA:CPU, which has no bf16 matmul and converts each weight to f32 for it: the compiled
+        #: loop converts them once per generation (an f32 copy of the weights while it decodes, as transformers'
+        #: Flax ``generate`` does), not at every step (which read 2 + wrote 4 + read 4 bytes per weight and token)
+        self.hoist_bf16 = (self.weights is WeightFormat.BF16 and self.memory is WeightMemory.DEVICE
+                           and plan.mesh.devices.flat[0].platform == "cpu")
         self._steps: Dict[Sampling, Tuple] = {}
+        self._row_shardings: Dict[Tuple[int, int], NamedSharding] = {}
 
     # -- figures ----------------------------------------------------------------------------------
     def weight_bytes_per_device(self) -> int:
@@ -223,6 +231,10 @@ class Engine:
         if self.layered:
             return empty_layer_cache(self.cfg, self.plan, pad, seq, self.compute_dtype)
         return stacked_cache(self.cfg, self.plan, pad, seq, self.compute_dtype)
+
+    def traced_cache(self, pad_b, seq: int):
+        """:meth:`empty_cache` inside a compiled program (``pad_b`` traced)."""
+        return traced_cache(self.cfg, self.plan, pad_b, seq, self.compute_dtype, layered=self.layered)
 
     def padded_batch(self, batch: int) -> int:
         return -(-batch // self.batch_multiple) * self.batch_multiple
@@ -263,41 +275,49 @@ class Engine:
         if sampling in self._steps:
             return self._steps[sampling]
 
-        def prefill(params, tokens_bt, cache, seed):
+        def prefill(params, tokens_bt, pad_b, seed, seq):
+            # the empty cache is made inside the program (no zeros program, no transfers per generation)
+            cache = self.traced_cache(pad_b, seq)
             key = jax.random.fold_in(jax.random.key(seed), 0)  # Sampling.key(0), made in the program: no dispatch
             logits_btv, cache = self._forward(params, tokens_bt, cache)
             prompt_lp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:])
-            nxt = choose(logits_btv[:, -1], key, sampling)
-            return nxt, token_logprobs(logits_btv[:, -1], nxt), prompt_lp, cache
+            nxt, nxt_lp = choose_with_logprobs(logits_btv[:, -1], key, sampling)
+            return nxt, nxt_lp, prompt_lp, cache
 
         def decode(params, token_b, cache, key):
             logits_btv, cache = self._forward(params, token_b[:, None], cache)
-            nxt = choose(logits_btv[:, 0], key, sampling)
-            return nxt, token_logprobs(logits_btv[:, 0], nxt), cache
+            return (*choose_with_logprobs(logits_btv[:, 0], key, sampling), cache)
 
         def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, seed, n_new):
             def step(tokens_bt, c):
                 # the weights pass a barrier with the step's cache index: without it XLA hoists their
                 # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
-                # converted copy of every weight for the whole decode (int8 would then not stay int8)
-                stored, _ = jax.lax.optimization_barrier((params, c.index))
+                # converted copy of every weight for the whole decode (int8 would then not stay int8). bf16 on
+                # XLA:CPU goes without it (see hoist_bf16): the per-step bf16 -> f32 conversion halved its speed
+                # weights stored in compute form (f32 as trained) convert nothing: no barrier either
+                stored = params if self.hoist_bf16 or self.weights is WeightFormat.NONE else \
+                    jax.lax.optimization_barrier((params, c.index))[0]
                 return self._forward(stored, tokens_bt, c)
 
             return decode_loop(step, first_b, first_lp_b, cache, limit_b, is_stop_v, jax.random.key(seed),
                                n_new=n_new, sampling=sampling)  # (Decoded, cache)
 
         if self.loop is DecodeLoop.HOST:
-            self._steps[sampling] = (jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)))
+            self._steps[sampling] = (jax.jit(prefill, static_argnames=("seq",)), jax.jit(decode, donate_argnums=(2,)))
         else:
-            self._steps[sampling] = (jax.jit(prefill), jax.jit(decode_all, donate_argnums=(3,),
-                                                               static_argnames=("n_new",)))
+            self._steps[sampling] = (jax.jit(prefill, static_argnames=("seq",)),
+                                     jax.jit(decode_all, donate_argnums=(3,), static_argnames=("n_new",)))
         return self._steps[sampling]
 
     def _rows(self, batch: int, per_row: int = 1) -> NamedSharding:
-        """Where a ``(batch, per_row)`` array of the rows goes (``per_row`` 0: a ``(batch,)`` vector)."""
+        """Where a ``(batch, per_row)`` array of the rows goes (``per_row`` 0: a ``(batch,)`` vector); kept per
+        shape (resolving the rules at every generation cost more host time than a tiny model's decode step)."""
+        if (batch, per_row) in self._row_shardings:
+            return self._row_shardings[batch, per_row]
         logical, shape = (("batch", None), (batch, per_row)) if per_row else (("batch",), (batch,))
         spec = self.plan.rules.resolve("activations", logical, shape, self.plan.mesh_sizes, path="tokens").spec
-        return NamedSharding(self.plan.mesh, spec)
+        self._row_shardings[batch, per_row] = NamedSharding(self.plan.mesh, spec)
+        return self._row_shardings[batch, per_row]
 
     # -- the loop ---------------------------------------------------------------------------------
     def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
@@ -317,15 +337,20 @@ class Engine:
         for b, p in enumerate(rows):
             tokens[b, pad[b]:] = p
         prefill, _ = self._compiled(sampling)
-        cache = self.empty_cache(pad, longest + max(max_new_tokens - 1, 0))
-        start = time.perf_counter()
-        first, first_lp, prompt_lp, cache = prefill(self.params, jax.device_put(tokens, self._rows(batch)), cache,
-                                                    np.uint32(sampling.seed))
-        jax.block_until_ready(first)
-        prefill_s = time.perf_counter() - start
         limit = np.where(np.arange(batch) < n, max(max_new_tokens, 1), 1).astype(np.int32)  # dummy rows: done
-        run_loop = self._decode_host if self.loop is DecodeLoop.HOST else self._decode_device
-        new_bt, lp_bt, length, decode_s = run_loop(sampling, first, first_lp, cache, limit, stop_ids, max_new_tokens)
+        start = time.perf_counter()
+        tokens, pad_b, limit_b = jax.device_put((tokens, pad, limit), (self._rows(batch), self._rows(batch, 0),
+                                                                       self._rows(batch, 0)))
+        first, first_lp, prompt_lp, cache = prefill(self.params, tokens, pad_b, np.uint32(sampling.seed),
+                                                    seq=longest + max(max_new_tokens - 1, 0))
+        if self.loop is DecodeLoop.HOST:
+            jax.block_until_ready(first)
+            prefill_s = time.perf_counter() - start
+            new_bt, lp_bt, length, decode_s = self._decode_host(sampling, first, first_lp, cache, limit, stop_ids,
+                                                                max_new_tokens)
+        else:
+            new_bt, lp_bt, length, prefill_s, decode_s = self._decode_device(sampling, first, first_lp, cache, limit_b,
+                                                                             stop_ids, max_new_tokens, start)
         prompt_lp = np.asarray(prompt_lp)
         stops = set(stop_ids)
         gens = tuple(self._result(prompts[b], new_bt[b, :length[b]], lp_bt[b, :length[b]],
@@ -334,17 +359,22 @@ class Engine:
         steps = int(max(length[:n], default=0)) - 1 if max_new_tokens else 0
         return Output(gens, Timing(batch, int(batch * longest), prefill_s, tuple(decode_s), max(steps, 0)))
 
-    def _decode_device(self, sampling, first, first_lp, cache, limit, stop_ids, max_new_tokens):
-        """All decode steps in one program run: ``(new_bt, logprobs_bt, length_b, [seconds])``."""
+    def _decode_device(self, sampling, first, first_lp, cache, limit_b, stop_ids, max_new_tokens, start):
+        """All decode steps in one program run, queued behind the prefill (no host wait between the two):
+        ``(new_bt, logprobs_bt, length_b, prefill seconds, [decode seconds])``; the prefill's seconds end when
+        its tokens are ready (``start``: when it was called), the decode's when its tokens reach the host."""
+        batch = limit_b.shape[0]
         if max_new_tokens == 0:
-            return np.zeros((len(limit), 0), np.int32), np.zeros((len(limit), 0), np.float32), np.zeros_like(limit), []
+            jax.block_until_ready(first)
+            return (np.zeros((batch, 0), np.int32), np.zeros((batch, 0), np.float32), np.zeros(batch, np.int32),
+                    time.perf_counter() - start, [])
         _, decode_all = self._compiled(sampling)
-        start = time.perf_counter()
-        out = decode_all(self.params, first, first_lp, cache, jax.device_put(limit, self._rows(len(limit), 0)),
-                         stop_mask(stop_ids, self.cfg.vocab_size), np.uint32(sampling.seed), n_new=max_new_tokens)
-        out, _ = out  # the cache comes back (into its donated buffers: updated in place), unused
-        new_bt, lp_bt, length = (np.asarray(x) for x in (out.new_bn, out.logprobs_bn, out.length_b))
-        return new_bt, lp_bt, length, [time.perf_counter() - start]
+        out, _ = decode_all(self.params, first, first_lp, cache, limit_b, stop_mask(stop_ids, self.cfg.vocab_size),
+                            np.uint32(sampling.seed), n_new=max_new_tokens)  # the cache (donated) is not needed after
+        jax.block_until_ready(first)
+        prefill_end = time.perf_counter()
+        new_bt, lp_bt, length = jax.device_get((out.new_bn, out.logprobs_bn, out.length_b))  # one transfer
+        return new_bt, lp_bt, length, prefill_end - start, [time.perf_counter() - prefill_end]
 
     def _decode_host(self, sampling, nxt, lp, cache, limit, stop_ids, max_new_tokens):
         """One program run per decode step, the host reading each token back (the reference loop)."""

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtrain.errors import ConfigError
 from meshtrain.generation.cache import KVCache, cache_shape, cache_shardings, cache_spec
-from meshtrain.generation.sampling import Sampling, choose, token_logprobs
+from meshtrain.generation.sampling import Sampling, choose_with_logprobs
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.models.moe import pop_moe_stats
 
@@ -112,6 +112,22 @@ def empty_layer_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32
     rows = plan.rules.resolve("activations", ("batch",), (batch,), plan.mesh_sizes, path="kv_cache/pad").spec
     return LayerCache(kv[:n], kv[n:], jax.device_put(jnp.int32(0), NamedSharding(plan.mesh, PartitionSpec())),
                       jax.device_put(jnp.asarray(pad, jnp.int32), NamedSharding(plan.mesh, rows)))
+
+
+def traced_cache(cfg: DecoderConfig, plan, pad_b, seq: int, dtype=jnp.float32, *, layered: bool = True):
+    """:func:`empty_layer_cache` (``layered``) or :func:`stacked_cache` made *inside* a compiled program (``pad_b``
+    traced): the prefill makes its own cache, so a generation runs no zeros program and transfers no cache."""
+    batch, n = pad_b.shape[0], cfg.n_layers
+    spec = tuple(cache_spec(cfg, plan, batch, seq))
+    if not layered:
+        zeros = jnp.zeros(cache_shape(cfg, batch, seq), dtype)
+        k_v = [jax.lax.with_sharding_constraint(zeros, NamedSharding(plan.mesh, PartitionSpec(*spec)))
+               for _ in range(2)]
+        return KVCache(k_v[0], k_v[1], jnp.int32(0), pad_b)
+    layer = NamedSharding(plan.mesh, PartitionSpec(*spec[1:]))
+    kv = [jax.lax.with_sharding_constraint(jnp.zeros((batch, seq, cfg.n_kv_heads, cfg.head_dim), dtype), layer)
+          for _ in range(2 * n)]
+    return LayerCache(tuple(kv[:n]), tuple(kv[n:]), jnp.int32(0), pad_b)
 
 
 def stacked_cache(cfg: DecoderConfig, plan, pad, seq: int, dtype=jnp.float32) -> KVCache:
@@ -193,10 +209,9 @@ def decode_loop(forward: Callable, first_b, first_lp_b, cache, limit_b, is_stop_
     def step(state):
         i, token_b, cache, new_bn, lp_bn, length_b, done_b = state
         logits_btv, cache = forward(token_b[:, None], cache)
-        token_b = choose(logits_btv[:, 0], jax.random.fold_in(key, i), sampling)
+        token_b, lp_b = choose_with_logprobs(logits_btv[:, 0], jax.random.fold_in(key, i), sampling)
         new_bn = jax.lax.dynamic_update_slice_in_dim(new_bn, token_b[:, None], i, axis=1)
-        lp_bn = jax.lax.dynamic_update_slice_in_dim(lp_bn, token_logprobs(logits_btv[:, 0], token_b)[:, None], i,
-                                                    axis=1)
+        lp_bn = jax.lax.dynamic_update_slice_in_dim(lp_bn, lp_b[:, None], i, axis=1)
         length_b = length_b + (~done_b).astype(jnp.int32)
         done_b = done_b | is_stop_v[token_b] | (length_b >= limit_b)
         return i + 1, token_b, cache, new_bn, lp_bn, length_b, done_b

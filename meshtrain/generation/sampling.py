@@ -58,6 +58,19 @@ def token_logprobs(logits_btv, tokens_bt):
     return jnp.take_along_axis(logp, tokens_bt[..., None], axis=-1)[..., 0]
 
 
+def choose_with_logprobs(logits_bv, key, sampling: Sampling):
+    """``(tokens_b, logprobs_b)``: :func:`choose`'s tokens and :func:`token_logprobs` of them. Greedy takes the
+    log-probability from the argmax's own pass: at the maximum ``log_softmax`` is ``-log(sum(exp(l - max)))``
+    (the same arithmetic, without a second pass over the vocabulary and a gather: fewer kernels per decode step)."""
+    if not sampling.greedy:
+        tokens_b = choose(logits_bv, key, sampling)
+        return tokens_b, token_logprobs(logits_bv, tokens_b)
+    logits = logits_bv.astype(jnp.float32)
+    top_b = jnp.max(logits, axis=-1)
+    return (jnp.argmax(logits, axis=-1).astype(jnp.int32),
+            -jnp.log(jnp.sum(jnp.exp(logits - top_b[:, None]), axis=-1)))
+
+
 def choose(logits_bv, key, sampling: Sampling):
     """The next token of each row (int32 ``(batch,)``) under ``sampling`` (static: one compile each)."""
     logits = logits_bv.astype(jnp.float32)

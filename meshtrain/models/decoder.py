@@ -194,9 +194,14 @@ class Attention(nnx.Module):
         return rope(q, positions_bt, self.theta, self.rope_scaling), rope(k, positions_bt, self.theta,
                                                                           self.rope_scaling), v
 
-    def _out(self, o_btnh, lay: HeadLayout):
+    def _out(self, o_btnh, lay: HeadLayout, flat: bool = False):
+        """The output projection. ``flat`` (generation): as one ``(n * h, d)`` matmul, a free reshape of the
+        row-major ``wo_nhd``; the two-axis contraction made XLA:CPU transpose ``wo_nhd`` at every decode step."""
         o = constrain(o_btnh, ("batch", "seq", "heads", "head_dim"))
         wo_nhd = lay.pad_heads(self.wo_nhd[...], 0, ("heads", "head_dim", "embed"))  # zero rows: padding adds 0
+        if flat and self.fp8_o is None:
+            b, t, n, h = o.shape
+            return o.reshape(b, t, n * h) @ wo_nhd.reshape(n * h, wo_nhd.shape[-1])
         return fp8.einsum("btnh,nhd->btd", o, wo_nhd, self.fp8_o)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt):
@@ -214,10 +219,29 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x_btd, positions_bt, lay)
         k_bskh = constrain(write_cache(k_bskh, k, index), CACHE_LAYER)
         v_bskh = constrain(write_cache(v_bskh, v, index), CACHE_LAYER)
-        o = jax.nn.dot_product_attention(q, lay.kv_for_queries(k_bskh).astype(q.dtype),
-                                         lay.kv_for_queries(v_bskh).astype(q.dtype),
-                                         mask=allowed_bts[:, None]).astype(q.dtype)
-        return self._out(o, lay), k_bskh, v_bskh
+        o = cache_attention(q, lay.kv_for_queries(k_bskh).astype(q.dtype), lay.kv_for_queries(v_bskh).astype(q.dtype),
+                            allowed_bts)
+        return self._out(o, lay, flat=True), k_bskh, v_bskh
+
+
+#: the masked logits' value (``jax.nn.dot_product_attention``'s): finite, so a row never holds only -inf
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def cache_attention(q_btnh, k_bskh, v_bskh, allowed_bts):
+    """Attention of ``t`` new queries over a KV cache of ``s`` slots, ``allowed_bts`` the slots each query sees:
+    ``jax.nn.dot_product_attention``'s arithmetic (logits in f32, scaled after the dot, softmax in f32) with
+    grouped KV heads repeated per query head, so each product is one batched matmul over heads. Why not
+    ``dot_product_attention`` itself: its grouped form ``(kv_heads, group)`` became library (YNNPACK) calls on
+    XLA:CPU that cost 1-2 us each at decode sizes, against ~0.5 us for the per-head matmuls (profiled,
+    ``tiny``); repeating ``kv_heads`` copies only the cache, which a decode step reads anyway."""
+    n, kv = q_btnh.shape[2], k_bskh.shape[2]
+    if n != kv:
+        k_bskh, v_bskh = jnp.repeat(k_bskh, n // kv, axis=2), jnp.repeat(v_bskh, n // kv, axis=2)
+    logits_bnts = jnp.einsum("btnh,bsnh->bnts", q_btnh, k_bskh, preferred_element_type=jnp.float32)
+    logits_bnts = jnp.where(allowed_bts[:, None], logits_bnts * (q_btnh.shape[-1] ** -0.5), MASKED)
+    probs_bnts = jax.nn.softmax(logits_bnts, axis=-1).astype(v_bskh.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs_bnts, v_bskh).astype(q_btnh.dtype)
 
 
 def write_cache(cache_bskh, new_btkh, index):
