@@ -12,7 +12,7 @@
 #             naming it, Gloo's connection lines summarised
 #   scancel   `scancel --signal=TERM` mid-run → save, exit 99, `scontrol requeue`, resume, same losses
 #   startup   the same SIGTERM before the first step → exit at once (nothing to save), requeue
-#   timelimit `--time=2 --signal=TERM@30`: SLURM's own time-limit warning → requeue(s) → same losses
+#   timelimit `--time=2 --signal=TERM@30`, each step 1 s slower: SLURM's own time-limit warning → requeue(s) → same losses
 #   kill9     `kill -9` of task 1 → the job script retries (same allocation) → completes, same losses
 #   nodes     `sbatch --nodes=1`: the mesh follows (data=1 × fsdp=4), no edit
 # One run of all six on 2 busy cores: 1656 s, most of it SLURM's ~2-minute hold on each requeued job
@@ -221,7 +221,10 @@ case_startup() {   # SIGTERM once the plan is written, before step 1 (initialisa
 }
 
 case_timelimit() {
-  local t0 job; t0=$(date +%s); job=$(submit timelimit --time=2 --signal=TERM@30)
+  # each step sleeps 1 s more (the test-only `slow` fault: the losses are unchanged), so the run outlasts the
+  # warning 90 s into its 2 minutes however fast this machine is (a quiet one trains the 100 steps in ~60 s)
+  local t0 job; t0=$(date +%s)
+  job=$(MESHTRAIN_FAULT="slow@step=1,process=0,seconds=1" submit timelimit --time=2 --signal=TERM@30)
   wait_state "$job" COMPLETED 1500 || { fail "timelimit: job $job is $(field "$job" JobState)"; return; }
   say "timelimit: job $job (--time=2 --signal=TERM@30) COMPLETED in $(elapsed "$t0") s"
   [ "$(field "$job" Restarts)" -ge 1 ] || fail "timelimit: job $job was not requeued"
