@@ -77,6 +77,21 @@ def test_check_compile_puts_xla_numbers_next_to_the_estimate(capsys):
     assert data["analytic_bytes_per_axis_cpu"]["fsdp"]["total"] == pytest.approx(hlo, rel=0.10)
 
 
+def test_check_compile_of_a_model_without_formulas_checks_the_no_compile_estimate(capsys):
+    """A model the planner has no formulas for is estimated from its compiled step when the mesh fits this
+    machine; `--check compile` then compares the estimate made *without* compiling (what a pod-sized
+    AbstractMesh gets) against that compile, not the compile against itself."""
+    code, out, err = run_plan(capsys, "--model", "vit-tiny", "--recipe", "fsdp", "--check", "compile", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    peak = data["measured_memory"]["peak"]
+    assert data["estimate_source"] == "traced" and data["estimated_memory"] != peak
+    assert data["memory_error"] == pytest.approx(data["estimated_memory"] / peak - 1)
+    assert abs(data["memory_error"]) < 0.15   # measured -7.5 %
+    code, out, err = run_plan(capsys, "--model", "vit-tiny", "--recipe", "fsdp", "--check", "compile")
+    assert code == 0 and "(traced, no compile)" in out, err
+
+
 def test_check_lower_on_an_abstract_pod_mesh(capsys):
     code, out, err = run_plan(capsys, "--model", "tiny", "--recipe", "fsdp_tp", "--mesh", "fsdp=32,tensor=8",
                               "--devices", "256", "--hardware", "tpu-v5p", "--seq-len", "64", "--check", "lower",
