@@ -192,7 +192,9 @@ def _compressed(choice, grad_fn, state, batch, plan: ShardingPlan, grad_sh, ctx)
         return total, weight, metrics, grads, new_ms
 
     total, weight, metrics, stacked, model_state = gc.per_replica(local, plan, state.params, state.model_state, batch)
-    grads, model_state = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state)
+    # onebit weighs each value by Adam's second moment (the same on every replica: the optimizer state is)
+    moment = gc.adam_second_moment(state.opt_state, state.params) if choice.has_feedback else None
+    grads, model_state = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state, moment)
     return total, weight, metrics, grads, model_state
 
 
