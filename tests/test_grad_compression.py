@@ -25,6 +25,8 @@ from meshtrain.checkpoint import Checkpointer
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.parallel import grad_compression as gc
+from meshtrain.parallel.resolved import resolve_step
+from meshtrain.train.step import WarmupStep
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 RECIPE_FILE = os.path.join(ROOT, "recipes", "hsdp_dcn_onebit.yaml")
@@ -34,8 +36,8 @@ def _recipe(kind: str):
     return mt.get_recipe("hsdp").with_mesh(dcn={"data": 2}, data=1).with_options(grad_compression=kind)
 
 
-def _plan(kind: str, fsdp: int = 4):
-    recipe = _recipe(kind).with_mesh(dcn={"data": 2}, data=1, fsdp=fsdp)
+def _plan(kind: str, fsdp: int = 4, warmup: int = 0):
+    recipe = _recipe(kind).with_mesh(dcn={"data": 2}, data=1, fsdp=fsdp).with_options(grad_compression_warmup=warmup)
     mesh = recipe.mesh.build(jax.devices()[:2 * fsdp])
     factory = gc.feedback_factory(mt.models.model_factory(mt.models.get_config("tiny")), recipe)
     abstract = mt.abstract_state(factory, optax.adamw(3e-3))
@@ -192,6 +194,28 @@ def test_onebit_error_feedback_is_model_state_and_changes_with_steps():
 
 
 @pytest.mark.slow
+def test_warmup_steps_are_exact_then_onebit_takes_over():
+    """``grad_compression_warmup=2``: steps 1-2 run the full-precision program (the same loss and parameters as
+    ``none``, the error feedback untouched), step 3 the compressed one; ``lower`` is the compressed program."""
+    plan, exact = _plan("onebit", warmup=2), _plan("none")
+    step, exact_step = mt.make_train_step(plan), mt.make_train_step(exact)
+    assert isinstance(step, WarmupStep) and resolve_step(plan).grad_compression.warmup == 2
+    state, ref = mt.init_state(plan, seed=0), mt.init_state(exact, seed=0)
+    compiled = step.lower(state, put(token_batch(0, 8, 32), plan)).compile()
+    assert "u8[" in compiled.as_text()   # the packed sign bits' all-gather
+    for i in range(3):
+        state, metrics = compiled(state, put(token_batch(i, 8, 32), plan))
+        residual = float(max(jnp.max(jnp.abs(r)) for r in gc.feedback_of(state.model_state)))
+        if i < 2:
+            ref, ref_metrics = exact_step(ref, put(token_batch(i, 8, 32), exact))
+            assert residual == 0.0 and float(metrics["loss"]) == float(ref_metrics["loss"])
+            for a, b in zip(jax.tree.leaves(host(state.params)), jax.tree.leaves(host(ref.params))):
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+        else:
+            assert residual > 0.0
+
+
+@pytest.mark.slow
 def test_error_feedback_restores_resharded_onto_another_slice_layout(tmp_path):
     """Saved with 4 devices per slice (fsdp=4), restored with 2 (fsdp=2): the residuals come back bit-exact,
     laid out on the new mesh, and the next step matches the same step run without the checkpoint."""
@@ -224,7 +248,8 @@ DATA = os.path.join(os.path.dirname(json.__file__))
 def _command(out, *extra):
     return [sys.executable, "-m", "meshtrain", "train", "--model", "tiny", "--recipe", RECIPE_FILE, "--steps",
             str(STEPS), "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--progress", "none", "--data",
-            DATA, "--ckpt-every", str(EVERY), "--warmup-steps", "1", "--out", str(out), *extra]
+            DATA, "--ckpt-every", str(EVERY), "--warmup-steps", "1", "--grad-compression-warmup", str(EVERY + 1),
+            "--out", str(out), *extra]
 
 
 def _env():

@@ -70,6 +70,8 @@ class CompressionChoice:
     kind: GradCompression
     replicas: int = 1
     reason: str = "none: the gradient all-reduce over `data` is full precision"
+    #: the first ``warmup`` steps are sent uncompressed (the step's other program; see ``make_train_step``)
+    warmup: int = 0
 
     @property
     def active(self) -> bool:
@@ -122,9 +124,12 @@ def resolve(recipe, sizes=None) -> CompressionChoice:
         raise ConfigError(f"grad_compression={kind.value}: the mesh's `data` axis has {sizes.get(AXIS, 1)} devices, "
                           f"the recipe's dcn data {dcn}")
     what = ("int8 with per-block scales" if kind is GradCompression.INT8
-            else "sign bits + per-block scale with error feedback (f32 residual per replica, model state)")
+            else "sign bits + per-block scale with error feedback (f32 residual per replica, model state), "
+                 "each value weighted by Adam's second moment")
+    warmup = dim.grad_compression_warmup
     return CompressionChoice(kind, dcn, f"{kind.value}: {what}, all-gathered over `data` (DCN, {dcn} slices) "
-                                        f"after the exact reduction inside each slice")
+                                        f"after the exact reduction inside each slice"
+                                        + (f"; the first {warmup} steps full precision" if warmup else ""), warmup)
 
 
 # ---- the error-feedback state (model state) ----------------------------------------------------------------
