@@ -350,6 +350,11 @@ _COMPRESSION_HELP = ("gradient reduction across DCN over `data` (which must be t
                      "(per-block scales) or onebit (sign + scale, error feedback in the model state)")
 
 
+_WARMUP_HELP = ("steps sent uncompressed before grad_compression starts (onebit: 15-25 percent of the run, as 1-bit "
+                "Adam does, so that Adam's second moment, which then weighs each value, is learnt from exact "
+                "gradients); 0: compressed from the first step")
+
+
 def _feedback_rule(kind: GradCompression) -> Dict[str, str]:
     """``onebit`` keeps one error-feedback residual per ``data`` replica (logical ``grad_replica``)."""
     return {"grad_replica": "data"} if kind is GradCompression.ONEBIT else {}
@@ -364,6 +369,7 @@ class DataParallel(Strategy):
     description: ClassVar[str] = "data parallelism: batch split over `data`, weights replicated, gradients all-reduced"
     claims: ClassVar[Tuple[str, ...]] = ("data",)
     grad_compression: GradCompression = setting(GradCompression.NONE, _COMPRESSION_HELP, flag="grad_compression")
+    grad_compression_warmup: int = setting(0, _WARMUP_HELP, minimum=0, flag="grad_compression_warmup")
 
     def rules(self) -> AxisRules:
         return AxisRules.of(params=_feedback_rule(self.grad_compression), activations={"batch": "data"})
@@ -418,6 +424,7 @@ class HSDP(Strategy):
     description: ClassVar[str] = "hybrid sharded DP: FSDP within `fsdp` groups, replicas across `data` (the DCN axis)"
     claims: ClassVar[Tuple[str, ...]] = ("data", "fsdp")
     grad_compression: GradCompression = setting(GradCompression.NONE, _COMPRESSION_HELP, flag="grad_compression")
+    grad_compression_warmup: int = setting(0, _WARMUP_HELP, minimum=0, flag="grad_compression_warmup")
 
     def rules(self) -> AxisRules:
         return AxisRules.of(params={"embed": "fsdp", **_feedback_rule(self.grad_compression)},

@@ -8,6 +8,7 @@ difference to ``none``. The issue's bar: within 2 % of the uncompressed final lo
 installed, the curves go to ``<out>/grad_compression.png``.
 
     python tools/bench_grad_compression.py --steps 250 --out tools/out/grad-compression
+    python tools/bench_grad_compression.py --kinds none,int8,onebit --reuse none,int8   # rerun onebit only
 """
 
 from __future__ import annotations
@@ -73,12 +74,18 @@ def main(argv=None):
     p.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N steps")
     p.add_argument("--out", default="tools/out/grad-compression")
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per run")
+    p.add_argument("--reuse", default="", help="comma-separated kinds read back from <out>/<kind>/metrics.jsonl "
+                   "when it holds --steps losses (an earlier run of unchanged code), not rerun")
     p.add_argument("extra", nargs="*", help="more `meshtrain train` flags, after --")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     curves, finals = {}, {}
     for kind in args.kinds.split(","):
-        rc, wall, losses = run(os.path.join(args.out, kind), kind, args.steps, args.extra, args.timeout)
+        kept = read_losses(os.path.join(args.out, kind, "metrics.jsonl"))
+        if kind in args.reuse.split(",") and len(kept) >= args.steps:
+            rc, wall, losses = "reused", 0.0, kept[:args.steps]
+        else:
+            rc, wall, losses = run(os.path.join(args.out, kind), kind, args.steps, args.extra, args.timeout)
         curves[kind] = losses
         tail = losses[-args.tail:] if losses else [float("nan")]
         finals[kind] = sum(tail) / len(tail)

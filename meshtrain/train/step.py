@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from meshtrain.parallel import pipeline as pipe
 from meshtrain.parallel.resolved import step_context_for  # noqa: F401 (step_context_for re-exported)
 from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
 from meshtrain.precision import cast_floats
-from meshtrain.strategies import Pipeline, ZeRO
+from meshtrain.strategies import GradCompression, Pipeline, ZeRO
 from meshtrain.train.config import NonFinite  # noqa: F401 (re-exported: the step's policy is a run setting)
 from meshtrain.state import TrainState, state_shardings
 
@@ -192,7 +192,9 @@ def _compressed(choice, grad_fn, state, batch, plan: ShardingPlan, grad_sh, ctx)
         return total, weight, metrics, grads, new_ms
 
     total, weight, metrics, stacked, model_state = gc.per_replica(local, plan, state.params, state.model_state, batch)
-    grads, model_state = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state)
+    # onebit weighs each value by Adam's second moment (the same on every replica: the optimizer state is)
+    moment = gc.adam_second_moment(state.opt_state, state.params) if choice.has_feedback else None
+    grads, model_state = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state, moment)
     return total, weight, metrics, grads, model_state
 
 
@@ -259,7 +261,7 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
     if compression.active:
         gc.check_model_state(plan)
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, compression=compression):
         with step_context(ctx):
             if compression.active:  # per-replica gradients, then a compressed exchange over `data` (DCN)
                 total, weight, metrics, grads, model_state = _compressed(compression, grad_fn, state, batch, plan,
@@ -286,8 +288,63 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
 
     shardings = state_shardings(plan)
     scalar = NamedSharding(plan.mesh, PartitionSpec())
-    return CheckedStep(jax.jit(step, in_shardings=(shardings, plan.batch_shardings), out_shardings=(shardings, scalar),
-                               donate_argnums=(0,) if donate else ()), plan)
+    jit = lambda fn: CheckedStep(jax.jit(fn, in_shardings=(shardings, plan.batch_shardings),  # noqa: E731
+                                         out_shardings=(shardings, scalar), donate_argnums=(0,) if donate else ()), plan)
+    if compression.active and compression.warmup:   # the first steps full precision: a second program
+        exact = dataclasses.replace(compression, kind=GradCompression.NONE)
+        return WarmupStep(jit(step), jit(lambda state, batch: step(state, batch, exact)), compression.warmup)
+    return jit(step)
+
+
+class WarmupStep:
+    """``grad_compression_warmup``: ``exact`` (the full-precision reduction) while ``state.step < warmup``, then
+    ``compressed``. Both programs take and return the same state (the error feedback stays zero in the first),
+    so a resume past the warm-up compiles only the compressed one. ``lower(...)`` is the compressed program's
+    (what crosses DCN once the warm-up is over); its ``compile()`` returns a callable that picks by the step."""
+
+    def __init__(self, compressed: CheckedStep, exact: CheckedStep, warmup: int):
+        self.compressed, self.exact, self.warmup = compressed, exact, warmup
+
+    def _pick(self, state) -> CheckedStep:
+        return self.exact if int(state.step) < self.warmup else self.compressed
+
+    def __call__(self, state, batch):
+        return self._pick(state)(state, batch)
+
+    def lower(self, state, batch, *args, **kwargs):
+        warm = self.exact.lower(state, batch, *args, **kwargs) if int(state.step) < self.warmup else None
+        return _WarmupLowered(self.compressed.lower(state, batch, *args, **kwargs), warm, self.warmup)
+
+    def __getattr__(self, name):   # trace, eval_shape...: the compressed program's
+        return getattr(self.compressed, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WarmupLowered:
+    compressed: Any
+    exact: Any
+    warmup: int
+
+    def compile(self, *args, **kwargs):
+        return _WarmupCompiled(self.compressed.compile(*args, **kwargs),
+                               None if self.exact is None else self.exact.compile(*args, **kwargs), self.warmup)
+
+    def __getattr__(self, name):
+        return getattr(self.compressed, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WarmupCompiled:
+    compressed: Any
+    exact: Any
+    warmup: int
+
+    def __call__(self, state, batch):
+        use_exact = self.exact is not None and int(state.step) < self.warmup
+        return (self.exact if use_exact else self.compressed)(state, batch)
+
+    def __getattr__(self, name):   # as_text, memory_analysis...: the compressed program's
+        return getattr(self.compressed, name)
 
 
 def make_eval_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None, eval_mode: bool = True) -> CheckedStep:
