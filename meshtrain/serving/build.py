@@ -42,14 +42,12 @@ def served_model(info, name: str, context: int) -> ServedModel:
 
 
 def warm_up(slots: Slots) -> None:
-    """Compile the shortest prompts' prefill and the decode steps now, not at the first request."""
+    """Compile the shortest prompts' prefill and every decode program (:meth:`Slots.programs`: each
+    number of rows run with each cache span read) now, not at a request."""
     slots.admit(0, [0], RowSampling())
-    used = 1
-    while True:  # each decode program: 1, 2, 4, ... rows up to every slot
-        slots.step(np.zeros(slots.n, np.int32), np.ones(slots.n, np.int32), SamplingRows.empty(slots.n), used)
-        if slots.rows_for(used) >= slots.n:
-            break
-        used = slots.rows_for(used) + 1
+    for used, end in slots.programs():
+        slots.decode(np.zeros(slots.n, np.int32), np.full(slots.n, end - 1, np.int32), SamplingRows.empty(slots.n),
+                     used)
     if slots.context > MIN_BUCKET:
         slots.admit(0, [0] * (MIN_BUCKET + 1), RowSampling())  # the next bucket: most chat prompts
 
