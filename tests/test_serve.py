@@ -117,16 +117,16 @@ def test_text_stream_decodes_incrementally_as_the_whole_text():
 
 
 def test_slots_decode_several_steps_in_one_program():
-    """``Slots.decode(steps=k)``: k steps in one program, the tokens of k one-step programs, while two
-    rows of different lengths run (and the engine's, one prompt at a time)."""
+    """Two requests join in one prefill program (``admit_many``), then ``Slots.decode(steps=k)`` runs k
+    steps in one program: the engine's tokens, one prompt at a time, for rows of different lengths."""
     prompts, n_new = [[1, 2, 3, 4, 5], list(range(10, 30))], 9
     engine = load(make_decoder("tiny"), recipe="dp", devices=1).engine
     reference = [list(g.new_ids) for g in engine.run(prompts, n_new).generations]
     slots = Slots(engine, 2, 64)
     last, length, sampling = np.zeros(2, np.int32), np.zeros(2, np.int32), SamplingRows.empty(2)
+    first, _ = slots.admit_many([(1, prompts[1], RowSampling()), (0, prompts[0], RowSampling())])  # one program
     for slot, prompt in enumerate(prompts):
-        last[slot], _ = slots.admit(slot, prompt, RowSampling())
-        length[slot] = len(prompt)
+        last[slot], length[slot] = first[1 - slot], len(prompt)
         sampling.set(slot, RowSampling(), step=1)
     out = [[int(last[0])], [int(last[1])]]
     for steps in (1, 8):  # 1 + 1 + 8 = 10 > n_new: the last token is past the reference's

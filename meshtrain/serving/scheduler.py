@@ -220,8 +220,8 @@ class Scheduler:
                     return
                 admitted = self._take_waiting()
             try:
-                for slot, ticket in admitted:
-                    self._admit(slot, ticket)
+                if admitted:
+                    self._admit(admitted)
                 self._end_abandoned()
                 if self._running:
                     self._step()
@@ -247,12 +247,13 @@ class Scheduler:
             out.append((slot, ticket))
         return out
 
-    def _admit(self, slot: int, ticket: Ticket) -> None:
-        job = ticket.job
-        token, _ = self.slots.admit(slot, job.prompt_ids, job.sampling)
-        self._length[slot] = len(job.prompt_ids)
-        self._sampling.set(slot, job.sampling, step=1)
-        self._take_token(slot, token)
+    def _admit(self, admitted: List[Tuple[int, Ticket]]) -> None:
+        """The prefill of every request that just took a slot (together: :meth:`Slots.admit_many`)."""
+        tokens, _ = self.slots.admit_many([(slot, t.job.prompt_ids, t.job.sampling) for slot, t in admitted])
+        for (slot, ticket), token in zip(admitted, tokens):
+            self._length[slot] = len(ticket.job.prompt_ids)
+            self._sampling.set(slot, ticket.job.sampling, step=1)
+            self._take_token(slot, token)
 
     def _end_abandoned(self) -> None:
         now = time.monotonic()

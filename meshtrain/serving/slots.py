@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,8 @@ MIN_SPAN = 32
 #: the most decode steps one program runs (:meth:`Slots.decode`); the scheduler runs several only while
 #: nobody waits for a slot (a request joins between programs)
 MAX_STEPS = 8
+#: the most requests one prefill program takes (:meth:`Slots.admit_many`): those waiting join together
+MAX_JOIN = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,15 @@ def choose_rows(logits_bv, temperature_b, top_p_b, seed_b, step_b):
     return jax.lax.cond(jnp.any(temperature_b > 0), sample, lambda: greedy_b)
 
 
+def join_rows(joining: int) -> int:
+    """The rows of a prefill program for ``joining`` requests: the next power of 4 (1, 4, 16), so a few
+    programs serve every number that join together."""
+    rows = 1
+    while rows < joining:
+        rows *= 4
+    return rows
+
+
 def prefill_bucket(length: int, context: int) -> int:
     """The padded prefill length of a ``length``-token prompt: the next power of two from
     :data:`MIN_BUCKET`, at most ``context``."""
@@ -130,18 +141,23 @@ class Slots:
         self.n = engine.padded_batch(n_slots)
         cache = empty_layer_cache(engine.cfg, engine.plan, np.zeros(self.n, np.int32), context, engine.compute_dtype)
         self.k, self.v = cache.k, cache.v
-        self._admit: Dict[int, object] = {}
+        self._admit: Dict[Tuple[int, int], object] = {}
         self._decode: Dict[int, object] = {}
 
     # -- the two programs -----------------------------------------------------------------------------
-    def _admit_fn(self, params, tokens_bt, length_b, row_cache, slot_k, slot_v, slot, sampling):
-        logits_btv, row = self.engine._forward(params, tokens_bt, row_cache)
+    def _admit_fn(self, params, tokens_bt, length_b, slot_k, slot_v, slot_b, sampling):
+        # the rows' prefill in a zero cache of their bucket (made here: no transfers), then each row's
+        # bucket of keys and values scattered into its slot (a padding row's slot is past the end: dropped)
+        rows, bucket = tokens_bt.shape
+        zeros = tuple(jnp.zeros((rows, bucket) + k.shape[2:], self.engine.compute_dtype) for k in slot_k)
+        index = jnp.zeros((), jnp.int32)
+        logits_btv, row = self.engine._forward(params, tokens_bt, LayerCache(zeros, zeros, index,
+                                                                             jnp.zeros(rows, jnp.int32)))
         last_bv = jnp.take_along_axis(logits_btv, (length_b - 1)[:, None, None], axis=1)[:, 0]
         token_b = choose_rows(last_bv, *sampling)
-        start = (slot, 0, 0, 0)
-        k = tuple(jax.lax.dynamic_update_slice(s, r[:1].astype(s.dtype), start) for s, r in zip(slot_k, row.k))
-        v = tuple(jax.lax.dynamic_update_slice(s, r[:1].astype(s.dtype), start) for s, r in zip(slot_v, row.v))
-        return token_b[0], token_logprobs(last_bv, token_b)[0], k, v
+        k = tuple(s.at[slot_b, :bucket].set(r.astype(s.dtype), mode="drop") for s, r in zip(slot_k, row.k))
+        v = tuple(s.at[slot_b, :bucket].set(r.astype(s.dtype), mode="drop") for s, r in zip(slot_v, row.v))
+        return token_b, token_logprobs(last_bv, token_b), k, v
 
     def _decode_fn(self, params, tokens_b, index_b, steps, slot_k, slot_v, sampling, *, rows: int, span: int):
         # Only the first `rows` slots and their first `span` cache positions run (the scheduler fills the
@@ -201,25 +217,37 @@ class Slots:
 
     # -- joining and stepping ---------------------------------------------------------------------------
     def admit(self, slot: int, prompt_ids: Sequence[int], sampling: RowSampling) -> Tuple[int, float]:
-        """Prefill ``prompt_ids`` into slot ``slot``; the first new token and its log-probability. The
-        row's length is then ``len(prompt_ids)``; the caller checks that it fits :attr:`context`."""
-        length = len(prompt_ids)
-        if not 1 <= length <= self.context:
-            raise ConfigError(f"a prompt of {length} tokens does not fit a slot of {self.context}")
-        bucket = prefill_bucket(length, self.context)
-        rows = self.engine.padded_batch(1)  # one request, and dummy rows up to the data-parallel size
-        tokens = np.zeros((rows, bucket), np.int32)
-        tokens[0, :length] = prompt_ids
-        lengths = np.ones(rows, np.int32)
-        lengths[0] = length
-        one = SamplingRows.empty(rows)
-        one.set(0, sampling)
-        if bucket not in self._admit:
-            self._admit[bucket] = jax.jit(self._admit_fn, donate_argnums=(4, 5))
-        row_cache = self.engine.empty_cache(np.zeros(rows, np.int32), bucket)
-        token, logprob, self.k, self.v = self._admit[bucket](
-            self.engine.params, tokens, lengths, row_cache, self.k, self.v, np.int32(slot), _arrays(one))
-        return int(token), float(logprob)
+        """Prefill ``prompt_ids`` into slot ``slot`` (:meth:`admit_many` of one)."""
+        tokens, logprobs = self.admit_many([(slot, prompt_ids, sampling)])
+        return tokens[0], logprobs[0]
+
+    def admit_many(self, joins: Sequence[Tuple[int, Sequence[int], RowSampling]]) -> Tuple[List[int], List[float]]:
+        """Prefill each ``(slot, prompt_ids, sampling)`` of ``joins`` into its slot, :data:`MAX_JOIN` at a
+        time in one program (their prompts padded to the longest one's bucket); the first new token of
+        each and its log-probability. A row's length is then ``len(prompt_ids)``; the caller checks that
+        it fits :attr:`context`."""
+        tokens: List[int] = []
+        logprobs: List[float] = []
+        for start in range(0, len(joins), MAX_JOIN):
+            group = joins[start:start + MAX_JOIN]
+            for _, ids, _ in group:
+                if not 1 <= len(ids) <= self.context:
+                    raise ConfigError(f"a prompt of {len(ids)} tokens does not fit a slot of {self.context}")
+            bucket = prefill_bucket(max(len(ids) for _, ids, _ in group), self.context)
+            rows = self.engine.padded_batch(join_rows(len(group)))  # padding rows: token 0, slot past the end
+            tokens_bt = np.zeros((rows, bucket), np.int32)
+            lengths_b, slot_b, sampling = np.ones(rows, np.int32), np.full(rows, self.n, np.int32), SamplingRows.empty(rows)
+            for b, (slot, ids, row_sampling) in enumerate(group):
+                tokens_bt[b, :len(ids)], lengths_b[b], slot_b[b] = ids, len(ids), slot
+                sampling.set(b, row_sampling)
+            if (rows, bucket) not in self._admit:
+                self._admit[(rows, bucket)] = jax.jit(self._admit_fn, donate_argnums=(3, 4))
+            token_b, logprob_b, self.k, self.v = self._admit[(rows, bucket)](
+                self.engine.params, tokens_bt, lengths_b, self.k, self.v, slot_b, _arrays(sampling))
+            token_b, logprob_b = jax.device_get((token_b, logprob_b))  # one transfer for both
+            tokens += [int(t) for t in token_b[:len(group)]]
+            logprobs += [float(x) for x in logprob_b[:len(group)]]
+        return tokens, logprobs
 
     def step(self, tokens_b: np.ndarray, index_b: np.ndarray, sampling: SamplingRows,
              used: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
