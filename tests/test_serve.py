@@ -34,7 +34,8 @@ from meshtrain.cli import main
 from meshtrain.generation.api import load
 from meshtrain.serving.protocol import ApiError, Kind, ServedModel, parse
 from meshtrain.serving.scheduler import TextStream
-from meshtrain.serving.slots import RowSampling, SamplingRows, Slots
+from meshtrain.errors import ConfigError
+from meshtrain.serving.slots import MAX_STEPS, RowSampling, SamplingRows, Slots
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
 CONTEXT = 512
@@ -90,6 +91,54 @@ def test_text_stream_holds_back_what_could_start_a_stop_text():
     assert stream.push(ord("N")) == ("", False) and stream.push(ord("D")) == ("", True)
     partial = TextStream(lambda ids: "é\ufffd"[:len(ids)], ())
     assert partial.push(1) == ("é", False) and partial.push(2) == ("", False) and partial.rest() == "\ufffd"
+
+
+def test_text_stream_decodes_incrementally_as_the_whole_text():
+    """A tokenizer that drops the leading space of what it decodes (as SentencePiece does) and spells a
+    character in two ids: the pieces add up to the whole text's decode, and no piece is decoded whole."""
+    spelled = {1: " the", 2: " cat", 3: "\xc3", 4: "\xa9", 5: " sat", 6: "."}
+    calls = []
+
+    def decode(ids):
+        calls.append(len(ids))
+        raw = "".join(spelled[i] for i in ids).encode("latin-1").decode("utf-8", errors="replace")
+        return raw[1:] if raw.startswith(" ") else raw
+
+    ids = [1, 2, 3, 4, 5, 6, 1, 2, 5, 6] * 4
+    stream = TextStream(decode, ("cat sat",))
+    pieces = [stream.push(i) for i in ids[:2]]
+    assert "".join(p for p, _ in pieces) == "the "  # "cat" may begin the stop text: held back
+    expected, whole = decode(ids), TextStream(decode, ())
+    calls.clear()
+    assert "".join(whole.push(i)[0] for i in ids) + whole.rest() == expected
+    assert max(calls) <= 3  # the ids since the last piece and their context, never the whole list
+    assert "".join(p for p, _ in (stream.push(i) for i in ids[2:7])) == "caté sat. the"
+    assert stream.push(2) == (" ", False) and stream.push(5) == ("", True)  # "... the cat sat": stopped
+
+
+def test_slots_decode_several_steps_in_one_program():
+    """Two requests join in one prefill program (``admit_many``), then ``Slots.decode(steps=k)`` runs k
+    steps in one program: the engine's tokens, one prompt at a time, for rows of different lengths."""
+    prompts, n_new = [[1, 2, 3, 4, 5], list(range(10, 30))], 9
+    engine = load(make_decoder("tiny"), recipe="dp", devices=1).engine
+    reference = [list(g.new_ids) for g in engine.run(prompts, n_new).generations]
+    slots = Slots(engine, 2, 64)
+    last, length, sampling = np.zeros(2, np.int32), np.zeros(2, np.int32), SamplingRows.empty(2)
+    first, _ = slots.admit_many([(1, prompts[1], RowSampling()), (0, prompts[0], RowSampling())])  # one program
+    for slot, prompt in enumerate(prompts):
+        last[slot], length[slot] = first[1 - slot], len(prompt)
+        sampling.set(slot, RowSampling(), step=1)
+    out = [[int(last[0])], [int(last[1])]]
+    for steps in (1, 8):  # 1 + 1 + 8 = 10 > n_new: the last token is past the reference's
+        tokens_kb, logprobs_kb = slots.decode(last, length, sampling, used=2, steps=steps)
+        assert tokens_kb.shape == logprobs_kb.shape == (steps, 2) and np.all(logprobs_kb <= 0)
+        for b in range(2):
+            out[b] += [int(t) for t in tokens_kb[:, b]]
+        last, length = tokens_kb[-1].astype(np.int32), length + steps
+        sampling.step_b[:] += steps
+    assert [o[:n_new] for o in out] == reference
+    with pytest.raises(ConfigError, match="decode steps"):
+        slots.decode(last, length, sampling, steps=MAX_STEPS + 1)
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ class InProcess:
         from meshtrain.train.run_config import RunConfig
 
         cfg = RunConfig().with_values({"serve.max_batch": max_batch, "serve.max_queue": 4096,
-                                       "generation.recipe": args.recipe})
+                                       "generation.recipe": args.recipe, "serve.context": args.context or None})
         self.built = build_server(run, None, cfg, args.devices)
         self.built.scheduler.start()
 
@@ -144,9 +144,9 @@ class InProcess:
         self.built.scheduler.join(60)
 
 
-def tiny_run(folder: str) -> str:
-    run = os.path.join(folder, "tiny")
-    subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", "tiny", "--steps", "1", "--ckpt-every", "1",
+def tiny_run(folder: str, model: str = "tiny") -> str:
+    run = os.path.join(folder, model)
+    subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", model, "--steps", "1", "--ckpt-every", "1",
                     "--out", run, "--devices", "1", "--recipe", "dp", "--progress", "none"], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL, timeout=START_BOUND_S)
     return run
@@ -160,6 +160,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--model", default="tiny", help="the built-in model trained for one step when no RUN is given")
+    p.add_argument("--context", type=int, default=0, help="tokens per slot (0: the model's max_seq_len)")
     p.add_argument("--recipe", default="dp")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--no-http", action="store_true", help="the scheduler alone, in this process")
@@ -171,8 +173,9 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
     load_before = os.getloadavg()
     folder = tempfile.mkdtemp(prefix="bench_serve_")
-    run = args.run or tiny_run(folder)
+    run = args.run or tiny_run(folder, args.model)
     extra = ["--recipe", args.recipe, "--devices", str(args.devices), "--model-name", "bench"]
+    extra += ["--context", str(args.context)] if args.context else []
     rows = []
     for max_batch in (args.max_batch, 1):
         server = InProcess(run, args, max_batch) if args.no_http else Server(run, extra, max_batch, folder)
@@ -193,7 +196,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rows": rows, "ratio_16": ratio, "load_before": load_before, "load_after": load_after}))
         return
-    print(f"{'scheduler alone (no HTTP)' if args.no_http else 'HTTP'}; run {run}; {args.prompt_len}-token prompts, {args.max_tokens} new tokens each, greedy, "
+    print(f"{'scheduler alone (no HTTP)' if args.no_http else 'HTTP'}; run {run} ({args.model if not args.run else 'given'}, context {args.context or 'max_seq_len'}); {args.prompt_len}-token prompts, {args.max_tokens} new tokens each, greedy, "
           f"{args.requests_per_client} requests per client; recipe {args.recipe} on {args.devices} device(s)")
     print("| clients | slots | requests | wall s | tokens/s | p50 latency s | p99 latency s |")
     print("|---|---|---|---|---|---|---|")

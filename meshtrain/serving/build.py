@@ -21,7 +21,7 @@ from meshtrain.generation.runs import generation_recipe, read_run
 from meshtrain.serving.app import make_app
 from meshtrain.serving.protocol import ServedModel
 from meshtrain.serving.scheduler import Scheduler
-from meshtrain.serving.slots import MIN_BUCKET, RowSampling, SamplingRows, Slots
+from meshtrain.serving.slots import MAX_JOIN, MIN_BUCKET, RowSampling, SamplingRows, Slots, join_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +42,14 @@ def served_model(info, name: str, context: int) -> ServedModel:
 
 
 def warm_up(slots: Slots) -> None:
-    """Compile the shortest prompts' prefill and the decode steps now, not at the first request."""
-    slots.admit(0, [0], RowSampling())
-    used = 1
-    while True:  # each decode program: 1, 2, 4, ... rows up to every slot
-        slots.step(np.zeros(slots.n, np.int32), np.ones(slots.n, np.int32), SamplingRows.empty(slots.n), used)
-        if slots.rows_for(used) >= slots.n:
-            break
-        used = slots.rows_for(used) + 1
-    if slots.context > MIN_BUCKET:
-        slots.admit(0, [0] * (MIN_BUCKET + 1), RowSampling())  # the next bucket: most chat prompts
+    """Compile the short prompts' prefill (1, 4 and 16 joining together) and every decode program
+    (:meth:`Slots.programs`: each number of rows run with each cache span read) now, not at a request."""
+    for joining in sorted({join_rows(j) for j in range(1, min(slots.n, MAX_JOIN) + 1)}):
+        for length in (1, MIN_BUCKET + 1)[:1 + (slots.context > MIN_BUCKET)]:  # the next bucket: most chat prompts
+            slots.admit_many([(b, [0] * length, RowSampling()) for b in range(min(joining, slots.n))])
+    for used, end in slots.programs():
+        slots.decode(np.zeros(slots.n, np.int32), np.full(slots.n, end - 1, np.int32), SamplingRows.empty(slots.n),
+                     used)
 
 
 def build_server(run_dir: str, step: Optional[int], cfg, devices: Optional[int]) -> Built:

@@ -3,7 +3,8 @@
 Between two decode steps it (1) drops waiting requests that were cancelled or ran out of time, (2)
 admits waiting requests into free slots (each one's prefill), (3) ends running requests that were
 cancelled (a client that went away) or ran out of time, freeing their slots, then (4) runs one
-decode step of every slot and hands each running request its token. A request leaves its slot at a
+decode program over the busy slots (several steps of it while nobody waits for a slot) and hands each
+running request its tokens. A request leaves its slot at a
 stop id, a stop text, its ``max_tokens`` or its slot's end.
 
 The waiting line is bounded (``max_queue``): :meth:`Scheduler.submit` refuses a request past it with
@@ -37,7 +38,7 @@ from typing import Callable, Deque, Dict, FrozenSet, List, Optional, Tuple
 import numpy as np
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.serving.slots import RowSampling, SamplingRows, Slots
+from meshtrain.serving.slots import MAX_STEPS, RowSampling, SamplingRows, Slots
 
 log = logging.getLogger("meshtrain.serve")
 
@@ -89,29 +90,43 @@ class Event:
 class TextStream:
     """The text of a growing list of token ids, handed out in pieces that will not change: a piece
     holds back a trailing partial UTF-8 character and any tail that could begin a stop text; a stop
-    text ends the output before it. ``decode``: ids -> text (the tokenizer's)."""
+    text ends the output before it. ``decode``: ids -> text (the tokenizer's).
+
+    Decoding is incremental (a request's whole text is never decoded again per token): the ids since
+    the last committed piece are decoded with the few before them as context, and the new text is what
+    that adds to the context's own text (a tokenizer may drop a leading space, or merge bytes, at the
+    start of a list of ids: the context makes both decodes start alike)."""
 
     def __init__(self, decode: Callable, stops: Tuple[str, ...]):
         self.decode, self.stops = decode, tuple(s for s in stops if s)
+        self.longest_stop = max((len(s) for s in self.stops), default=0)
         self.ids: List[int] = []
         self.sent = 0
         self.text = ""
+        self._start = self._read = 0  # ids[_start:_read]: the context; ids[_read:]: not yet in text
+        self._context_text = ""
 
     def push(self, token: int) -> Tuple[str, bool]:
         """Add ``token``: ``(new text safe to show, whether a stop text appeared)``."""
         self.ids.append(token)
-        self.text = self.decode(self.ids)
-        hits = [p for p in (self.text.find(s) for s in self.stops) if p >= 0]
+        window = self.decode(self.ids[self._start:])
+        if not window.endswith("\ufffd"):  # else a character still missing bytes: wait for them
+            self.text += window[len(self._context_text):]
+            self._start, self._read = self._read, len(self.ids)
+            self._context_text = self.decode(self.ids[self._start:self._read])
+        # a stop text that began before what was sent was held back and is found at its end
+        since = max(0, self.sent - self.longest_stop)
+        hits = [p for p in (self.text.find(s, since) for s in self.stops) if p >= 0]
         if hits:
             return self._take(min(hits)), True
         hold = max([k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])] + [0])
-        end = len(self.text) - hold
-        while end > self.sent and self.text[end - 1] == "\ufffd":  # a character still missing bytes
-            end -= 1
-        return self._take(end), False
+        return self._take(len(self.text) - hold), False
 
     def rest(self) -> str:
-        """What was held back, at the end (no stop text came)."""
+        """What was held back, at the end (no stop text came): a partial character shows as U+FFFD."""
+        if self._read < len(self.ids):
+            self.text += self.decode(self.ids[self._start:])[len(self._context_text):]
+            self._start = self._read = len(self.ids)
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
@@ -205,8 +220,8 @@ class Scheduler:
                     return
                 admitted = self._take_waiting()
             try:
-                for slot, ticket in admitted:
-                    self._admit(slot, ticket)
+                if admitted:
+                    self._admit(admitted)
                 self._end_abandoned()
                 if self._running:
                     self._step()
@@ -232,12 +247,13 @@ class Scheduler:
             out.append((slot, ticket))
         return out
 
-    def _admit(self, slot: int, ticket: Ticket) -> None:
-        job = ticket.job
-        token, _ = self.slots.admit(slot, job.prompt_ids, job.sampling)
-        self._length[slot] = len(job.prompt_ids)
-        self._sampling.set(slot, job.sampling, step=1)
-        self._take_token(slot, token)
+    def _admit(self, admitted: List[Tuple[int, Ticket]]) -> None:
+        """The prefill of every request that just took a slot (together: :meth:`Slots.admit_many`)."""
+        tokens, _ = self.slots.admit_many([(slot, t.job.prompt_ids, t.job.sampling) for slot, t in admitted])
+        for (slot, ticket), token in zip(admitted, tokens):
+            self._length[slot] = len(ticket.job.prompt_ids)
+            self._sampling.set(slot, ticket.job.sampling, step=1)
+            self._take_token(slot, token)
 
     def _end_abandoned(self) -> None:
         now = time.monotonic()
@@ -248,11 +264,23 @@ class Scheduler:
                 self._finish(slot, Finish.TIMEOUT)
 
     def _step(self) -> None:
-        tokens, _ = self.slots.step(self._last, self._length, self._sampling, used=max(self._running) + 1)
-        for slot in list(self._running):
-            self._length[slot] += 1
-            self._sampling.step_b[slot] += 1
-            self._take_token(slot, int(tokens[slot]))
+        """One decode program: several steps (up to :data:`MAX_STEPS`) while nobody waits for a free slot
+        (a waiting request joins between programs), as many as every running row may still take, so no
+        row runs past its ``max_tokens`` or its slot's end; else one step."""
+        with self._cond:
+            someone_waits = bool(self._waiting) and len(self._running) < self.slots.n
+        steps = 1
+        if not someone_waits:
+            room = min(min(t.job.max_tokens - t.generated, self.slots.context - int(self._length[slot]))
+                       for slot, t in self._running.items())
+            steps = max(1, min(MAX_STEPS, room))
+        tokens_kb, _ = self.slots.decode(self._last, self._length, self._sampling, used=max(self._running) + 1,
+                                         steps=steps)
+        for tokens_b in tokens_kb:
+            for slot in list(self._running):  # a row that ended at an earlier step drops the rest
+                self._length[slot] += 1
+                self._sampling.step_b[slot] += 1
+                self._take_token(slot, int(tokens_b[slot]))
 
     def _take_token(self, slot: int, token: int) -> None:
         """Row ``slot``'s new token: its text to the request, and the request ends if it should."""
