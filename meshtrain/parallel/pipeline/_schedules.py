@@ -182,16 +182,20 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     ``(m+p-1)·(forward + backward) + m·head`` per stage.
     """
     s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg)
-    p, table, carry0 = s.p, s.table, s.carry0
-    tick = _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params)
+    return _run_ticks(s, _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params), unroll)
+
+
+def _run_ticks(s, tick, unroll: bool):
+    """Run ``tick`` over the schedule's ticks from ``s.carry0`` (unrolled: each tick its own static index) and
+    return what 1F1B and zero-bubble return: ``(loss_sum, aux_sum, d_stack, d_head_params, dx_m)``."""
     if unroll:
-        c = carry0
-        for t in range(table.ticks):
+        c = s.carry0
+        for t in range(s.table.ticks):
             c = tick(c, jnp.asarray(t), static=t)
     else:
-        c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), carry0, jnp.arange(table.ticks))
+        c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), s.carry0, jnp.arange(s.table.ticks))
     d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), c["dw"])  # (p, k, ...) -> (L, ...)
-    return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, p)
+    return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, s.p)
 
 
 def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,

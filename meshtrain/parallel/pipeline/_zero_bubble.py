@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax._src import core as jcore  # Jaxpr, eval_jaxpr: the layer's backward cut into its two halves
 
 from meshtrain.parallel.pipeline._parts import STAGE
-from meshtrain.parallel.pipeline._schedules import (_first, _floats, _mask, _on_stage, _one_f_one_b_setup,
-                                                    _one_f_one_b_tick, _pick)
+from meshtrain.parallel.pipeline._schedules import (_floats, _mask, _on_stage, _one_f_one_b_setup,
+                                                    _one_f_one_b_tick, _pick, _run_ticks)
 from meshtrain.parallel.pipeline._tables import PipelineConfig, schedule_table
 from meshtrain.strategies import Schedule
 
@@ -194,7 +194,7 @@ def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     dx_m)``); the backward of each stage runs as an input-gradient tick and a deferred weight-gradient
     tick (module docstring). ``unroll``: Python tick loop (exact per-tick FLOPs in tests)."""
     s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg)
-    p, m, table = s.p, s.m, s.table  # forward / B ticks: 1F1B's
+    p, m = s.p, s.m  # forward / B ticks: 1F1B's
     one = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), t)  # noqa: E731 (p,k,..)
     w_l, v_l = one(s.w), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _floats(s.v_shape))
     side_1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), side_m)
@@ -236,15 +236,8 @@ def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
         return c
 
     s.carry0 = carry0
-    tick = _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params, split_backward=(b_part, w_part))
-    if unroll:
-        c = carry0
-        for t in range(table.ticks):
-            c = tick(c, jnp.asarray(t), static=t)
-    else:
-        c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), carry0, jnp.arange(table.ticks))
-    d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), c["dw"])  # (p, k, ...) -> (L, ...)
-    return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, p)
+    return _run_ticks(s, _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params, split_backward=(b_part, w_part)),
+                      unroll)
 
 
 def _shift_back(x: jax.Array) -> jax.Array:
