@@ -167,3 +167,52 @@ def losses_of(run_dir) -> np.ndarray:
             if "loss" in rec:
                 by_step[rec["step"]] = rec["loss"]
     return np.array([by_step[s] for s in sorted(by_step)])
+
+
+def cli_env() -> dict:
+    """The environment for a ``python -m meshtrain`` child: the CPU platform and the CLI's own device count
+    (the suite's ``JAX_NUM_CPU_DEVICES`` / ``XLA_FLAGS`` left out; processes.py adds the suite's -O0 back)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def losses_by_step(run_dir) -> dict:
+    """``{step: loss}`` from ``run_dir``/metrics.jsonl, ``{}`` before it exists; a killed run's cut last line
+    is skipped."""
+    by_step = {}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    for line in open(path) if os.path.exists(path) else ():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in rec:
+            by_step[rec["step"]] = rec["loss"]
+    return by_step
+
+
+def kill_then_resume(command, tmp_path, kill_after: int, *, cwd, first=(), bound_s: int = 500):
+    """Run ``command(base)`` to the end; start ``command(out, *first)``, SIGKILL it once step ``kill_after`` is
+    logged (the wait bounded by ``bound_s``), then run ``command(out, "--resume")`` to the end. Returns the
+    uninterrupted and the resumed run's ``{step: loss}`` and the resumed run's folder."""
+    import signal
+    import time
+
+    import processes
+
+    base, out = tmp_path / "base", tmp_path / "run"
+    done = processes.run(command(base), env=cli_env(), cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        proc = processes.start(command(out, *first), env=cli_env(), cwd=cwd, stdout=processes.DEVNULL, stderr=err)
+        deadline = time.monotonic() + bound_s
+        while max(losses_by_step(out), default=0) < kill_after and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before the kill; lengthen its steps"
+        proc.send_signal(signal.SIGKILL)
+        processes.wait(proc, timeout=60)
+    done = processes.run(command(out, "--resume"), env=cli_env(), cwd=cwd, capture_output=True, text=True,
+                         timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses_by_step(base), losses_by_step(out), out

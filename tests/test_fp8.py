@@ -6,9 +6,7 @@ matmul."""
 
 import os
 import re
-import signal
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import helpers as h
 import meshtrain as mt
-import processes
 from meshtrain import fp8
 from meshtrain.analysis import gpu_aot
 from meshtrain.recipes import Fp8
@@ -207,47 +204,11 @@ def _command(out, *extra):
             str(EVERY), "--keep-last", "2", "--fp8", "delayed", "--fp8-amax-history", "8", "--out", str(out), *extra]
 
 
-def _env():
-    e = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    e["JAX_PLATFORMS"] = "cpu"
-    return e
-
-
-def _losses(out):
-    import json
-    by_step = {}
-    path = os.path.join(out, "metrics.jsonl")
-    for line in (open(path) if os.path.exists(path) else ()):
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a killed run may be cut
-            continue
-        if "loss" in r:
-            by_step[r["step"]] = r["loss"]
-    return by_step
-
-
-@pytest.mark.slow
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact_with_fp8_state(tmp_path):
-    base = tmp_path / "base"
-    done = processes.run(_command(base), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = tmp_path / "run"
-    err = open(tmp_path / "stderr.txt", "w+")
-    proc = processes.start(_command(out, "--resume"), env=_env(), cwd=ROOT, stdout=processes.DEVNULL, stderr=err)
-    deadline = time.time() + 300
-    while max(_losses(out), default=0) < 2 * EVERY + 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before the kill; lengthen STEPS"
-    proc.send_signal(signal.SIGKILL)
-    processes.wait(proc, timeout=60)
-    done = processes.run(_command(out, "--resume"), env=_env(), cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "restored" in done.stdout + done.stderr or os.path.exists(out / "metrics.jsonl")
-    expected = _losses(base)
-    assert len(expected) == STEPS and _losses(out) == expected  # bit-identical, every step
+    expected, got, _ = h.kill_then_resume(_command, tmp_path, 2 * EVERY + 2, cwd=ROOT, first=("--resume",),
+                                          bound_s=300)
+    assert len(expected) == STEPS and got == expected  # bit-identical, every step
 
 
 # -- XLA:GPU: one cuBLASLt FP8 GEMM per dense matmul -------------------------------------------

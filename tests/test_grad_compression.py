@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshtrain as mt
-import processes
-from helpers import assert_bit_exact, assert_on_mesh, host, put, token_batch
+from helpers import assert_bit_exact, assert_on_mesh, host, kill_then_resume, put, token_batch
 from meshtrain.analysis.collectives import hlo_collectives, wire_bytes
 from meshtrain.analysis.comms import Backend, analytic_collectives
 from meshtrain.checkpoint import Checkpointer
@@ -252,44 +249,10 @@ def _command(out, *extra):
             "--out", str(out), *extra]
 
 
-def _env():
-    e = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    e["JAX_PLATFORMS"] = "cpu"
-    return e
-
-
-def _losses(out):
-    by_step = {}
-    path = os.path.join(out, "metrics.jsonl")
-    for line in open(path) if os.path.exists(path) else []:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:   # a killed run's last line may be cut
-            continue
-        if "loss" in rec:
-            by_step[rec["step"]] = rec["loss"]
-    return by_step
-
-
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bit_exact_with_error_feedback(tmp_path):
-    base = tmp_path / "base"
-    done = processes.run(_command(base), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = tmp_path / "run"
-    err = open(tmp_path / "stderr.txt", "w+")
-    proc = processes.start(_command(out), env=_env(), cwd=ROOT, stdout=processes.DEVNULL, stderr=err)
-    deadline = time.time() + 500
-    while max(_losses(out), default=0) < 2 * EVERY + 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before the kill; lengthen STEPS"
-    proc.send_signal(signal.SIGKILL)
-    processes.wait(proc, timeout=60)
-    done = processes.run(_command(out, "--resume"), env=_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    expected, got, out = kill_then_resume(_command, tmp_path, 2 * EVERY + 2, cwd=ROOT)
     restarts = [json.loads(line) for line in open(out / "metrics.jsonl") if '"restart"' in line]
     assert restarts and restarts[-1]["restored_step"] >= EVERY, restarts
-    expected, got = _losses(base), _losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in sorted(got)] == [expected[s] for s in sorted(expected)]   # bit-identical
