@@ -108,12 +108,12 @@ class TrainConfig:
                                        "folder: start from its weights (a run's latest checkpoint); the optimizer "
                                        "starts fresh (default: the model's own initialisation from --seed)")
     # LoRA (meshtrain.models.lora): adapters on chosen weights, the rest frozen
-    lora_rank: int = setting(0, "LoRA: adapters of this rank on the --lora-targets weights, every other weight "
-                             "frozen (no gradient, no optimizer state); 0: no LoRA, every weight trains", minimum=0)
+    lora_rank: int = setting(0, "LoRA: adapters of this rank on the target weights (--lora-targets), every other "
+                             "weight frozen (no gradient, no optimizer state); 0: no LoRA, every weight trains",
+                             minimum=0)
     lora_alpha: float = setting(16.0, "LoRA: the adapters' update is scaled by alpha / rank")
-    lora_targets: str = setting("q,k,v,o", "LoRA: comma-separated weights to adapt: short names q,k,v,o,gate,up,"
-                                "down,head (built-in decoders) or regexes of parameter paths (`meshtrain plan "
-                                "--list-params` prints them), e.g. 'attn/w[qv]'")
+    lora_targets: str = setting("q,k,v,o", "LoRA: weights to adapt, comma-separated: q,k,v,o,gate,up,down,head "
+                                "or parameter-path regexes (`plan --list-params`), e.g. 'attn/w[qv]'")
     lora_base: str = setting("param", "LoRA: how the frozen base weights are kept: param (the recipe's "
                              "parameter dtype), bfloat16, or int8 (targets quantised per output channel, the rest "
                              "bf16: QLoRA-style)", choices=("param", "bfloat16", "int8"))
