@@ -20,7 +20,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("XLA_FLAGS", "")
 from processes import with_test_xla_flags  # noqa: E402  (tests/ is on sys.path)
 
-# The suite's programs compile at LLVM -O0 (processes.TEST_XLA_FLAGS says why and how to turn it off);
+# The suite's programs compile at LLVM -O0 with XLA:CPU's older emitters (processes.TEST_XLA_FLAGS says why and how to turn it off);
 # set before JAX starts its backend, and inherited by every child a test starts.
 os.environ["XLA_FLAGS"] = with_test_xla_flags(dict(os.environ))["XLA_FLAGS"]
 _OWN_CACHE = None
