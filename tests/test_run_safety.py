@@ -273,7 +273,8 @@ def _start_training(run, tmp_path, *extra, shell_prefix=None):
     a thread, stderr goes to a file (an unread pipe could fill and stall the child)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    argv = [sys.executable, "-m", "meshtrain", *TRAIN, "--steps", "100000", "--ckpt-every", "3",
+    # 2 devices, not the CLI's 8 simulated ones: each step and save costs less, the signals' paths are the same
+    argv = [sys.executable, "-m", "meshtrain", *TRAIN, "--devices", "2", "--steps", "100000", "--ckpt-every", "3",
             "--log-every", "1", "--progress", "lines", "--out", run, *extra]
     if shell_prefix:  # e.g. `trap "" INT`: the child inherits SIG_IGN as from a non-interactive shell's `&`
         argv = ["bash", "-c", f'{shell_prefix}; exec "$@"', "bash", *argv]
