@@ -216,3 +216,41 @@ def kill_then_resume(command, tmp_path, kill_after: int, *, cwd, first=(), bound
                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses_by_step(base), losses_by_step(out), out
+
+
+# --- g1: children that share the compilation cache from every process ---------------------------------
+
+#: A folder whose ``sitecustomize.py`` lets every process of a multi-process child run write the suite's
+#: compilation cache (JAX writes it from process 0 only; tests/child_site/sitecustomize.py says why).
+CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
+
+
+def cache_every_process(env: dict) -> dict:
+    """``env`` for a ``python -m meshtrain`` child whose processes 1.. load their programs from the suite's
+    compilation cache instead of compiling them in every launch and restart (process 0 already does).
+
+    Example: ``processes.run([sys.executable, "-m", "meshtrain", "launch", ...], env=cache_every_process(env))``."""
+    path = env.get("PYTHONPATH", "")
+    if CHILD_SITE in path.split(os.pathsep):
+        return dict(env)
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (CHILD_SITE, path) if p))
+
+
+#: The in-process tiny run that resume and damaged-folder tests copy (tests/test_run_safety.py,
+#: tests/test_faults.py): ``meshtrain train`` with these flags, 4 steps, checkpoints at 2 and 4. Tests that train
+#: in-process with the same flags and ``--steps 4`` load its compiled step from the cache.
+FINISHED_TINY_FLAGS = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
+                       "--progress", "none", "--data", os.path.dirname(json.__file__)]
+
+
+def finished_tiny_run() -> str:
+    """The folder of a finished 4-step run (:data:`FINISHED_TINY_FLAGS`), trained once per session in whichever
+    worker asks first. Copy it before changing anything in it.
+
+    Example: ``shutil.copytree(finished_tiny_run(), tmp_path / "run")``."""
+    from meshtrain.cli import main
+
+    def build(folder):
+        run = os.path.join(folder, "done")
+        assert main([*FINISHED_TINY_FLAGS, "--steps", "4", "--ckpt-every", "2", "--out", run]) == 0
+    return os.path.join(built_once("cli-tiny-4-steps-checkpoints-2-4", build), "done")

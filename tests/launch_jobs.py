@@ -7,6 +7,7 @@ import os
 import sys
 
 import processes
+from helpers import cache_every_process
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 #: HANG_S: the hang bound that holds on an idle machine; the runs get it scaled to the machine's speed
@@ -28,7 +29,7 @@ def env(fault=None):
     e["JAX_PLATFORMS"] = "cpu"
     if fault:
         e["MESHTRAIN_FAULT"] = fault
-    return e
+    return cache_every_process(e)   # processes 1.. load their programs from the cache too
 
 
 def launch(out, *extra, fault=None, hang=None):

@@ -1,9 +1,12 @@
 """Several processes (issue 6), each case in subprocesses on 127.0.0.1 with simulated CPU devices.
 
-2 processes × 4 devices must train exactly like 1 process × 8 devices; checkpoints move between
+2 processes × 2 devices must train exactly like 1 process × 4 devices; checkpoints move between
 process counts and meshes; SIGTERM to one process stops both at the same step; an unreachable
-coordinator fails in time with its address. Runs share one persistent compilation cache (a fresh
-folder per test session) so identical programs compile once.
+coordinator fails in time with its address. Runs share the suite's persistent compilation cache (a
+fresh folder per test session) so identical programs compile once. The 2-process fsdp run is the
+session's uninterrupted launch of tests/launch_jobs.py's job (conftest.py), the same 6 steps of the tiny
+model on 8 × 32 tokens in float32 that these runs train: it is launched once for the resilience tests and
+this file, and this file's own 2-process fsdp run (the preempted one) loads its programs from the cache.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cache_every_process
+from launch_jobs import STEPS   # the uninterrupted launch's steps: 6
 from meshtrain.distributed import free_port
 
 RTOL = 1e-5  # f32 parity (DESIGN.md)
-STEPS, CKPT_AT = 10, 5
+CKPT_AT = STEPS // 2
 TRAIN = ["train", "--model", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--seed", "0",
          "--eval-every", "0", "--progress", "none", "--compute-dtype", "float32"]
 TIMEOUT_S = 600  # a hung run fails the test instead of the suite
@@ -32,10 +37,12 @@ TIMEOUT_S = 600  # a hung run fails the test instead of the suite
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MESHTRAIN_", "JAX_", "SLURM_", "OMPI_"))}
-    base.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
+    # the suite's compilation cache (conftest), shared with the other files' children; a folder of this
+    # module's own where none is set; every process writes and reads it (helpers.cache_every_process)
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax-cache"))
+    base.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=cache,
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return base
+    return cache_every_process(base)
 
 
 def meshtrain(env, *args, check=True):
@@ -48,7 +55,7 @@ def meshtrain(env, *args, check=True):
     return proc
 
 
-def launch(env, *args, processes=2, devices=4, check=True):
+def launch(env, *args, processes=2, devices=2, check=True):
     return meshtrain(env, "launch", "--processes", str(processes), "--devices-per-process", str(devices),
                      "--init-timeout", "120", "--", *args, check=check)
 
@@ -79,38 +86,31 @@ def copy_step(src_run: Path, step: int, dst_run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def baseline(env, tmp_path_factory):
-    """1 process × 8 devices, fsdp, checkpoints every 5 steps."""
+    """1 process × 4 devices, fsdp, checkpoints every 3 steps."""
     out = tmp_path_factory.mktemp("one") / "run"
-    meshtrain(env, *TRAIN, "--recipe", "fsdp", "--devices", "8", "--ckpt-every", str(CKPT_AT), "--out", str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def two_fsdp(env, tmp_path_factory):
-    out = tmp_path_factory.mktemp("two-fsdp") / "run"
-    launch(env, *TRAIN, "--recipe", "fsdp", "--out", str(out))
+    meshtrain(env, *TRAIN, "--recipe", "fsdp", "--devices", "4", "--ckpt-every", str(CKPT_AT), "--out", str(out))
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["fsdp", "hsdp"])
-def test_two_processes_train_like_one(recipe, env, baseline, two_fsdp, tmp_path):
-    """2 processes × 4 devices: the same losses as 1 process × 8 (fsdp and hsdp give the same math)."""
-    if recipe == "fsdp":
-        run = two_fsdp
-    else:
-        run = tmp_path / "run"
-        launch(env, *TRAIN, "--recipe", recipe, "--out", str(run))
+def test_two_processes_train_like_one(env, baseline, uninterrupted):
+    """2 processes × 2 devices (the session's uninterrupted launch, fsdp): the same losses as 1 process × 4.
+
+    Cut: an hsdp case here launched the whole run again on 2 processes; hsdp across the 2 processes (data=2 on
+    DCN × fsdp=2) is still trained and compared with the one-process run in
+    test_checkpoint_from_one_process_resumes_in_two (steps 4-6), and the fresh start on 2 processes (init,
+    steps from 1) is this fsdp case."""
+    run = uninterrupted
     want = losses(baseline)
     assert sorted(want) == list(range(1, STEPS + 1))
     assert_same_losses(losses(run), want, range(1, STEPS + 1))
-    assert json.loads((run / "plan.json").read_text())["recipe"] == recipe
+    assert json.loads((run / "plan.json").read_text())["recipe"] == "fsdp"
     assert events(run, "summary")[-1]["steps"] == STEPS
 
 
 @pytest.mark.slow
 def test_checkpoint_from_one_process_resumes_in_two(env, baseline, tmp_path):
-    """Saved by 1 process on fsdp=8, restored by 2 processes on hsdp (data=2 × fsdp=4)."""
+    """Saved by 1 process on fsdp=4, restored by 2 processes on hsdp (data=2 × fsdp=2)."""
     run = tmp_path / "run"
     copy_step(baseline, CKPT_AT, run)
     launch(env, *TRAIN, "--recipe", "hsdp", "--resume", "--out", str(run))
@@ -125,7 +125,7 @@ def _spawn_two(env, args, port, logs: Path):
     procs = []
     for i in range(2):
         child = dict(env, MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}", MESHTRAIN_NUM_PROCESSES="2",
-                     MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="4")
+                     MESHTRAIN_PROCESS_ID=str(i), MESHTRAIN_INIT_TIMEOUT="120", JAX_NUM_CPU_DEVICES="2")
         procs.append(processes.start([sys.executable, "-m", "meshtrain", *args], env=child,
                                       stdout=open(logs / f"out{i}.txt", "w"), stderr=open(logs / f"err{i}.txt", "w")))
     return procs
@@ -176,12 +176,12 @@ def test_sigterm_to_one_process_stops_both_at_one_step(preempted):
 @pytest.mark.slow
 def test_preempted_two_process_checkpoint_resumes_in_one_process(env, preempted, baseline):
     """``--resume`` continues the preempted 2-process run in 1 process on another mesh (hsdp
-    data=2 × fsdp=4 instead of fsdp 2×4) with the losses of the uninterrupted run."""
+    data=2 × fsdp=2 instead of fsdp 2×2) with the losses of the uninterrupted run."""
     run, codes, logs = preempted
     stops = events(run, "preempted")
     assert codes == [0, 0] and stops, f"the preempted run failed:\n{_tail(logs)}"
     step = stops[0]["step"]
-    meshtrain(env, *TRAIN, "--recipe", "hsdp", "--devices", "8", "--resume", "--out", str(run))
+    meshtrain(env, *TRAIN, "--recipe", "hsdp", "--devices", "4", "--resume", "--out", str(run))
     assert [e["restored_step"] for e in events(run, "restart")] == [step]
     got = losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -208,7 +208,8 @@ def test_missing_coordinator_or_peers_fail_in_time_naming_the_address(process_id
     assert not (tmp_path / "run").exists()
 
 
-DATA = textwrap.dedent("""
+#: The two in-process checks below run in one pair of processes (one start-up, one distributed init for both).
+TWO_CHECKS = textwrap.dedent("""
     import json
     import numpy as np
     from meshtrain import distributed
@@ -216,12 +217,14 @@ DATA = textwrap.dedent("""
     import jax
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from meshtrain import get_recipe
     from meshtrain.data import BatchIterator, load_source
     from meshtrain.data.loader import KEYS
+    # the per-process loader
     mine = lambda p: [d for d in jax.devices() if d.process_index == p]
     layouts = {"contiguous": mine(0) + mine(1),                               # process p: rows 4p..4p+3
                "interleaved": mine(0)[:2] + mine(1)[:2] + mine(0)[2:] + mine(1)[2:]}  # process 0: 0,1,4,5
-    source, out = load_source(None), {}
+    source, data = load_source(None), {}
     for name, order in layouts.items():
         mesh = Mesh(np.array(order), ("data",))
         shardings = {k: NamedSharding(mesh, PartitionSpec("data")) for k in KEYS}
@@ -232,8 +235,16 @@ DATA = textwrap.dedent("""
             got, want = next(it), next(ref)
             equal += [bool((np.asarray(multihost_utils.process_allgather(got[k], tiled=True)) == want[k]).all())
                       for k in KEYS]
-        out[name] = {"rows": it._rows.tolist(), "equal": all(equal), "samples_seen": it.state()["samples_seen"]}
-    print(json.dumps({"process": info.process_id, **out}))
+        data[name] = {"rows": it._rows.tolist(), "equal": all(equal), "samples_seen": it.state()["samples_seen"]}
+    # the hybrid mesh
+    devices = jax.devices()
+    spec = distributed.auto_dcn(get_recipe("hsdp").mesh, devices)
+    mesh = spec.build(devices)
+    explicit = distributed.split_dcn(get_recipe("hsdp").mesh, len(devices), {"data": 2}).build(devices)
+    hybrid = {"granules": distributed.granules(devices), "dcn": dict(spec.dcn), "ici": dict(spec.ici),
+              "shape": dict(mesh.shape), "same": (mesh.devices == explicit.devices).all().item(),
+              "rows": [sorted({d.process_index for d in row.flat}) for row in mesh.devices]}
+    print(json.dumps({"process": info.process_id, "data": data, "hybrid": hybrid}))
 """)
 
 
@@ -258,42 +269,30 @@ def _run_script(env, script, tmp_path):
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
-def test_each_process_reads_only_its_rows_and_the_global_batch_is_whole(env, tmp_path):
+@pytest.fixture(scope="module")
+def two_checks(env, tmp_path_factory):
+    """TWO_CHECKS' results of processes 0 and 1."""
+    return _run_script(env, TWO_CHECKS, tmp_path_factory.mktemp("two-checks"))
+
+
+def test_each_process_reads_only_its_rows_and_the_global_batch_is_whole(two_checks):
     """The per-process loader: each process packs only the rows its devices hold (contiguous or
     not), and the assembled global arrays equal the one-process batches; the position is global."""
-    results = _run_script(env, DATA, tmp_path)
+    results = [r["data"] for r in two_checks]
     assert results[0]["contiguous"]["rows"] == [0, 1, 2, 3] and results[1]["contiguous"]["rows"] == [4, 5, 6, 7]
     assert results[0]["interleaved"]["rows"] == [0, 1, 4, 5] and results[1]["interleaved"]["rows"] == [2, 3, 6, 7]
-    for r in results:
+    for process, r in enumerate(results):
         for layout in ("contiguous", "interleaved"):
-            assert r[layout]["equal"], (r["process"], layout)
+            assert r[layout]["equal"], (process, layout)
             assert r[layout]["samples_seen"] == 3 * 8
 
 
-HYBRID = textwrap.dedent("""
-    import json, sys
-    from meshtrain import distributed
-    info = distributed.initialize()
-    import jax
-    from meshtrain import get_recipe
-    devices = jax.devices()
-    spec = distributed.auto_dcn(get_recipe("hsdp").mesh, devices)
-    mesh = spec.build(devices)
-    explicit = distributed.split_dcn(get_recipe("hsdp").mesh, len(devices), {"data": 2}).build(devices)
-    print(json.dumps({
-        "process": info.process_id, "granules": distributed.granules(devices),
-        "dcn": dict(spec.dcn), "ici": dict(spec.ici), "shape": dict(mesh.shape),
-        "same": (mesh.devices == explicit.devices).all().item(),
-        "rows": [sorted({d.process_index for d in row.flat}) for row in mesh.devices]}))
-""")
-
-
-def test_hsdp_replicas_across_processes_fsdp_within(env, tmp_path):
+def test_hsdp_replicas_across_processes_fsdp_within(two_checks):
     """``auto_dcn``: with 2 processes, hsdp puts ``data`` on DCN (one replica per process) and
     ``fsdp`` within each process; ``MeshSpec.build`` groups the CPU devices by process."""
-    results = _run_script(env, HYBRID, tmp_path)
-    for i, r in enumerate(results):
-        assert r["process"] == i and r["granules"] == 2
+    for i, result in enumerate(two_checks):
+        r = result["hybrid"]
+        assert result["process"] == i and r["granules"] == 2
         assert r["dcn"] == {"data": 2} and r["ici"] == {"data": 1, "fsdp": 4}
         assert r["shape"] == {"data": 2, "fsdp": 4}
         assert r["rows"] == [[0], [1]]  # replica p lives on process p

@@ -16,6 +16,7 @@ import sys
 import sysconfig
 
 import processes
+from helpers import FINISHED_TINY_FLAGS, finished_tiny_run
 import pytest
 
 from pathlib import Path
@@ -30,19 +31,23 @@ TRAIN = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--
          "none", "--data", DATA]
 
 
-def _child_env():
-    # No shared compilation cache: a child under `ulimit -f` or on a full disk would leave truncated
-    # cache entries that every later test then reads (and warns about).
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+def _child_env(write_cache: bool):
+    """The suite's compilation cache is read (a program compiled before, by finished_run or another case, loads
+    instead of compiling). A child under `ulimit -f` never writes it: an entry cut by the limit would be read
+    by every later test (JAX writes an entry only for a compile that took at least
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, and reading writes nothing). A child on the small disk writes
+    as usual: the cache is not on the disk it fills."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
+    if not write_cache:
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1e12"
     return env
 
 
-def _train_child(run, *args, shell_prefix="true"):
+def _train_child(run, *args, shell_prefix="true", write_cache=False):
     argv = [sys.executable, "-m", "meshtrain", *TRAIN, "--out", run, *args]
     argv = ["bash", "-c", f'{shell_prefix}; exec "$@"', "bash", *argv]
-    proc = processes.run(argv, timeout=600, env=_child_env(), cwd=ROOT, capture_output=True, text=True)
+    proc = processes.run(argv, timeout=600, env=_child_env(write_cache), cwd=ROOT, capture_output=True, text=True)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -64,25 +69,6 @@ def _error_lines(err):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("limit_kib, args, names, committed", [
-    # plan.json (16 KiB) is the first file over 8 KiB
-    (8, ("--steps", "2"), "plan.json before the first step: File too large; raise the file-size limit", []),
-    # metrics.jsonl grows ~300 B a step: past 17 KiB within 60 steps (no checkpoints)
-    (17, ("--steps", "60", "--ckpt-every", "0"), "metrics.jsonl at step", []),
-    # each checkpoint's data file is ~0.5 MiB: the first save fails in Orbax (OCDBT, EFBIG)
-    (200, ("--steps", "4", "--ckpt-every", "2"), "saving step 2 to", []),
-])
-def test_file_size_limit_names_the_file_and_exits_74(tmp_path, limit_kib, args, names, committed):
-    run = str(tmp_path / "run")
-    code, out, err = _train_child(run, *args, shell_prefix=f"ulimit -f {limit_kib}")
-    assert code == EXIT_DISK, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    lines = _error_lines(err)
-    assert len(lines) == 1 and names in lines[0] and ("ulimit -f" in lines[0]), lines
-    assert _committed_steps(run) == committed
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("free_kib, args, names, committed", [
     (0, ("--steps", "2"), ".meshtrain-run.lock before the run started: No space left on device", []),
     (12, ("--steps", "2"), "plan.json before the first step: No space left on device; free disk space", []),
@@ -97,7 +83,7 @@ def test_full_disk_names_the_file_keeps_checkpoints_and_exits_74(small_disk, fre
             f.truncate(0)
         processes.run(["fallocate", "-l", f"{4096 - free_kib}k", str(small_disk / "filler")], check=True)
     run = str(small_disk / "run")
-    code, out, err = _train_child(run, *args)
+    code, out, err = _train_child(run, *args, write_cache=True)
     assert code == EXIT_DISK, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     lines = _error_lines(err)
@@ -112,11 +98,11 @@ def test_full_disk_names_the_file_keeps_checkpoints_and_exits_74(small_disk, fre
 # -- a damaged metrics.jsonl on --resume ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """4 steps, checkpoints at 2 and 4."""
-    run = str(tmp_path_factory.mktemp("runs") / "done")
-    assert main([*TRAIN, "--steps", "4", "--ckpt-every", "2", "--out", run]) == 0
-    return run
+def finished_run():
+    """4 steps, checkpoints at 2 and 4 (these flags: TRAIN), trained once per session and shared with
+    tests/test_run_safety.py (helpers.finished_tiny_run). Tests copy it before changing it."""
+    assert TRAIN == FINISHED_TINY_FLAGS
+    return finished_tiny_run()
 
 
 def _copy(finished_run, tmp_path):
@@ -190,6 +176,28 @@ def test_torn_last_line_is_tolerated_and_a_param_dtype_change_is_said_loudly(fin
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5]
 
 
+# -- a file-size limit at every write ------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit_kib, args, names, committed", [
+    # plan.json (16 KiB) is the first file over 8 KiB
+    (8, ("--steps", "2"), "plan.json before the first step: File too large; raise the file-size limit", []),
+    # metrics.jsonl grows ~300 B a step: past 17 KiB within 60 steps (no checkpoints)
+    (17, ("--steps", "60", "--ckpt-every", "0"), "metrics.jsonl at step", []),
+    # each checkpoint's data file is ~0.5 MiB: the first save fails in Orbax (OCDBT, EFBIG)
+    (200, ("--steps", "4", "--ckpt-every", "2"), "saving step 2 to", []),
+])
+def test_file_size_limit_names_the_file_and_exits_74(tmp_path, limit_kib, args, names, committed):
+    # (after the small-disk cases and finished_run in this file: their programs, --steps 60 and 4, are cached)
+    run = str(tmp_path / "run")
+    code, out, err = _train_child(run, *args, shell_prefix=f"ulimit -f {limit_kib}")
+    assert code == EXIT_DISK, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = _error_lines(err)
+    assert len(lines) == 1 and names in lines[0] and ("ulimit -f" in lines[0]), lines
+    assert _committed_steps(run) == committed
+
+
 # -- Ctrl-C that lands where Python swallows it -----------------------------------------------------
 
 def test_ctrl_c_swallowed_during_compile_still_exits_130(tmp_path, capsys, monkeypatch):
@@ -210,7 +218,9 @@ def test_ctrl_c_swallowed_during_compile_still_exits_130(tmp_path, capsys, monke
         return compile_(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_and_swallow)
-    code = main([*TRAIN, "--steps", "3", "--ckpt-every", "2", "--out", str(tmp_path / "run")])
+    # --steps 4: finished_run's program, loaded from the cache (a compile of a cached program still goes
+    # through Lowered.compile, where the swallowed SIGINT lands)
+    code = main([*TRAIN, "--steps", "4", "--ckpt-every", "2", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 130, err
     assert "interrupted; no checkpoint was committed yet" in err and "Traceback" not in err, err

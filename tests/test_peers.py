@@ -1,7 +1,8 @@
 """In-memory peer checkpoints (``--peer-every``, :mod:`meshtrain.checkpoint.peers`): the copies restore
 bit for bit when intact, a damaged own copy is replaced by the held one, and anything else (both
 copies damaged, a lost process folder, another run's copies, another mesh) falls back to the older
-step or to disk. The must-show: five SIGKILLs of one of 2 processes under ``launch --max-restarts 5``."""
+step or to disk. The must-show: SIGKILLs of one of 2 processes under ``launch --max-restarts``, each restart
+losing at most the peer interval."""
 
 import importlib.util
 import json
@@ -9,19 +10,18 @@ import os
 import re
 import shutil
 import sys
-import sysconfig
 
 import jax
 import numpy as np
 import pytest
 
 import processes
+from launch_jobs import STEPS, TRAIN, env as launch_env, losses
 from meshtrain.checkpoint import peers
 from meshtrain.state import init_state
 from meshtrain.train import TrainConfig, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
-DATA = os.path.join(sysconfig.get_paths()["stdlib"], "json")
 
 
 def plan_on(devices):
@@ -117,22 +117,24 @@ def test_a_copy_checks_itself():
     assert peers.decode(buf[:-3])[1].startswith("truncated")
 
 
-# -- the must-show: 2 processes, 5 SIGKILLs at random steps, launch --max-restarts 5 -----------------------
-STEPS, PEER_EVERY, CKPT_EVERY = 24, 3, 12
+# -- the must-show: 2 processes, SIGKILLs, launch --max-restarts -------------------------------------------
+#: The tiny job of tests/launch_jobs.py (6 steps; its uninterrupted run, conftest's session fixture, is the
+#: reference), with in-memory peer copies every PEER_EVERY steps and the disk only at the end: a restart that
+#: missed the peer copies would restore step 0 and lose the whole of a kill's step (4 or 5), past PEER_EVERY.
+PEER_EVERY, CKPT_EVERY = 2, STEPS
+#: (kind, step, process), one per attempt. Cut: five kills at random steps (three ``lose``, two ``kill``) of a
+#: 24-step job with a reference launch of its own became one of each kind, of different processes, on the
+#: session's tiny job: the two restore paths (a process's own in-memory copy; its shards from the copy its peer
+#: held, after ``lose`` deleted its own) each still bound the RPO, for the coordinator and for the other process.
+FAULTS = (("lose", 4, 1), ("kill", 5, 0))
 
 
-def launch(out, fault=None, restarts=0):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "MESHTRAIN_FAULT")}
-    env.update(JAX_PLATFORMS="cpu", MESHTRAIN_PEER_DIR=str(out) + "-shm")
-    if fault:
-        env["MESHTRAIN_FAULT"] = fault
-    restart = ["--max-restarts", str(restarts)] if restarts else []
+def launch(out, fault):
+    train = [a if prev != "--ckpt-every" else str(CKPT_EVERY) for prev, a in zip([None, *TRAIN], TRAIN)]
     return processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
-                          "2", "--grace", "2", "--restart-backoff", "0", *restart, "--", "train", "--model", "tiny",
-                          "--recipe", "fsdp", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32",
-                          "--eval-every", "0", "--progress", "none", "--data", DATA, "--ckpt-every", str(CKPT_EVERY),
-                          "--peer-every", str(PEER_EVERY), "--out", str(out)],
-                         env=env, timeout=900, cwd=ROOT)
+                          "2", "--grace", "2", "--restart-backoff", "0", "--max-restarts", str(len(FAULTS)), "--",
+                          *train, "--peer-every", str(PEER_EVERY), "--out", str(out)],
+                         env=dict(launch_env(fault), MESHTRAIN_PEER_DIR=str(out) + "-shm"), timeout=900, cwd=ROOT)
 
 
 def records(path):
@@ -140,30 +142,26 @@ def records(path):
 
 
 @pytest.mark.slow
-def test_five_sigkills_of_one_of_two_processes_lose_at_most_the_peer_interval(tmp_path):
-    """Kills at 5 random steps (seeded), of a random process; 3 of them also lose that process's host memory
-    (``lose``: its own copies and the peer copy it held), so its shards come back from its peer."""
+def test_sigkills_of_one_of_two_processes_lose_at_most_the_peer_interval(uninterrupted, tmp_path):
+    """A kill that also loses that process's host memory (``lose``: its own copies and the peer copy it held),
+    so its shards come back from its peer; then a kill of the other process, which restores its own copy."""
     bench = _bench()
-    rng = np.random.default_rng(23)
-    at = sorted(rng.choice(np.arange(2, STEPS - 1), size=5, replace=False).tolist())
-    kinds = ["lose", "kill", "lose", "kill", "lose"]
-    fault = ";".join(f"{k}@step={s},process={int(rng.integers(2))},attempt={i}"
-                     for i, (k, s) in enumerate(zip(kinds, at)))
+    fault = ";".join(f"{kind}@step={step},process={process},attempt={i}"
+                     for i, (kind, step, process) in enumerate(FAULTS))
     out = tmp_path / "run"
-    done = launch(out, fault, restarts=5)
+    done = launch(out, fault)
     assert done.returncode == 0, done.stderr[-3000:]
-    reference = tmp_path / "reference"
-    ref = launch(reference)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "--ckpt-every" in TRAIN and f"--ckpt-every {CKPT_EVERY}" in " ".join(map(str, done.args))
     events = records(out / "events.jsonl")
     faults = [e for e in events if e["event"] == "fault"]
     firsts = [e for e in events if e["event"] == "first_step"][1:]   # the first step of each restart
-    assert [f["step"] for f in faults] == at and len(firsts) == 5, events
+    assert [(f["kind"], f["step"], f["process"]) for f in faults] == list(FAULTS) and len(firsts) == len(FAULTS)
     rpo = [f["step"] - n["resumed_from"] for f, n in zip(faults, firsts)]
-    assert all(0 <= r <= PEER_EVERY for r in rpo), (rpo, fault)   # the disk interval is 12
-    assert bench.same_arrays(bench.final_arrays(str(out), STEPS), bench.final_arrays(str(reference), STEPS))
+    assert all(0 <= r <= PEER_EVERY for r in rpo), (rpo, fault)   # the disk has nothing before the last step
+    assert losses(out) == losses(uninterrupted)
+    assert bench.same_arrays(bench.final_arrays(str(out), STEPS), bench.final_arrays(str(uninterrupted), STEPS))
     pids = [int(p) for line in re.findall(r"\[launch\] 2 processes: pids ([\d ]+)", done.stderr) for p in line.split()]
-    assert len(pids) == 12 and not [p for p in pids if _alive(p)]
+    assert len(pids) == 2 * (len(FAULTS) + 1) and not [p for p in pids if _alive(p)]
     assert not os.listdir(str(out) + "-shm"), "the copies outlived the finished run"
 
 

@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+from helpers import cache_every_process
 from probe_group import ROOT, run_group
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -21,5 +22,7 @@ def test_launch_cases_are_well_formed():
 
 
 @pytest.mark.slow
-def test_launch_cases_leave_nothing_behind():
+def test_launch_cases_leave_nothing_behind(monkeypatch):
+    # the launched processes 1.. load their programs from the suite's compilation cache, as process 0 does
+    monkeypatch.setenv("PYTHONPATH", cache_every_process(dict(os.environ))["PYTHONPATH"])
     run_group("launch", expected_cases=3)

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import processes
+from helpers import FINISHED_TINY_FLAGS, finished_tiny_run
 import sys
 import sysconfig
 import threading
@@ -53,11 +54,11 @@ def tree_digest(folder):
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """4 steps, checkpoints at 2 and 4."""
-    run = str(tmp_path_factory.mktemp("runs") / "done")
-    assert main([*TRAIN, "--steps", "4", "--ckpt-every", "2", "--out", run]) == 0
-    return run
+def finished_run():
+    """4 steps, checkpoints at 2 and 4 (these flags: TRAIN), trained once per session and shared with
+    tests/test_faults.py (helpers.finished_tiny_run). Tests copy it before changing it."""
+    assert TRAIN == FINISHED_TINY_FLAGS
+    return finished_tiny_run()
 
 
 def copy_run(src, dst):
@@ -94,7 +95,8 @@ def test_resume_after_checkpoints_were_removed_refuses(finished_run, tmp_path, c
 
 @pytest.mark.slow
 def test_resume_in_an_empty_folder_starts_a_new_run_and_says_so(tmp_path, capsys):
-    code, out, _ = train(capsys, "--steps", "2", "--ckpt-every", "2", "--resume", "--out", str(tmp_path / "typo"))
+    # --steps 4: finished_run's program, loaded from the compilation cache
+    code, out, _ = train(capsys, "--steps", "4", "--ckpt-every", "2", "--resume", "--out", str(tmp_path / "typo"))
     assert code == 0 and "no run in" in out and "starting a new run" in out
 
 
@@ -151,7 +153,7 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, capsys):
     run.mkdir()
     (run / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": "gone-host", "since_unix": 0}))
     with pytest.warns(UserWarning, match="taking over the lock .* pid 999999 on host gone-host"):
-        code, _, _ = train(capsys, "--steps", "2", "--out", str(run))
+        code, _, _ = train(capsys, "--steps", "4", "--out", str(run))   # finished_run's program: from the cache
     assert code == 0 and (run / LOCK_FILE).read_text() == ""  # released cleanly
 
 
@@ -271,7 +273,8 @@ def _start_training(run, tmp_path, *extra, shell_prefix=None):
     a thread, stderr goes to a file (an unread pipe could fill and stall the child)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    argv = [sys.executable, "-m", "meshtrain", *TRAIN, "--steps", "100000", "--ckpt-every", "3",
+    # 2 devices, not the CLI's 8 simulated ones: each step and save costs less, the signals' paths are the same
+    argv = [sys.executable, "-m", "meshtrain", *TRAIN, "--devices", "2", "--steps", "100000", "--ckpt-every", "3",
             "--log-every", "1", "--progress", "lines", "--out", run, *extra]
     if shell_prefix:  # e.g. `trap "" INT`: the child inherits SIG_IGN as from a non-interactive shell's `&`
         argv = ["bash", "-c", f'{shell_prefix}; exec "$@"', "bash", *argv]

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 import processes
+from helpers import cache_every_process
+from launch_jobs import STEPS
 from meshtrain.cli import main
 from meshtrain.errors import EXIT_HANG, ConfigError
 from meshtrain.train.watchdog import (FLOOR_S, MULTIPLE, STARTUP_S, WARMUP_STEPS, Fault, FaultKind, hang_bound,
@@ -21,7 +23,7 @@ TINY = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--e
 def env(fault):
     e = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     e.update(JAX_PLATFORMS="cpu", MESHTRAIN_FAULT=fault)
-    return e
+    return cache_every_process(e)   # a launch's process 1 loads its programs from the cache too
 
 
 def test_default_bound_is_a_multiple_of_the_median_step_with_floors():
@@ -81,13 +83,15 @@ def test_a_slow_process_is_reported_as_a_straggler_and_the_run_goes_on(tmp_path)
     out = tmp_path / "run"
     # 0.5 s on an idle machine; scaled, so that the sleep stays large beside steps slowed by a busy host
     slow = 0.5 * processes.slowdown() * 2
+    # the 6 steps of tests/launch_jobs.py's job (its train step is compiled once per session, not again here):
+    # the report comes at the last step (and every STRAGGLER_EVERY = 10 steps, which a 6-step run never reaches)
     done = processes.run([sys.executable, "-m", "meshtrain", "launch", "--processes", "2", "--devices-per-process",
-                          "2", "--", *TINY, "--steps", "10", "--out", str(out)],
+                          "2", "--", *TINY, "--recipe", "fsdp", "--steps", str(STEPS), "--out", str(out)],
                          env=env(f"slow@step=1,process=1,seconds={slow:.2f}"), timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     stragglers = [r for r in recs if r.get("event") == "stragglers"]
-    assert [(r["step"], r["processes"]) for r in stragglers] == [(10, [1])], stragglers
+    assert [(r["step"], r["processes"]) for r in stragglers] == [(STEPS, [1])], stragglers
     assert stragglers[0]["host_s_per_step"][1] >= round(slow, 2) > stragglers[0]["host_s_per_step"][0]
-    assert "straggler at step 10: process 1 spends" in done.stdout
-    assert max(r["step"] for r in recs if "loss" in r) == 10
+    assert f"straggler at step {STEPS}: process 1 spends" in done.stdout
+    assert max(r["step"] for r in recs if "loss" in r) == STEPS

@@ -99,6 +99,11 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
            peers: bool = False) -> float:
     """One launch (wall seconds); its output goes to ``out``.log."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    # the caller's XLA flags pass on (e.g. an optimization level: the test suite's -O0, whose compiled programs
+    # its cache holds), less a simulated device count: each process gets --devices-per-process
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     if faults:
         env["MESHTRAIN_FAULT"] = faults

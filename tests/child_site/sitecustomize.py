@@ -1,0 +1,65 @@
+"""Imported at start-up by the Python children whose ``PYTHONPATH`` names this folder
+(``helpers.cache_every_process``): every process of a multi-process run writes its own compiled
+programs to the suite's persistent compilation cache, not only process 0.
+
+Why: JAX writes cache entries from process 0 only (``jax._src.compiler._cache_write``: to spare
+shared file systems the contention). On XLA:CPU the executables of processes 1.. have keys of their
+own (their compile options name the process), so those processes missed the cache every time and
+compiled every program again in every launch and every restart: about half of a 2-process launch's
+CPU time in the suite. Here the processes write different keys to a local folder, so nothing
+contends. What a run computes is unchanged: a cache hit loads the program the same compiler built.
+
+The patch is applied when ``jax._src.compiler`` is first imported (a child that never imports JAX,
+such as the launcher's guard, pays nothing). Set ``MESHTRAIN_TEST_CACHE_EVERY_PROCESS=0`` to leave
+JAX's own behaviour.
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+_MODULE = "jax._src.compiler"
+
+
+def _patch(compiler) -> None:
+    """Wrap ``_cache_write`` so that a process other than 0 writes its entries too."""
+    from jax._src import compilation_cache, config, distributed
+
+    original = compiler._cache_write
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if (distributed.global_state.process_id == 0 or host_callbacks
+                or compile_time_secs < config.persistent_cache_min_compile_time_secs.value):
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception:   # as JAX's own writer: a failed write costs a later compile, never the run
+            pass
+
+    compiler._cache_write = cache_write
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``jax._src.compiler`` as usual, then patches it right after it executes."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch(module)
+        loader.exec_module = exec_and_patch
+        sys.meta_path.remove(self)   # once
+        return spec
+
+
+if os.environ.get("MESHTRAIN_TEST_CACHE_EVERY_PROCESS", "1") != "0":
+    sys.meta_path.insert(0, _PatchOnImport())
