@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-import jax
 import numpy as np
 import processes
 import pytest
@@ -27,34 +26,14 @@ def generate_cli(*argv, timeout=300):
 
 def generate_in_process(capsys, *argv):
     """``meshtrain generate ARGV`` through ``cli.main`` in this process: ``(exit status, stdout, stderr)``.
-    For checks of the command's output and errors, not of a process (``generate_cli`` runs one: the
-    first check of each test below that needs a real process keeps it)."""
+    For checks of the command's status and error line, not of a process (a real process's exit and
+    stderr: test_missing_run_folder_is_one_line_exit_2 and the JSON test run ``generate_cli``)."""
     from meshtrain.cli import main
 
     capsys.readouterr()
     try:
         code = main(["generate", *map(str, argv)])
     except SystemExit as exc:   # argparse's own refusals
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def bench_in_process(capsys, *argv):
-    """``tools/bench_generate.py ARGV`` through its ``main`` in this process: ``(exit status, stdout,
-    stderr)``. The tool's figures and refusals are what these tests check, not a process's; its
-    ``--devices 1`` picks one of this process's 8 devices (JAX started first, so the count stays)."""
-    import importlib.util
-
-    jax.devices()   # the backend starts here with the suite's 8 devices, whatever --devices says
-    sys.path.insert(0, os.path.join(ROOT, "tools"))   # (its --vs-transformers imports a sibling module)
-    spec = importlib.util.spec_from_file_location("bench_generate", os.path.join(ROOT, "tools", "bench_generate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    capsys.readouterr()
-    try:
-        code = module.main([str(a) for a in argv])
-    except SystemExit as exc:   # argparse's refusals
         code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -78,7 +57,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs, capsys):
+def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs):
     out = generate_cli(runs["text"], "--prompt", "def main(", "--prompt", "import os", "--max-new-tokens", 6,
                        "--prompt-logprobs", "--json", "--recipe", "tp")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -89,18 +68,15 @@ def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs, c
     api = mt.generate(runs["text"], ["def main(", "import os"], max_new_tokens=6, prompt_logprobs=True)
     assert [r["new_ids"] for r in rows] == [list(g.new_ids) for g in api]
     np.testing.assert_allclose(rows[0]["new_logprobs"], api[0].new_logprobs, atol=1e-4)
-    # the same command in this process (its flags, its JSON): layers streamed from host give the same rows
-    code, offloaded, err = generate_in_process(capsys, runs["text"], "--prompt", "def main(", "--prompt", "import os",
-                                               "--max-new-tokens", 6, "--prompt-logprobs", "--json", "--recipe", "tp",
-                                               "--offload-weights")
-    assert code == 0, err[-3000:]
+    offloaded = generate_cli(runs["text"], "--prompt", "def main(", "--prompt", "import os", "--max-new-tokens", 6,
+                             "--prompt-logprobs", "--json", "--recipe", "tp", "--offload-weights")
+    assert offloaded.returncode == 0, offloaded.stderr[-3000:]
     assert [{k: v for k, v in json.loads(line).items() if k != "speed"}
-            for line in offloaded.splitlines()] == rows
+            for line in offloaded.stdout.splitlines()] == rows  # layers streamed from host
     assert len(rows[1]["prompt_logprobs"]) == len("import os") - 1
-    code, scored, err = generate_in_process(capsys, runs["ids"], "--prompt-ids", "1,2,3,4", "--max-new-tokens", 0,
-                                            "--prompt-logprobs", "--json")
-    assert code == 0, err[-3000:]
-    row = json.loads(scored)
+    scored = generate_cli(runs["ids"], "--prompt-ids", "1,2,3,4", "--max-new-tokens", 0, "--prompt-logprobs", "--json")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    row = json.loads(scored.stdout)
     assert row["new_ids"] == [] and len(row["prompt_logprobs"]) == 3 and "new_text" not in row
 
 
@@ -136,12 +112,16 @@ def test_missing_run_folder_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_generate_runs_and_prints_its_figures(capsys):
-    code, out, err = bench_in_process(capsys, "--models", "tiny", "--recipes", "dp", "tp", "--batch-sizes", "1", "8",
-                                      "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1", "--weight-memory",
-                                      "device", "host", "--json")
-    assert code == 0, out + err[-3000:]
-    rows = [json.loads(line) for line in out.splitlines()[1:]]
+def test_bench_generate_runs_and_prints_its_figures():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_generate.py"), "--models", "tiny",
+                         "--recipes", "dp", "tp", "--batch-sizes", "1", "8", "--prompt-len", "8", "--new-tokens", "4",
+                         "--repeats", "1", "--weight-memory", "device", "host", "--json"], capture_output=True,
+                        text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()[1:]]
     cells = rows[::2]  # layers on the device; each followed by the same cell with layers streamed from host
     assert [(c["recipe"], c["batch"], c["padded"]) for c in cells] == [("dp", 1, 8), ("dp", 8, 8), ("tp", 1, 1),
                                                                        ("tp", 8, 8)]
@@ -159,7 +139,7 @@ def test_bench_generate_runs_and_prints_its_figures(capsys):
 
 
 @pytest.mark.slow
-def test_bench_generate_takes_a_run_and_alternates_with_transformers(tmp_path, capsys):
+def test_bench_generate_takes_a_run_and_alternates_with_transformers(tmp_path):
     """`bench_generate.py RUN` on an imported tiny Llama, then `--vs-transformers`: the same greedy tokens
     from both, 3 alternated rounds, the load average; figures are printed, never compared."""
     pytest.importorskip("transformers")
@@ -168,20 +148,24 @@ def test_bench_generate_takes_a_run_and_alternates_with_transformers(tmp_path, c
     from meshtrain.train.interop import import_hf
 
     import_hf(hf_folder(tmp_path / "src", "llama")[0], str(tmp_path / "run"))
-    common = [str(tmp_path / "run"), "--devices", "1", "--recipes", "dp", "--batch-sizes", "2", "--prompt-len", "6",
-              "--new-tokens", "5", "--repeats", "1", "--json"]
-    code, out, err = bench_in_process(capsys, *common)
-    assert code == 0, err[-3000:]
-    cell = json.loads(out.splitlines()[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    common = [sys.executable, os.path.join(ROOT, "tools", "bench_generate.py"), str(tmp_path / "run"), "--devices",
+              "1", "--recipes", "dp", "--batch-sizes", "2", "--prompt-len", "6", "--new-tokens", "5", "--repeats", "1",
+              "--json"]
+    cells = processes.run(common, capture_output=True, text=True, env=env, timeout=600)
+    assert cells.returncode == 0, cells.stderr[-3000:]
+    cell = json.loads(cells.stdout.splitlines()[1])
     assert cell["model"] == str(tmp_path / "run") and cell["batch"] == 2 and cell["decode_tokens_per_s"] > 0
-    code, out, err = bench_in_process(capsys, *common, "--vs-transformers")
-    assert code == 0, err[-3000:]
-    report = json.loads(out.splitlines()[1])
+    versus = processes.run(common + ["--vs-transformers"], capture_output=True, text=True, env=env, timeout=600)
+    assert versus.returncode == 0, versus.stderr[-3000:]
+    report = json.loads(versus.stdout.splitlines()[1])
     assert report["same_tokens"] and len(report["rounds"]) == 3 and len(report["load_average_after"]) == 3
     assert all(r["meshtrain_end_to_end_tokens_per_s"] > 0 and r["transformers_end_to_end_tokens_per_s"] > 0
                for r in report["rounds"])
-    code, out, err = bench_in_process(capsys, "--vs-transformers", "--rounds", "2", str(tmp_path / "run"))
-    assert code == 2 and "--rounds 2: alternate at least 3 rounds" in err
+    refused = processes.run(common[:2] + ["--vs-transformers", "--rounds", "2", str(tmp_path / "run")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 2 and "--rounds 2: alternate at least 3 rounds" in refused.stderr
 
 
 def test_plan_generate_shows_weights_and_kv_cache_per_device():
