@@ -67,11 +67,14 @@ def test_planned_generation_bytes_equal_the_arrays_and_int8_halves_bf16(recipe):
     assert planned["kv_cache_bf16"] == cache == 2 * c.n_layers * rows * 40 * c.n_kv_heads * c.head_dim * 2 // 8
 
 
+# Each format once, each with a recipe: tiny-moe's fsdp_ep as loaded (none) is the engine the other
+# generation tests compile for the same prompts and count (test_generation.py, test_generation_loop.py),
+# so its layers-on-device half is read from the suite's compilation cache.
 @pytest.mark.slow
 @pytest.mark.parametrize("name, recipe, devices, fmt", [
-    ("tiny", "dp", 1, WeightFormat.NONE),
+    ("tiny", "dp", 1, WeightFormat.BF16),
     ("tiny", "fsdp_tp", 8, WeightFormat.INT8),
-    ("tiny-moe", "fsdp_ep", 8, WeightFormat.BF16),
+    ("tiny-moe", "fsdp_ep", 8, WeightFormat.NONE),
 ])
 def test_layers_streamed_from_host_memory_give_the_same_tokens_and_one_layer_on_the_device(name, recipe, devices,
                                                                                            fmt):

@@ -5,6 +5,7 @@ process, with its exit status, whether a traceback was printed, and the first li
     python tools/probe_bad_input.py --only recipe   # the cases whose name contains 'recipe'
     python tools/probe_bad_input.py --json out.json
     python tools/probe_bad_input.py --group data     # one group of tools/probe_groups/ (see GROUPS)
+    python tools/probe_bad_input.py --group hf --share-process   # CLI-only cases in one child (probe_worker.py)
 
 Groups: the cases above (issue 18) are group ``cli``; each module of ``tools/probe_groups/`` adds a
 group (``cases(tmp) -> List[Case]``), and each group has a test (``tests/test_probe_<group>.py``).
