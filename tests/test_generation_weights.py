@@ -31,8 +31,9 @@ def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     ref = engines[WeightFormat.BF16].engine.params["blocks"][0]["attn"]["wq_dnh"]
     assert q.q.dtype == jnp.int8 and q.q.sharding.spec == ref.sharding.spec
     if recipe == "dp":
-        # dp's int8 tokens and scores are checked on a trained model by the near-ties test below (dp, int8
-        # against bf16); here its bytes and layout only. fsdp_tp's sharded scales are scored next.
+        # dp's int8 tokens and scores are checked on a trained model by the near-ties test below (int8 against
+        # bf16 under dp on one device: dp replicates the weights, so each device here holds what that one
+        # does); here dp's bytes and layout only. fsdp_tp's sharded weights and scales are scored next.
         return
     # An untrained model's logits are nearly flat, so free-running greedy paths part at the first near-tie
     # (bf16 and f32 part too); compare the two on the same sequence instead (teacher forcing).
@@ -67,14 +68,11 @@ def test_planned_generation_bytes_equal_the_arrays_and_int8_halves_bf16(recipe):
     assert planned["kv_cache_bf16"] == cache == 2 * c.n_layers * rows * 40 * c.n_kv_heads * c.head_dim * 2 // 8
 
 
-# Each format once, each with a recipe: tiny-moe's fsdp_ep as loaded (none) is the engine the other
-# generation tests compile for the same prompts and count (test_generation.py, test_generation_loop.py),
-# so its layers-on-device half is read from the suite's compilation cache.
 @pytest.mark.slow
 @pytest.mark.parametrize("name, recipe, devices, fmt", [
-    ("tiny", "dp", 1, WeightFormat.BF16),
+    ("tiny", "dp", 1, WeightFormat.NONE),
     ("tiny", "fsdp_tp", 8, WeightFormat.INT8),
-    ("tiny-moe", "fsdp_ep", 8, WeightFormat.NONE),
+    ("tiny-moe", "fsdp_ep", 8, WeightFormat.BF16),
 ])
 def test_layers_streamed_from_host_memory_give_the_same_tokens_and_one_layer_on_the_device(name, recipe, devices,
                                                                                            fmt):
