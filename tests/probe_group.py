@@ -19,14 +19,22 @@ import processes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_group(group: str, expected_cases: int, only: str = "", timeout: float = 900) -> list:
-    """The group's results (one dict per case); fails with each failed case's line."""
+def run_group(group: str, expected_cases: int, only: str = "", timeout: float = 900,
+              share_process: bool = False) -> list:
+    """The group's results (one dict per case); fails with each failed case's line.
+
+    ``share_process=True`` runs the cases that are only CLI arguments in one child, one after the other
+    (``probe_bad_input.py --share-process``, tools/probe_worker.py): each is still judged on its own
+    status, first line, traceback and what it left, at a fraction of a fresh interpreter's CPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
+    if "MESHTRAIN_TEST_SESSION" in os.environ:   # the runs cases copy (a vit-tiny run...): made once a session
+        env["MESHTRAIN_PROBE_MADE"] = os.path.join(os.environ["MESHTRAIN_TEST_SESSION"], "probe-made")
     with tempfile.TemporaryDirectory(prefix=f"probe-{group}-") as tmp:
         path = os.path.join(tmp, "probe.json")
         out = processes.run([sys.executable, os.path.join(ROOT, "tools", "probe_bad_input.py"), "--group", group,
-                             "--only", only, "--json", path, "--timeout", "300"], capture_output=True, text=True,
+                             "--only", only, "--json", path, "--timeout", "300",
+                             *(["--share-process"] if share_process else [])], capture_output=True, text=True,
                             env=env, timeout=timeout)
         assert os.path.exists(path), out.stdout[-3000:] + out.stderr[-3000:]
         results = json.load(open(path))

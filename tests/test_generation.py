@@ -59,12 +59,16 @@ def test_prompt_logprobs_equal_the_training_forward_and_padding_changes_nothing(
     model = make_decoder("tiny")
     loaded = load(model, recipe="dp", devices=1)
     batch = loaded.generate(GENERATION_PROMPTS, 3, prompt_logprobs=True).generations
-    forward = nnx.jit(lambda m, tokens: m(tokens))   # the training forward, compiled as the train step compiles it
-    for prompt, g in zip(GENERATION_PROMPTS, batch):
+    # the training forward, compiled as the train step compiles it, once for all prompts: right-padded to the
+    # longest (a causal model's logits at a position do not read later ones, so the padding changes none)
+    longest = max(map(len, GENERATION_PROMPTS))
+    padded = jnp.asarray([p + [0] * (longest - len(p)) for p in GENERATION_PROMPTS])
+    all_logits = nnx.jit(lambda m, tokens: m(tokens))(model, padded)
+    for row, (prompt, g) in enumerate(zip(GENERATION_PROMPTS, batch)):
         alone = loaded.generate([prompt], 3, prompt_logprobs=True).generations[0]
         assert alone.new_ids == g.new_ids  # left padding: a row does not depend on the others
         np.testing.assert_allclose(alone.prompt_logprobs, g.prompt_logprobs, atol=1e-5)
-        logits = forward(model, jnp.asarray([prompt]))[0, :-1]
+        logits = all_logits[row, :len(prompt) - 1]
         ref = jax.nn.log_softmax(logits, -1)[jnp.arange(len(prompt) - 1), jnp.asarray(prompt[1:])]
         np.testing.assert_allclose(g.prompt_logprobs, np.asarray(ref), atol=1e-5)
         assert len(g.prompt_logprobs) == len(prompt) - 1
@@ -83,11 +87,12 @@ def test_sampling_is_seeded_and_respects_top_k_top_p_and_stops():
     model = make_decoder("tiny")
     loaded = load(model, recipe="dp", devices=1)
     s = Sampling(temperature=0.9, top_k=20, seed=3)
-    a, b = (loaded.generate(GENERATION_PROMPTS, 6, s).generations for _ in range(2))
+    # (the prompts and token count of the other generation tests: their compiled greedy program is reused)
+    a, b = (loaded.generate(GENERATION_PROMPTS, GENERATION_NEW, s).generations for _ in range(2))
     assert [g.new_ids for g in a] == [g.new_ids for g in b]
-    greedy = loaded.generate(GENERATION_PROMPTS[:1], 6).generations[0]
+    greedy = loaded.generate(GENERATION_PROMPTS, GENERATION_NEW).generations[0]
     stop = greedy.new_ids[2]
-    stopped = loaded.generate(GENERATION_PROMPTS[:1], 6, stop_ids=[stop]).generations[0]
+    stopped = loaded.generate(GENERATION_PROMPTS, GENERATION_NEW, stop_ids=[stop]).generations[0]
     assert stopped.stopped and stopped.new_ids == greedy.new_ids[:greedy.new_ids.index(stop) + 1]
 
 

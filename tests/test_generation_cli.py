@@ -24,6 +24,21 @@ def generate_cli(*argv, timeout=300):
                          text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
+def generate_in_process(capsys, *argv):
+    """``meshtrain generate ARGV`` through ``cli.main`` in this process: ``(exit status, stdout, stderr)``.
+    For checks of the command's status and error line, not of a process (a real process's exit and
+    stderr: test_missing_run_folder_is_one_line_exit_2 and the JSON test run ``generate_cli``)."""
+    from meshtrain.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["generate", *map(str, argv)])
+    except SystemExit as exc:   # argparse's own refusals
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def train(out, data=None):
     from meshtrain.train import TrainConfig, Trainer
 
@@ -76,15 +91,17 @@ def test_json_lines_match_the_python_api_and_scoring_needs_no_generation(runs):
     ("text", ["--recipe", "pp"], "generation runs without a pipeline"),
     ("text", ["--top-p", "0"], "--top-p 0.0"),
 ])
-def test_bad_input_is_one_line_exit_2(runs, run, argv, message):
+def test_bad_input_is_one_line_exit_2(runs, run, argv, message, capsys):
+    # cli.main in this process: the status and the one line are main's (a real process's exit and
+    # stderr: test_missing_run_folder_is_one_line_exit_2), and each check here costs no interpreter
     if not any(a.startswith("--prompt") for a in argv):
         argv = argv + ["--prompt", "def"]
     if "--max-new-tokens" not in argv:
         argv = argv + ["--max-new-tokens", "4"]
-    out = generate_cli(runs[run], *argv)
-    assert out.returncode == 2, out.stdout + out.stderr[-3000:]
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    code, out, err = generate_in_process(capsys, runs[run], *argv)
+    assert code == 2, out + err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
 def test_missing_run_folder_is_one_line_exit_2(tmp_path):

@@ -10,13 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import GENERATION_PROMPTS, make_decoder
+from helpers import GENERATION_NEW, GENERATION_PROMPTS, make_decoder
 
 from meshtrain.generation import Engine, Sampling, load
 from meshtrain.generation.loop import DecodeLoop, decode_loop, stop_mask
 from meshtrain.generation.weights import LAYERS
 
-NEW = 10
+#: The generation tests' token count: the compiled device loops of test_generation.py's greedy runs (the
+#: same model, recipe, prompts and count) are then the same programs, read from the compilation cache
+NEW = GENERATION_NEW
 
 
 def both_loops(name: str, recipe: str, devices: int):
@@ -78,9 +80,11 @@ def test_each_row_stops_at_its_own_limit_or_stop_id_and_later_tokens_are_not_cou
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, recipe", [("tiny", "fsdp_tp"), ("tiny-moe", "fsdp_ep"), ("tiny-moe", "dp")])
+# (tiny-moe on one device is left out: the one-device loop is the tiny test above's, and MoE's routing in
+# the loop runs under fsdp_ep here; tests/test_generation.py still generates tiny-moe on one device)
+@pytest.mark.parametrize("name, recipe", [("tiny", "fsdp_tp"), ("tiny-moe", "fsdp_ep")])
 def test_the_loop_equals_the_per_token_loop_on_the_8_device_recipes(name, recipe):
-    device, host = both_loops(name, recipe, 1 if recipe == "dp" else 8)
+    device, host = both_loops(name, recipe, 8)
     greedy, _ = assert_same(device, host)
     assert all(len(g.new_ids) == NEW for g in greedy.generations)
     assert_same(device, host, Sampling(temperature=0.8, top_k=10, seed=1), stop_ids=(greedy.generations[1].new_ids[2],))

@@ -30,6 +30,11 @@ def test_int8_halves_weight_bytes_against_bf16_and_scores_like_it(recipe):
     q = engines[WeightFormat.INT8].engine.params["blocks"][0]["attn"]["wq_dnh"]
     ref = engines[WeightFormat.BF16].engine.params["blocks"][0]["attn"]["wq_dnh"]
     assert q.q.dtype == jnp.int8 and q.q.sharding.spec == ref.sharding.spec
+    if recipe == "dp":
+        # dp's int8 tokens and scores are checked on a trained model by the near-ties test below (int8 against
+        # bf16 under dp on one device: dp replicates the weights, so each device here holds what that one
+        # does); here dp's bytes and layout only. fsdp_tp's sharded weights and scales are scored next.
+        return
     # An untrained model's logits are nearly flat, so free-running greedy paths part at the first near-tie
     # (bf16 and f32 part too); compare the two on the same sequence instead (teacher forcing).
     outs = {f: e.generate(GENERATION_PROMPTS, 16).generations for f, e in engines.items()}

@@ -8,12 +8,12 @@ from probe_group import run_group
 
 @pytest.mark.slow
 def test_import_refuses_broken_configs():
-    run_group("hf", expected_cases=14, only="import (config)")
+    run_group("hf", expected_cases=14, only="import (config)", share_process=True)
 
 
 @pytest.mark.slow
 def test_import_refuses_broken_weights_and_reports_unread_tensors():
-    run_group("hf", expected_cases=10, only="import (weights)")
+    run_group("hf", expected_cases=10, only="import (weights)", share_process=True)
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_import_output_full_read_only_and_interrupted():
 
 @pytest.mark.slow
 def test_export_refuses_non_decoder_runs_and_bad_outputs():
-    run_group("hf", expected_cases=4, only="export:")
+    run_group("hf", expected_cases=4, only="export:", share_process=True)
 
 
 def test_the_four_parts_cover_the_whole_group(tmp_path):

@@ -24,14 +24,14 @@ def test_every_case_belongs_to_one_part():
 
 @pytest.mark.slow
 def test_damaged_prepared_token_folders():
-    run_group("inputs", expected_cases=PARTS["[data]"], only="[data]")
+    run_group("inputs", expected_cases=PARTS["[data]"], only="[data]", share_process=True)
 
 
 @pytest.mark.slow
 def test_generate_on_runs_it_cannot_use():
-    run_group("inputs", expected_cases=PARTS["[run]"], only="[run]")
+    run_group("inputs", expected_cases=PARTS["[run]"], only="[run]", share_process=True)
 
 
 @pytest.mark.slow
 def test_rules_files_and_plan_train_flags():
-    run_group("inputs", expected_cases=PARTS["[flags]"], only="[flags]")
+    run_group("inputs", expected_cases=PARTS["[flags]"], only="[flags]", share_process=True)

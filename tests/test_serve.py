@@ -13,6 +13,7 @@ the slotted cache's tokens against the generation engine's.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -141,15 +142,26 @@ def test_slots_decode_several_steps_in_one_program():
         slots.decode(last, length, sampling, steps=MAX_STEPS + 1)
 
 
+JOIN_AND_LEAVE_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30))]
+
+
+@functools.lru_cache(maxsize=1)
+def _one_device_reference():
+    """The tiny engine on one device and its 6 greedy tokens for each prompt: computed once, read by both
+    recipes' cases below."""
+    engine = load(make_decoder("tiny"), recipe="dp", devices=1).engine
+    return engine, [list(g.new_ids) for g in engine.run(JOIN_AND_LEAVE_PROMPTS, 6).generations]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, devices", [("dp", 1), ("fsdp_tp", 8)])
 def test_slots_decode_the_engines_tokens_while_requests_join_and_leave(recipe, devices):
     """Against the engine on one device: the slotted cache on the recipe's plan (fsdp_tp: the cache's
     kv heads over ``tensor``, the weights over ``fsdp`` and ``tensor``)."""
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30))]
-    one_device = load(make_decoder("tiny"), recipe="dp", devices=1).engine
-    reference = [list(g.new_ids) for g in one_device.run(prompts, 6).generations]
-    engine = load(make_decoder("tiny"), recipe=recipe, devices=devices).engine
+    prompts = JOIN_AND_LEAVE_PROMPTS
+    one_device, reference = _one_device_reference()
+    # (on one device the reference's own engine is the one slotted: the same weights and plan)
+    engine = one_device if devices == 1 else load(make_decoder("tiny"), recipe=recipe, devices=devices).engine
     slots = Slots(engine, 2, 64)
     n = slots.n  # 2, or more: a multiple of the data-parallel size
     last, length, sampling, out = np.zeros(n, np.int32), np.zeros(n, np.int32), SamplingRows.empty(n), {}

@@ -5,6 +5,7 @@ process, with its exit status, whether a traceback was printed, and the first li
     python tools/probe_bad_input.py --only recipe   # the cases whose name contains 'recipe'
     python tools/probe_bad_input.py --json out.json
     python tools/probe_bad_input.py --group data     # one group of tools/probe_groups/ (see GROUPS)
+    python tools/probe_bad_input.py --group hf --share-process   # CLI-only cases in one child (probe_worker.py)
 
 Groups: the cases above (issue 18) are group ``cli``; each module of ``tools/probe_groups/`` adds a
 group (``cases(tmp) -> List[Case]``), and each group has a test (``tests/test_probe_<group>.py``).
@@ -38,6 +39,8 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
+
+from probe_worker import Worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["train", "--model", "tiny", "--steps", "2", "--log-every", "1", "--progress", "none",
@@ -171,12 +174,64 @@ def all_cases(tmp: str, group: Optional[str] = None) -> List[Case]:
     return found
 
 
+def shareable(case: Case) -> bool:
+    """Whether ``case`` is only CLI arguments, so that ``--share-process`` may run it in the shared
+    child (tools/probe_worker.py): no shell prefix (a resource limit), Python snippet, setup, signal,
+    extra environment or mount."""
+    return not (case.shell or case.python or case.setup or case.interrupt_when or case.env or case.needs_root)
+
+
+def child_env() -> dict:
+    """The environment of each case's process: this one's on CPU, without a device count (a case gets
+    the CLI's own default) and without other XLA flags, except the compiler's optimization level (the
+    test suite's ``-O0``, tests/processes.py, which cuts compile CPU by a third and changes no check)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    levels = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+    if levels:
+        env["XLA_FLAGS"] = " ".join(levels)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def made_once(name: str, tmp: str, make: Callable[[str], None]) -> str:
+    """The folder ``make(folder)`` fills (a trained or imported run several cases copy), made once per
+    probe, or once per test session where ``$MESHTRAIN_PROBE_MADE`` names a folder that probes share
+    (tests/probe_group.py sets it: the groups' runs are then made once for all their tests)."""
+    import fcntl
+
+    root = os.environ.get("MESHTRAIN_PROBE_MADE") or tmp
+    os.makedirs(root, exist_ok=True)
+    folder = os.path.join(root, name)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # another probe making it meanwhile: wait for it
+        try:
+            if not os.path.exists(folder + ".done"):
+                shutil.rmtree(folder, ignore_errors=True)
+                make(folder)
+                open(folder + ".done", "w").close()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
+
+
+def vit_tiny_run(tmp: str) -> str:
+    """A 1-step ``vit-tiny`` run with its checkpoint: a run that is not a decoder's (groups hf, inputs)."""
+    def make(target: str) -> None:
+        argv = ["train", "--model", "vit-tiny", "--steps", "1", "--ckpt-every", "1", "--progress", "none",
+                "--eval-every", "0", "--devices", "1", "--out", target]
+        done = subprocess.run([sys.executable, "-m", "meshtrain", *argv], capture_output=True, text=True,
+                              env=child_env(), timeout=900)
+        if done.returncode:
+            raise SystemExit(f"probe: training the vit-tiny run failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return made_once("vit-tiny-1-step", tmp, make)
+
+
 class Probe:
-    def __init__(self, tmp: str, timeout: float):
+    def __init__(self, tmp: str, timeout: float, share_process: bool = False):
         self.tmp, self.timeout = tmp, timeout
-        self.env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-        self.env["JAX_PLATFORMS"] = "cpu"
+        self.env = child_env()
         self._finished = None
+        self.worker = Worker(self.env, tmp) if share_process else None
 
     def _exec(self, cmd: List[str], shell: Optional[str] = None, case: Optional[Case] = None,
               work: Optional[str] = None):
@@ -222,6 +277,8 @@ class Probe:
         if case.python:
             argv = [sys.executable, "-c", _fill(case.python, work), os.path.join(self.tmp, case.name.replace(" ", "_"))]
             return self._exec(argv, _fill(case.shell, work) if case.shell else None, case, work)
+        if self.worker is not None and shareable(case):
+            return self.worker.run([_fill(str(a), work) for a in case.argv], work, self.marker(case), self.timeout)
         if case.setup is None:
             return self._exec([sys.executable, "-m", "meshtrain", *(_fill(str(a), work) for a in case.argv)],
                               _fill(case.shell, work) if case.shell else None, case, work)
@@ -398,6 +455,10 @@ def main(argv=None) -> int:
                    help="run one group's cases (default: every group)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per case before it is killed")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--share-process", action="store_true",
+                   help="run the cases that are only CLI arguments one after the other in one child process "
+                        "(tools/probe_worker.py: meshtrain.cli.main with each case's own stdout, stderr, folder "
+                        "and status) instead of a fresh interpreter each; the others still get their own")
     args = p.parse_args(argv)
     # Started from a non-interactive shell (`nohup … &`, a CI runner), this process may have inherited
     # an ignored SIGINT, which its children would inherit too and the Ctrl-C cases would test nothing.
@@ -405,7 +466,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     tmp = tempfile.mkdtemp(prefix="meshtrain-probe-")
     try:
-        probe = Probe(tmp, args.timeout)
+        probe = Probe(tmp, args.timeout, share_process=args.share_process)
         selected = [c for c in all_cases(tmp, args.group) if args.only in c.name]
         print("| case | expected | exit | traceback | first line | |\n|---|---|---|---|---|---|", flush=True)
         for case in selected:
@@ -414,6 +475,8 @@ def main(argv=None) -> int:
             said = r["said"].replace("|", "\\|")
             print(f"| {case.name} | {case.expect} | {r['code']} | {'yes' if r['traceback'] else 'no'} | `{said}` | "
                   f"{r['status']} |", flush=True)
+        if probe.worker is not None:
+            probe.worker.close()
         failed = [c.name for c in selected if not c.result["ok"]]
         tracebacks = sum(c.result["traceback"] for c in selected)
         print(f"\n{len(selected) - len(failed)} passed, {len(failed)} failed; {tracebacks} tracebacks"

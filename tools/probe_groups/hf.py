@@ -14,15 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
-from probe_bad_input import Case
+from probe_bad_input import Case, child_env, made_once, vit_tiny_run
 
 IMPORT = ["import", "{work}/src", "--out", "{work}/run"]
 EXPORT = ["export", "{work}/run", "--out", "{work}/hf"]
-_made: Dict[str, str] = {}
 
 
 def tiny_hf(path: str, kind: str = "llama", layers: int = 2, heads: int = 4, kv: int = 2, vocab: int = 260,
@@ -125,28 +124,20 @@ def _bad_tokenizer(folder: str) -> None:
         f.write('{"version": "1.0", "model": {"type": "Nonsense"}')
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def _made_once(tmp: str, kind: str) -> str:
-    """The imported tiny Llama run or the 1-step vit-tiny run, made once per probe."""
-    if kind not in _made:
-        target = os.path.join(tmp, f"made-{kind}")
-        if kind == "imported":
-            tiny_hf(target + "-src")
-            argv = ["import", target + "-src", "--out", target, "--devices", "1"]
-        else:
-            argv = ["train", "--model", "vit-tiny", "--steps", "1", "--progress", "none", "--eval-every", "0",
-                    "--devices", "1", "--out", target]
+    """The imported tiny Llama run or the 1-step vit-tiny run (the same one group ``inputs`` copies),
+    made once per probe (or test session: probe_bad_input.made_once)."""
+    if kind == "vit":
+        return vit_tiny_run(tmp)
+
+    def make(target: str) -> None:
+        tiny_hf(target + "-src")
+        argv = ["import", target + "-src", "--out", target, "--devices", "1"]
         done = subprocess.run([sys.executable, "-m", "meshtrain", *argv], capture_output=True, text=True,
-                              env=_env(), timeout=600)
+                              env=child_env(), timeout=600)
         if done.returncode:
             raise SystemExit(f"probe group hf: setup {argv} failed (exit {done.returncode}): {done.stderr[-2000:]}")
-        _made[kind] = target
-    return _made[kind]
+    return made_once("hf-imported-tiny-llama", tmp, make)
 
 
 def _run(tmp: str, kind: str, then: Optional[Callable[[str], None]] = None) -> Callable[[str], None]:

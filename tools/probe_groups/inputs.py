@@ -17,13 +17,11 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 from typing import Callable, List
 
 import numpy as np
 
-from probe_bad_input import Case
+from probe_bad_input import Case, vit_tiny_run
 
 QUICK = ["--steps", "1", "--progress", "none", "--eval-every", "0", "--ckpt-every", "0"]
 
@@ -59,17 +57,10 @@ class _Runs:
     """The session's one trained run (``vit-tiny``, one step, checkpointed), copied per case."""
 
     def __init__(self, tmp: str):
-        self.path = os.path.join(tmp, "inputs-vit-run")
+        self.tmp = tmp
 
     def trained(self) -> str:
-        if not os.path.isdir(os.path.join(self.path, "checkpoints")):
-            shutil.rmtree(self.path, ignore_errors=True)
-            done = subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", "vit-tiny", "--steps", "1",
-                                   "--ckpt-every", "1", "--progress", "none", "--eval-every", "0", "--out", self.path],
-                                  capture_output=True, text=True, timeout=900)
-            if done.returncode:
-                raise SystemExit(f"probe group inputs: training the vit-tiny run failed: {done.stderr[-2000:]}")
-        return self.path
+        return vit_tiny_run(self.tmp)
 
     def copy(self, header: Callable[[dict], None] = None) -> Callable[[str], None]:
         """``prepare``: the run copied to ``{work}/run``, its header's ``model_config`` rewritten by ``header``."""
