@@ -21,7 +21,7 @@ def tool(name, *args):
 @pytest.mark.slow
 def test_compile_time_is_flat_in_depth():
     # batch 8 x 32 (one row per device, the dry-run seq): the instruction and loop counts do not depend on the
-    # shapes; the 32-layer scan is the program the auto test below compiles too (one compile, cache hit)
+    # shapes; at 32 layers `auto` scans too (next test), so the two can share that compile through the cache
     out = tool("bench_compile.py", "--model", "tiny", "--layers", "4", "32", "--repeats", "1",
                "--batch-size", "8", "--seq-len", "32", "--max-ratio", "inf", "--layer-loop", "scan")
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
