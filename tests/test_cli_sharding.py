@@ -43,8 +43,30 @@ def test_plan_recipe_file_and_devices():
     assert json.loads(out.stdout)["mesh"] == {"fsdp": 4}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
+#: ``meshtrain plan`` with each of BAD_PLAN_INPUT's arguments in ONE child, one ``cli.main`` call each (the
+#: function ``python -m meshtrain`` exits with): its return code, stdout and stderr, and any exception that
+#: escaped ``main`` printed as a traceback into that case's stderr, as the interpreter would. Why one child:
+#: eight interpreters and JAX starts cost ~13 CPU s; every case runs on the same 8 simulated devices, and
+#: test_recipes_lists_every_builtin / test_plan_* still run the real ``python -m meshtrain`` process.
+_PLAN_CASES_DRIVER = """
+import contextlib, io, json, sys, traceback
+from meshtrain.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+BAD_PLAN_INPUT = [
     (("--recipe", "fsdp3"), "unknown recipe 'fsdp3'"),
     (("--model", "gpt9"), "unknown model 'gpt9'"),
     (("--recipe", "tp", "--mesh", "tensor=3"), "multiply to 3 but there are 8 devices"),
@@ -54,12 +76,27 @@ def test_plan_recipe_file_and_devices():
      None),
     (("--recipe", "fsdp", "--batch-size", "12"), "batch size 12 is not divisible by data-parallel size 8"),
     (("--recipe", "missing.yaml"), "does not exist"),
-])
-def test_plan_bad_input_exits_2_without_traceback(args, message):
-    out = cli("plan", *args)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_plan_results():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    cases = [["plan", *args] for args, _ in BAD_PLAN_INPUT]
+    out = processes.run([sys.executable, "-c", _PLAN_CASES_DRIVER, json.dumps(cases)], capture_output=True,
+                        text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_PLAN_INPUT)), ids=lambda i: " ".join(BAD_PLAN_INPUT[i][0]))
+def test_plan_bad_input_exits_2_without_traceback(case, bad_plan_results):
+    message = BAD_PLAN_INPUT[case][1]
+    out = bad_plan_results[case]
     if message is None:  # tp with batch 3 is fine: tp does not split the batch
-        assert out.returncode == 0, out.stderr
+        assert out["returncode"] == 0, out["stderr"]
         return
-    assert out.returncode == 2, (out.stdout, out.stderr)
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    assert out["returncode"] == 2, (out["stdout"], out["stderr"])
+    assert message in out["stderr"]
+    assert "Traceback" not in out["stderr"]
