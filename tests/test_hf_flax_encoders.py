@@ -1,6 +1,6 @@
 """transformers' own Flax BERT (masked LM, dropout on) and ViT (dropout on), unedited, through the Trainer
 with the rules files meshtrain ships (``recipes/rules/hf_bert.yaml``, ``hf_vit.yaml``): their big weights
-are sharded, and each matches one device under half the recipes (together every recipe; ``RECIPES_OF`` in
+are sharded, and each matches one device under the composed layout its rules decide (``RECIPES_OF`` in
 tests/hf_models.py), relative loss difference <= 1e-5. Skipped without `transformers`."""
 
 import re
