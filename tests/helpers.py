@@ -216,3 +216,21 @@ def kill_then_resume(command, tmp_path, kill_after: int, *, cwd, first=(), bound
                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses_by_step(base), losses_by_step(out), out
+
+
+# --- g4: gradients from the train step itself (one compiled program for gradients and losses) ---
+
+def with_kept_grads(tx):
+    """``tx`` behind a pass-through that keeps the gradients it is given as its state, so the train step's own
+    gradients can be read after a step (:func:`kept_grads`) without compiling a separate ``make_grad_fn``
+    program: parity tests that compare gradients and losses then compile one program per recipe, not two.
+    The updates, and so the losses, are ``tx``'s own.
+
+    Example: ``mt.abstract_state(factory, with_kept_grads(optax.adamw(3e-3)))``."""
+    keep = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    return optax.chain(keep, tx)
+
+
+def kept_grads(state):
+    """Host copies of the gradients the last step applied (a state whose optimizer is :func:`with_kept_grads`'s)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), state.opt_state[0])

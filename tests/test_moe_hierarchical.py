@@ -34,7 +34,7 @@ from meshtrain.parallel.moe_exchange import ExpertExchange, exchange
 from meshtrain.parallel.resolved import resolve_step
 from meshtrain.strategies import AllToAll, Expert
 
-from helpers import put, rel_diff, tiny_abstract, token_batch
+from helpers import host, put, rel_diff, tiny_abstract, token_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T = 16, 32
@@ -148,7 +148,10 @@ def _step(name, all_to_all, capacity_factor):
     if key not in _RUNS:
         keep = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
         plan = _plan(name, all_to_all, capacity_factor, tx=optax.chain(keep, optax.adamw(3e-3)))
-        state = mt.init_state(plan, seed=0)
+        # every case has the same parameter shapes: initialised once, then resharded (no init program per case)
+        if "initial" not in _RUNS:
+            _RUNS["initial"] = host(mt.init_state(plan, seed=0))
+        state = jax.device_put(_RUNS["initial"], mt.state_shardings(plan))
         compiled = mt.make_train_step(plan).lower(state, put(token_batch(0, B, T), plan)).compile()
         state, metrics = compiled(state, put(token_batch(0, B, T), plan))
         grads = {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state.opt_state[0])[0]}
