@@ -254,3 +254,21 @@ def finished_tiny_run() -> str:
         run = os.path.join(folder, "done")
         assert main([*FINISHED_TINY_FLAGS, "--steps", "4", "--ckpt-every", "2", "--out", run]) == 0
     return os.path.join(built_once("cli-tiny-4-steps-checkpoints-2-4", build), "done")
+
+
+# --- g4: gradients from the train step itself (one compiled program for gradients and losses) ---
+
+def with_kept_grads(tx):
+    """``tx`` behind a pass-through that keeps the gradients it is given as its state, so the train step's own
+    gradients can be read after a step (:func:`kept_grads`) without compiling a separate ``make_grad_fn``
+    program: parity tests that compare gradients and losses then compile one program per recipe, not two.
+    The updates, and so the losses, are ``tx``'s own.
+
+    Example: ``mt.abstract_state(factory, with_kept_grads(optax.adamw(3e-3)))``."""
+    keep = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+    return optax.chain(keep, tx)
+
+
+def kept_grads(state):
+    """Host copies of the gradients the last step applied (a state whose optimizer is :func:`with_kept_grads`'s)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), state.opt_state[0])

@@ -276,7 +276,7 @@ def test_warns_when_heads_do_not_divide_tensor_times_context():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hardware", ["h100"])   # tpu-v5p: tests/test_plan_cli.py (the same search, via the CLI)
+@pytest.mark.parametrize("hardware", ["h100"])   # tpu-v5p: the CLI JSON (8B, 32 chips) in test_plan_cli.py; the 70B/256-chip v5p search runs in notebook 04
 def test_auto_plan_for_llama3_70b_on_256_chips_fits_and_is_the_fastest_that_fits(hardware):
     result = plan_auto(PlanRequest(mt.models.get_config("llama3-70b"), 256, hardware))
     w = result.winner

@@ -17,6 +17,9 @@ from meshtrain.recipes import resolve_layer_loop
 RECIPES = ("dp", "fsdp", "zero1", "hsdp", "tp", "fsdp_tp", "fsdp_tp_sp")
 B, T = 16, 128
 TOLERANCE = 0.10
+#: the recipes whose compiled steps are run (test_step_time_ranking_runs_and_compares_orders): three of
+#: different collectives (data, fsdp, tensor + sequence); the others are only compiled and read
+TIMED = ("dp", "fsdp", "fsdp_tp_sp")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def small():
     # The collective model describes the layer scan (deep models, and any with remat); the default loop
     # unrolls this 4-layer model (its memory: the `unrolled` fixture below).
     runs = {name: compile_recipe(abstract, mt.get_recipe(name).with_options(layer_loop="scan"), cfg, B, T,
-                                 devices=jax.devices()[:8], init="host")
+                                 devices=jax.devices()[:8], init="host" if name in TIMED else False)
             for name in RECIPES}
     return cfg, runs
 
@@ -123,11 +126,14 @@ def test_step_time_ranking_runs_and_compares_orders(small):
     cfg, runs = small
     estimates = {n: estimate_step_time(r.plan, cfg, "cpu").step_s for n, r in runs.items()}
     assert all(s > 0 for s in estimates.values())
-    times = time_round_robin(list(runs.values()), rounds=1, warmup=0)
-    assert set(times) == set(runs) and all(len(t) == 1 and t[0] > 0 for t in times.values())
-    cmp = compare_rankings(estimates, times, margin=0.25)
+    # the machinery runs real steps: three recipes rank as well as seven (each step of the small model is
+    # seconds of CPU that show nothing more)
+    timed = {n: runs[n] for n in TIMED}
+    times = time_round_robin(list(timed.values()), rounds=1, warmup=0)
+    assert set(times) == set(timed) and all(len(t) == 1 and t[0] > 0 for t in times.values())
+    cmp = compare_rankings({n: estimates[n] for n in timed}, times, margin=0.25)
     print("\nestimated:", " < ".join(cmp.estimated_order), "\nmeasured: ", " < ".join(cmp.measured_order))
-    assert sorted(cmp.estimated_order) == sorted(RECIPES) and sorted(cmp.measured_order) == sorted(RECIPES)
+    assert sorted(cmp.estimated_order) == sorted(timed) and sorted(cmp.measured_order) == sorted(timed)
     # fixed numbers: a clear pair ordered the same way agrees, the other way disagrees, a near-tie is a tie
     measured = {"a": [1.0, 1.0], "b": [2.0, 2.1], "c": [2.05, 2.2]}
     same = compare_rankings({"a": 1.0, "b": 2.0, "c": 2.01}, measured, margin=0.25)

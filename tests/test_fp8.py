@@ -77,7 +77,8 @@ def test_fp8_step_hlo_has_e4m3_and_e5m2_converts_and_meta_is_overwritten():
     assert "fp8_q" not in str(abstract.params)  # scales are model state, not parameters
     plan = mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(BATCH, SEQ))
     state = mt.init_state(plan, seed=0)
-    step = mt.make_train_step(plan, donate=False)
+    # the parity baseline's program (same recipe, model, shapes, donation): compiled once per session
+    step = mt.make_train_step(plan)
     batch = h.put(h.token_batch(0, BATCH, SEQ), plan)
     text = step.lower(state, batch).compile().as_text()
     e4m3 = len(re.findall(r"f8e4m3fn\[[^\]]*\][^=\n]* convert\(", text))
@@ -89,7 +90,7 @@ def test_fp8_step_hlo_has_e4m3_and_e5m2_converts_and_meta_is_overwritten():
 
     w_up = np.asarray(state.params["blocks"]["mlp"]["up_df"])  # (layers, d, f)
     state1, metrics = step(state, batch)
-    hist = np.asarray(meta_of(state1, "blocks", "mlp", "fp8_up", "kernel_amax_history"))
+    hist = np.array(meta_of(state1, "blocks", "mlp", "fp8_up", "kernel_amax_history"))  # a copy: state1 is donated
     np.testing.assert_array_equal(hist[:, 0], np.abs(w_up).max(axis=(1, 2)))  # this step's amax, per layer
     assert np.all(hist[:, 1:] == 0)
     np.testing.assert_array_equal(meta_of(state1, "blocks", "mlp", "fp8_up", "kernel_scale"), 1.0)  # delayed
@@ -141,19 +142,33 @@ _BASELINES = {}
 
 
 def _baseline(model, seq):
-    """fp8 on one device, no accumulation: one amax per step (a pipeline's micro-batches give their max)."""
+    """fp8 on one device, no accumulation: one amax per step (a pipeline's micro-batches give their max).
+    Also the seed-0 initial state on the host that the sharded runs start from (resharded, not initialised
+    again: an init program per recipe is a compile that checks nothing here)."""
     if (model, seq) not in _BASELINES:
         one, mesh = h.single_device("fsdp")
-        _BASELINES[model, seq] = h.run_steps(one.with_options(fp8="delayed", fp8_amax_history=HISTORY), mesh,
-                                             steps=10, abstract=fp8_abstract(model=model), batch=BATCH, seq=seq)
+        one = one.with_options(fp8="delayed", fp8_amax_history=HISTORY)
+        plan = mt.make_plan(fp8_abstract(model=model), one, mesh, batch=mt.BatchSpec(BATCH, seq))
+        initial = h.host(mt.init_state(plan, seed=0))
+        _BASELINES[model, seq] = _run(plan, initial, seq) + (initial,)
     return _BASELINES[model, seq]
+
+
+def _run(plan, initial, seq, steps=10):
+    """(losses, final state) of ``steps`` steps from the host state ``initial``."""
+    state, step, losses = h.device(plan, initial), mt.make_train_step(plan), []
+    for i in range(steps):
+        state, metrics = step(state, h.put(h.token_batch(i, BATCH, seq), plan))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
 
 
 def _check_parity(name, model, seq=SEQ, amax_at_least=False, amax_rtol=5e-2):
     recipe, mesh = h.mesh_for(name)
     recipe = recipe.with_options(fp8="delayed", fp8_amax_history=HISTORY)
-    losses, _, state = h.run_steps(recipe, mesh, steps=10, abstract=fp8_abstract(model=model), batch=BATCH, seq=seq)
-    base, _, base_state = _baseline(model, seq)
+    base, base_state, initial = _baseline(model, seq)
+    plan = mt.make_plan(fp8_abstract(model=model), recipe, mesh, batch=mt.BatchSpec(BATCH, seq))
+    losses, state = _run(plan, initial, seq)
     print(f"{name}: max rel. loss diff vs one device {h.rel_diff(losses, base):.2e}")
     assert h.rel_diff(losses, base) < 1e-3, (losses, base)
     # the histories saw the same amaxes (up to FP8 rounding of slightly different sums)

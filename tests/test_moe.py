@@ -266,8 +266,10 @@ def test_expert_order_permutations_match_a_sort(layout):
     # one compiled program per shape, as inside the train step (run eagerly, each of its ops compiles apart)
     order = jax.jit(expert_order, static_argnums=2)
     rng = np.random.default_rng(0)
-    for _ in range(60):
-        ep, n_local, a = (int(v) for v in rng.integers(1, 5, size=3))
+    # every shape is a compile: a grid of 12 shapes (one source / expert / row, odd and even counts) with 5 random
+    # fills each, rather than 60 random shapes (~40 distinct compiles) with one fill each
+    shapes = [(ep, n_local, a) for ep in (1, 3, 4) for n_local in (1, 2) for a in (1, 4)]
+    for ep, n_local, a in (shape for shape in shapes for _ in range(5)):
         counts = np.stack([np.bincount(rng.integers(0, n_local, rng.integers(0, a + 1)), minlength=n_local)
                            for _ in range(ep)])
         if layout == "ragged":  # chunks back to back, then the unused rest of an ep·a buffer

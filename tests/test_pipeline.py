@@ -9,8 +9,10 @@ import re
 
 import jax
 import numpy as np
+import optax
 import pytest
-from helpers import assert_bit_exact, assert_on_mesh, host, put, rel_diff, tiny_abstract, token_batch
+from helpers import (assert_bit_exact, assert_on_mesh, host, kept_grads, put, rel_diff, tiny_abstract, token_batch,
+                     with_kept_grads)
 
 import meshtrain as mt
 from meshtrain.checkpoint import Checkpointer
@@ -20,7 +22,9 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 def _abstract():
-    return tiny_abstract(n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16)
+    # the optimizer keeps the gradients the step applied (helpers.with_kept_grads): gradients and losses come
+    # from one compiled train step per recipe, not a train step and a separate make_grad_fn program
+    return tiny_abstract(with_kept_grads(optax.adamw(3e-3)), n_layers=LAYERS, n_heads=4, n_kv_heads=2, head_dim=16)
 
 
 _INIT = {}
@@ -34,19 +38,22 @@ def _initial(plan):
 
 
 def _run(recipe, n_devices=8, steps=STEPS, abstract=None):
-    """(step-0 grads on host, losses of ``steps`` steps, compiled grad program, plan)."""
+    """(step-0 grads on host, losses of ``steps`` steps, the compiled program, plan). ``steps=0``: the
+    compiled program is ``make_grad_fn``'s and gives the gradients alone; else it is the train step, whose
+    first step's gradients the optimizer kept."""
     mesh = recipe.mesh.build(jax.devices()[:n_devices])
     plan = mt.make_plan(abstract or _abstract(), recipe, mesh, batch=mt.BatchSpec(B, T))
     state = _initial(plan)
-    grad_fn = mt.make_grad_fn(plan)
     batch0 = put(token_batch(0, B, T), plan)
-    compiled = grad_fn.lower(state, batch0).compile()
-    _, grads = compiled(state, batch0)
-    grads = jax.tree.map(np.asarray, grads)
-    step = mt.make_train_step(plan)
+    if not steps:
+        compiled = mt.make_grad_fn(plan).lower(state, batch0).compile()
+        return jax.tree.map(np.asarray, compiled(state, batch0)[1]), np.array([]), compiled, plan
+    compiled = mt.make_train_step(plan).lower(state, batch0).compile()
     losses = []
     for i in range(steps):
-        state, metrics = step(state, put(token_batch(i, B, T), plan))
+        state, metrics = compiled(state, batch0 if i == 0 else put(token_batch(i, B, T), plan))
+        if i == 0:
+            grads = kept_grads(state)
         losses.append(float(metrics["loss"]))
     return grads, np.array(losses), compiled, plan
 
@@ -157,6 +164,8 @@ def test_hlo_stage_traffic_between_neighbours_only(composed, schedule):
 # ---- memory and bubble ---------------------------------------------------------------------------
 
 def test_1f1b_temp_memory_at_most_half_of_gpipe(composed):
+    # the whole train steps' temporaries (the optimizer update's included, the same in both): the schedule's
+    # activation memory has to halve the step's total, a harder bound than the gradient program's alone
     gpipe = _composed(composed, "gpipe")[2].memory_analysis().temp_size_in_bytes
     ofob = _composed(composed, "1f1b")[2].memory_analysis().temp_size_in_bytes
     print(f"per-device temp bytes at m=8, p=2: gpipe {gpipe}, 1f1b {ofob} ({ofob / gpipe:.3f}x)")
@@ -166,6 +175,7 @@ def test_1f1b_temp_memory_at_most_half_of_gpipe(composed):
 def test_1f1b_skips_idle_work_with_conditionals(composed):
     # forward, head and backward parts of the tick each sit in a conditional (same predicate on every device)
     text = _composed(composed, "1f1b")[2].as_text()
+    assert not re.findall(r"\bconditional\(", _composed(composed, "gpipe")[2].as_text())  # none outside 1f1b's ticks
     assert len(re.findall(r"\bconditional\(", text)) >= 3
 
 
@@ -175,10 +185,12 @@ def test_1f1b_skips_idle_work_with_conditionals(composed):
 def test_checkpoint_round_trip_across_stage_counts(baseline, tmp_path):
     """One pp(2) step, then pp(2) -> fsdp(8) -> pp(4) -> pp(2) through checkpoints (the global layer
     layout): each restore bit-exact and on the new mesh; the next pp(2) step gives the same loss and
-    state as without the round trip, and the losses are the one-device ones."""
+    state as without the round trip, and the losses are the one-device ones. pp(2) is the composed gpipe
+    run's recipe (stage=2 × fsdp=2 × tensor=2): its train step is compiled once for both tests."""
     abstract = _abstract()
+    first = mt.get_recipe("pp_fsdp_tp").with_options(schedule="gpipe", pipeline_micro_batches=8, repeats=1)
     plans = [mt.make_plan(abstract, r, r.mesh.build(jax.devices()), batch=mt.BatchSpec(B, T))
-             for r in (mt.get_recipe("pp"), mt.get_recipe("fsdp"), mt.get_recipe("pp").with_mesh(stage=4, data=2))]
+             for r in (first, mt.get_recipe("fsdp"), mt.get_recipe("pp").with_mesh(stage=4, data=2))]
     plans.append(plans[0])
     step = mt.make_train_step(plans[0])
     state, m0 = step(_initial(plans[0]), put(token_batch(0, B, T), plans[0]))

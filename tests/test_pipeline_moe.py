@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import host, put, rel_diff, token_batch
+from helpers import host, kept_grads, put, rel_diff, token_batch, with_kept_grads
 
 import meshtrain as mt
 from meshtrain.errors import ConfigError
@@ -36,18 +36,20 @@ _INIT = {}
 
 
 def _run(recipe, n_devices, factory=None, steps=STEPS):
-    """(step-0 grads on host, per-step metrics) of ``steps`` steps from the seed-0 state."""
-    abstract = mt.abstract_state(factory or mt.models.model_factory(_config()), optax.adamw(3e-3))
+    """(step-0 grads on host, per-step metrics) of ``steps`` steps from the seed-0 state. The gradients are the
+    ones the train step applies (kept by the optimizer, helpers.with_kept_grads): one compiled program per
+    recipe gives gradients, losses and router metrics (a separate make_grad_fn would be a second compile)."""
+    abstract = mt.abstract_state(factory or mt.models.model_factory(_config()), with_kept_grads(optax.adamw(3e-3)))
     plan = mt.make_plan(abstract, recipe, recipe.mesh.build(jax.devices()[:n_devices]), batch=mt.BatchSpec(B, T))
     if "host" not in _INIT:
         _INIT["host"] = host(mt.init_state(plan, seed=0))
     state = jax.device_put(_INIT["host"], mt.state_shardings(plan))
-    _, grads = mt.make_grad_fn(plan)(state, put(token_batch(0, B, T), plan))
-    grads = jax.tree.map(np.asarray, grads)
     step = mt.make_train_step(plan)
     metrics = []
     for i in range(steps):
         state, out = step(state, put(token_batch(i, B, T), plan))
+        if i == 0:
+            grads = kept_grads(state)
         metrics.append({k: float(v) for k, v in out.items()})
     return grads, metrics
 

@@ -1,24 +1,11 @@
 """`meshtrain plan` with --hardware, --recipe auto, --json and --check: output, speed, machine-readable JSON."""
 
 import json
-import os
-import processes
-import sys
 
 import pytest
 
 from meshtrain.analysis.lowering import tpu_available
 from meshtrain.cli import main
-
-ROOT = os.path.dirname(os.path.dirname(__file__))
-
-
-def cli_subprocess(*args):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = processes.run([sys.executable, "-m", "meshtrain", "plan", *args], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=300)
-    return out
 
 
 def run_plan(capsys, *args):
@@ -28,15 +15,18 @@ def run_plan(capsys, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hardware", ["tpu-v5p"])   # h100: tests/test_analysis.py (the same search, via the API)
-def test_auto_llama3_70b_on_256_chips_with_a_recipe_that_fits(hardware):
-    out = cli_subprocess("--model", "llama3-70b", "--recipe", "auto", "--devices", "256",
-                                  "--hardware", hardware, "--json")
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)  # one JSON object on stdout
+def test_auto_json_on_a_tpu_v5p_pod_mesh_with_a_recipe_that_fits(capsys):
+    # the JSON of `--recipe auto` on more chips than this host simulates. Llama-3-8B on 32 chips: the 70B search
+    # on 256 chips is the pod-scale ranking check of tests/test_analysis.py (h100, via the API), and repeating
+    # it here cost ~15 s of CPU for the same JSON fields. In-process (the search is the cost, not the process):
+    # `plan` as a child process runs in tests/test_moe_hierarchical.py and tests/test_pipeline_zero_bubble.py
+    code, out, err = run_plan(capsys, "--model", "llama3-8b", "--recipe", "auto", "--devices", "32",
+                              "--hardware", "tpu-v5p", "--seq-len", "2048", "--json")
+    assert code == 0, err
+    data = json.loads(out)  # one JSON object on stdout
     assert {"mesh", "params", "per_device_bytes"} <= set(data)
-    assert data["mesh_kind"] == "abstract" and data["local_devices"] <= 8  # no 256-device simulation
-    assert sum(data["mesh"].values()) > 1 and eval("*".join(map(str, data["mesh"].values()))) == 256
+    assert data["mesh_kind"] == "abstract" and data["local_devices"] <= 8  # no 32-device simulation
+    assert sum(data["mesh"].values()) > 1 and eval("*".join(map(str, data["mesh"].values()))) == 32
     assert data["fit"] == "fits" and data["memory"]["total"] <= data["capacity_bytes"]
     assert data["auto"]["ranked"][0]["recipe"] == data["recipe"]
     assert data["auto"]["rejected"] and data["auto"]["why"]
