@@ -46,13 +46,14 @@ class Setting:
     cli: bool
     bare: Any = None
 
-    @property
+    # cached on the instance (a Setting is immutable): the planner coerces settings ~10^5 times a search
+    @functools.cached_property
     def base_type(self) -> Any:
         """The type without ``Optional[...]``."""
         args = [a for a in typing.get_args(self.type) if a is not type(None)]
         return args[0] if typing.get_origin(self.type) is typing.Union and len(args) == 1 else self.type
 
-    @property
+    @functools.cached_property
     def optional(self) -> bool:
         return self.base_type is not self.type
 
@@ -60,7 +61,7 @@ class Setting:
     def choices(self) -> Optional[Tuple[str, ...]]:
         return tuple(e.value for e in self.base_type) if _is_enum(self.base_type) else self.allowed
 
-    @property
+    @functools.cached_property
     def names_list(self) -> bool:
         """Whether the setting is a tuple of names (``Tuple[str, ...]``): a list in YAML, comma-separated text
         on the command line (``--replicate-indivisible kv_heads,heads``)."""

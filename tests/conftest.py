@@ -99,9 +99,19 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     own1, kids1 = cpu()
     line = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall0, 3), "cpu_s": round(own1 - own0, 3),
-            "children_cpu_s": round(kids1 - kids0, 3), "slow": item.get_closest_marker("slow") is not None}
+            "children_cpu_s": round(kids1 - kids0, 3), "slow": item.get_closest_marker("slow") is not None,
+            "failed": bool(getattr(item, "_meshtrain_failed", False))}
     with open(log, "a") as f:   # one short line per write: workers append without interleaving
         f.write(json.dumps(line) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Marks a test whose setup, call or teardown failed, for the CPU log's ``failed`` field (a failure
+    found in a worker's log without mapping pytest's progress characters back to tests)."""
+    outcome = yield
+    if outcome.get_result().failed:
+        item._meshtrain_failed = True
 
 
 def pytest_addoption(parser):

@@ -44,6 +44,11 @@ def main(argv=None) -> int:
     print(f"{'CPU s':>8} {'wall s':>8} {'tests':>5}  file")
     for name, (n, w, c) in sorted(files.items(), key=lambda kv: -kv[1][2])[:args.top]:
         print(f"{c:8.1f} {w:8.1f} {n:5d}  {name}")
+    failed = [r["test"] for r in rows if r.get("failed")]
+    if failed:
+        print(f"\n{len(failed)} failed (setup, call or teardown):")
+        for name in failed:
+            print(f"  {name}")
     idle = sorted(rows, key=lambda r: -(r["wall_s"] - r["cpu_s"] - r["children_cpu_s"]))[:args.top]
     print(f"\nmost waiting (wall - CPU):\n{'idle s':>8} {'wall s':>8}  test")
     for r in idle:
