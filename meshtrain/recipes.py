@@ -264,6 +264,8 @@ class Recipe:
                                   f"{self.name!r} has none (its strategies: {', '.join(self.strategies.names())})")
             dims[dim.key] = dataclasses.replace(dims[dim.key], **{setting_.name: setting_.coerce(value, key)})
         strategies = tuple(dims[s.key] for s in self.strategies)
+        if all(a is b for a, b in zip(strategies, self.strategies)):
+            strategies = self.strategies  # unchanged dimensions: the copy shares their composed rules (compose_memo)
         return dataclasses.replace(self, strategies=strategies, **mine)
 
     # -- files ------------------------------------------------------------------------------
