@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from meshtrain.abstract import path_str
+from meshtrain.analysis.gradient_buffers import first_gradient_bytes
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.weights_as_used import (_axes_in, _tensor_divisor, gathered_layer_bytes,  # noqa: F401
                                                tensor_split_sizes, working_weight_bytes)  # (re-exports)
@@ -176,8 +177,11 @@ def _stored_residuals(jaxpr, activations) -> list:
     live = set(jaxpr.invars) | set(jaxpr.constvars)
     stored: set = set()
 
+    def kept(v) -> bool:
+        return isinstance(v, Literal) or v in live or v in stored
+
     def derivable(v, depth: int) -> bool:
-        if isinstance(v, Literal) or v in live or v in stored:
+        if kept(v):
             return True
         found = producer.get(v)
         return (found is not None and depth > 0 and _fusible(found[1])
@@ -186,12 +190,55 @@ def _stored_residuals(jaxpr, activations) -> list:
     unique = {id(v): v for v in (jaxpr.outvars[i] for i in activations) if not isinstance(v, Literal)}
     for v in sorted(unique.values(), key=lambda v: producer.get(v, (-1,))[0]):
         found = producer.get(v)
-        if v in live or not _read_in(jaxpr, v, backward) or (
-                found is not None and _fusible(found[1]) and not _expands(found[1])
-                and all(derivable(x, 8) for x in found[1].invars) and _read_only_by_fusions(jaxpr, v, backward)):
+        if v in live or not _read_in(jaxpr, v, backward):
             continue
+        if (found is not None and _fusible(found[1]) and not _expands_on_the_way(v, producer, kept, 8)
+                and _read_only_by_fusions(jaxpr, v, backward)):
+            if all(derivable(x, 8) for x in found[1].invars):
+                continue  # recomputed from what the step keeps anyway
+            roots = _fusion_roots(v, producer, kept, 8)
+            if len(roots) == 1 and v.aval.dtype == jnp.bool_:  # recomputed from the one value XLA keeps instead of it
+                stored.update(roots)
+                continue
         stored.add(v)
     return sorted(stored, key=lambda v: producer.get(v, (-1,))[0])
+
+
+def _broadcasts(eqn) -> bool:
+    """Whether ``eqn`` broadcasts a smaller computed operand into its larger output (``x / sqrt(var)`` of a
+    ``(b, T, D)`` value by a ``(b, T, 1)`` statistic: JAX binds the size-1 dimensions without a separate
+    ``broadcast_in_dim``)."""
+    size = int(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0
+    return size > 1 and any(int(np.prod(getattr(x.aval, "shape", ()))) < size
+                            for x in eqn.invars if not isinstance(x, Literal))
+
+
+def _expands_on_the_way(v, producer, kept, depth: int) -> bool:
+    """Whether a fusible op that *expands* (:func:`_expands`) or broadcasts (:func:`_broadcasts`) makes ``v`` or a
+    value it is fused from, up to the values the step keeps (``kept``): RMSNorm's ``x / sqrt(mean(x²))`` divides
+    by a broadcast per-row statistic, which XLA:CPU materialises (T5 under fsdp on 64 devices: every layer norm's
+    ``div`` is a live ``f32[b, T, D]`` buffer at the peak, next to its ``mul`` by the weight)."""
+    found = None if isinstance(v, Literal) else producer.get(v)
+    if found is None or depth < 0 or not _fusible(found[1]):
+        return False
+    if _expands(found[1]) or _broadcasts(found[1]):
+        return True
+    return any(not kept(x) and _expands_on_the_way(x, producer, kept, depth - 1) for x in found[1].invars)
+
+
+def _fusion_roots(v, producer, kept, depth: int) -> set:
+    """The values a fusible residual ``v`` is computed from that the step does not keep already (``kept``): the
+    first non-fusible producers (a matmul's output) up its chain of fusible ops. XLA fuses a residual the
+    backward reads only in fusions into those readers and keeps one such value instead of the residual:
+    ReLU's mask ``x > 0`` (bool) is recomputed from the pre-activation ``x`` (f32), which lives to the backward
+    (T5's ``wi`` outputs at the peak of its step under fsdp on 64 devices). A residual fused from two or more
+    (a residual stream ``x + attention_out``) is stored itself (:func:`_stored_residuals`)."""
+    if kept(v):
+        return set()
+    found = producer.get(v)
+    if found is None or depth <= 0 or not _fusible(found[1]):
+        return {v}
+    return set().union(*(_fusion_roots(x, producer, kept, depth - 1) for x in found[1].invars))
 
 
 def local_rows(plan) -> int:
@@ -225,11 +272,14 @@ class TracedActivations:
     (:func:`_backward_working_set`, with and without them); 0 without a tensor axis (XLA's other working
     buffers are not estimated: on one device's rows they stay within the saved residuals' error). ``recompute``:
     under remat, what the backward holds while it recomputes the largest remat segment
-    (:func:`_recompute_working_set`); ``None`` without remat."""
+    (:func:`_recompute_working_set`); ``None`` without remat. ``gradient``: the first weight gradient the
+    backward makes, at full size before its reduce-scatter, where the step keeps gradients split over the
+    data-parallel axes (:func:`~meshtrain.analysis.gradient_buffers.first_gradient_bytes`; 0 otherwise)."""
 
     saved: int
     working: int
     recompute: Optional[int] = None
+    gradient: int = 0
 
 
 def traced_activations(plan, loss_fn) -> TracedActivations:
@@ -240,7 +290,7 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     t, split, width = tensor_split_sizes(plan)
     outs, more = one.outvars, two.outvars
     if len(outs) == len(more):  # activations: the residuals whose shape follows the rows
-        rows_of = {id(x): y.aval.shape for x, y in zip(outs, more)}
+        rows_of = _rows_of(one, two)
         picked = [i for i, (x, y) in enumerate(zip(outs, more)) if tuple(x.aval.shape) != tuple(y.aval.shape)]
     else:  # fallback: not a weight's shape
         params = {tuple(x.shape) for x in jax.tree.leaves(plan.abstract.params)}
@@ -260,7 +310,20 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     recompute = _recompute_working_set(plan, loss_fn, b, t, split) if _remat_bodies(one) else None
     if recompute is not None:  # the residuals the backward is done with before it recomputes a segment are freed
         recompute = max(recompute - int(_freed_before_remat(one, backward, sizes)), 0)
-    return TracedActivations(saved, int(working), recompute)
+    n_params = len(jax.tree.leaves(plan.abstract.params))  # the VJP's last outputs: the gradients, in tree order
+    gradient = first_gradient_bytes(plan, one, backward, one.outvars[len(outs) - n_params:])
+    return TracedActivations(saved, int(working), recompute, gradient)
+
+
+def _rows_of(jaxpr, more) -> dict:
+    """``id(value) -> its shape on one more row`` for ``jaxpr``'s outputs and, where ``more`` (the same program
+    traced on one more row) has the same equations, every value an equation makes (a residual may be stored as
+    a value it is recomputed from: :func:`_fusion_roots`)."""
+    found = {}
+    if len(jaxpr.eqns) == len(more.eqns):
+        found.update({id(x): y.aval.shape for e, f in zip(jaxpr.eqns, more.eqns) for x, y in zip(e.outvars, f.outvars)})
+    found.update({id(x): y.aval.shape for x, y in zip(jaxpr.outvars, more.outvars)})
+    return found
 
 
 def _freed_before_remat(jaxpr, start: int, sizes) -> float:
@@ -340,7 +403,7 @@ def _recompute_working_set(plan, loss_fn, b: int, t: int, split: frozenset) -> O
         (res, n), (res_more, n_more) = _segment_residuals(body), _segment_residuals(body_more)
         if n != n_more:
             continue
-        rows_of = {id(x): y.aval.shape for x, y in zip(res.outvars[:n], res_more.outvars[:n])}
+        rows_of = _rows_of(res, res_more)
         picked = [i for i, (x, y) in enumerate(zip(res.outvars[:n], res_more.outvars[:n]))
                   if tuple(x.aval.shape) != tuple(y.aval.shape)]
         stored = _stored_residuals(res, picked)

@@ -1,0 +1,102 @@
+"""The weight gradient the backward holds at full size before reducing it over the data-parallel axes: a
+working buffer of the traced estimate (an ``AbstractMesh``) that neither the gradients (kept sharded) nor the
+saved activations count.
+
+Under FSDP or ZeRO-2 a device's gradient of a weight is a partial sum over its own rows, computed at the
+weight's full (gathered) size, and only then reduce-scattered to the device's shard. The backward's peak is at
+its start, where every saved activation is still live; the first weight gradient it makes (the output head's,
+``x^T · dlogits``) is live there at full size. With a large vocabulary that buffer is the step's largest::
+
+    first_gradient_bytes(plan, jaxpr, backward, grads)   # bytes per device, 0 without sharded gradients
+
+Measured on HuggingFace's Flax T5 under ``fsdp`` on 64 CPU devices (``tools/bench_t5_memory.py``): XLA's
+buffer at the peak is ``ynn_fusion.11``, ``f32[4096,256]`` (4 MiB, ``transpose(jvp(...))/lm_head/dot_general``),
+next to the gathered head weight ``all-gather.34`` (counted with the gathered weights).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from meshtrain.plan import gradient_shardings
+
+
+def _earliest_full_size(jaxpr, start: int, grad) -> Optional[tuple]:
+    """``(index, var)``: the earliest equation from ``start`` on (the backward) that makes a value of ``grad``'s
+    size flowing into ``grad`` (through transposes, casts, sums of partial gradients: every step keeps the
+    size), or ``None`` when ``grad`` is not made in the backward (an input passed through, a zero)."""
+    if isinstance(grad, Literal):
+        return None
+    size = math.prod(grad.aval.shape)
+    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) if i >= start for v in e.outvars}
+    best, todo, seen = None, [grad], set()
+    while todo:
+        v = todo.pop()
+        if isinstance(v, Literal) or v in seen or v not in producer:
+            continue
+        seen.add(v)
+        i, e = producer[v]
+        if math.prod(getattr(v.aval, "shape", ())) != size:
+            continue
+        if best is None or i < best[0]:
+            best = (i, v)
+        todo.extend(e.invars)
+    return best
+
+
+def _reduced_over_batch(plan, sharding) -> bool:
+    """Whether a gradient kept in ``sharding`` is split over a data-parallel (batch) axis of more than one device:
+    the full-size partial sum is then reduce-scattered, a buffer of its own."""
+    rule = plan.rules.table("activations").get("batch")
+    batch_axes = set(rule.mesh_axes if rule else ())
+    sizes = plan.mesh_sizes
+    for entry in sharding.spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if axis in batch_axes and sizes.get(axis, 1) > 1:
+                return True
+    return False
+
+
+def _non_batch_shards(plan, sharding) -> int:
+    rule = plan.rules.table("activations").get("batch")
+    batch_axes = set(rule.mesh_axes if rule else ())
+    sizes = plan.mesh_sizes
+    shards = 1
+    for entry in sharding.spec:
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if axis and axis not in batch_axes:
+                shards *= sizes.get(axis, 1)
+    return shards
+
+
+def first_gradient_bytes(plan, jaxpr, backward: int, grads: Sequence) -> int:
+    """Bytes per device of the first weight gradient the backward makes at full size among those the step keeps
+    split over the data-parallel axes (FSDP, ZeRO-2: reduce-scattered after it is made); 0 without such gradients.
+    A gradient kept whole (a replicated bias) is skipped: it is its own buffer, counted with the gradients.
+
+    ``jaxpr``: the loss's VJP traced on one device's rows (:func:`meshtrain.analysis.traced._residuals`),
+    ``backward``: the index of its first backward equation, ``grads``: its gradient outputs in the parameters'
+    tree order. The buffer is the value of the gradient's size the backward makes first (a matmul's output, in
+    its dtype), divided by the shards of the gradient's non-batch axes (tensor parallelism keeps it split).
+    E.g. T5 (vocabulary 4096, width 256, f32) under ``fsdp`` on 64 devices: the head's ``(256, 4096)`` gradient,
+    4 MiB per device, where the gradients count 64 KiB."""
+    shardings = jax.tree.leaves(gradient_shardings(plan))
+    if len(shardings) != len(grads):
+        return 0
+    first = None
+    for grad, sharding in zip(grads, shardings):
+        if isinstance(grad, Literal) or not hasattr(grad.aval, "shape") or not _reduced_over_batch(plan, sharding):
+            continue  # a gradient kept whole is its own buffer, counted with the gradients
+        found = _earliest_full_size(jaxpr, backward, grad)
+        if found is not None and (first is None or found[0] < first[0]):
+            first = (found[0], found[1], sharding)
+    if first is None:
+        return 0
+    _, var, sharding = first
+    nbytes = math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
+    return int(nbytes // max(_non_batch_shards(plan, sharding), 1))
