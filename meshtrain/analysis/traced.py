@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from meshtrain.abstract import path_str
+from meshtrain.analysis.fusible import _CALLS, _FUSIBLE, _expands_on_the_way, _fusible, _fusion_roots
 from meshtrain.analysis.gradient_buffers import first_gradient_bytes
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.weights_as_used import (_axes_in, _tensor_divisor, gathered_layer_bytes,  # noqa: F401
@@ -92,28 +93,6 @@ def _residuals(plan, loss_fn, rows: int, *, forward: bool = False):
             abstract.params, abstract.model_state, _local_batch(plan, rows)).jaxpr
 
 
-#: Primitives XLA fuses into their consumers (elementwise, broadcasts, reshapes, converts, index ramps): a
-#: residual made by these from values the step keeps anyway is recomputed where the backward reads it, not stored.
-_FUSIBLE = frozenset({
-    "abs", "add", "and", "broadcast_in_dim", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div", "eq",
-    "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt",
-    "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "sqrt",
-    "square", "squeeze", "sub", "tanh", "transpose", "xor"})
-_CALLS = ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call")
-
-
-def _fusible(eqn) -> bool:
-    """Whether XLA fuses ``eqn`` into its consumers: a fusible primitive, or a call whose body has only those."""
-    name = eqn.primitive.name
-    if name in _FUSIBLE:
-        return True
-    if name in _CALLS:
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
-        return inner is not None and all(_fusible(e) for e in inner.eqns)
-    return False
-
-
 #: Consumers that take a fused producer as their input (a reduction's input fusion)
 _FUSING_CONSUMERS = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 
@@ -134,15 +113,6 @@ def _read_only_by_fusions(jaxpr, var, start: int) -> bool:
             elif name not in _FUSING_CONSUMERS:
                 return False
     return True
-
-
-def _expands(eqn) -> bool:
-    """Whether ``eqn`` makes a value larger than each of its operands, at least one of them computed (not a
-    literal): an outer product or broadcast, e.g. a layer norm's ``rsqrt(var)[..., None] * scale`` of shape
-    ``(b, T, D)`` from a ``(b, T, 1)`` statistic and a ``(D,)`` weight."""
-    size = int(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0
-    computed = [x for x in eqn.invars if not isinstance(x, Literal)]
-    return bool(computed) and all(int(np.prod(getattr(x.aval, "shape", ()))) < size for x in computed)
 
 
 def _read_in(jaxpr, var, start: int) -> bool:
@@ -166,12 +136,16 @@ def _stored_residuals(jaxpr, activations) -> list:
     inputs, and not those made by fusible ops from inputs, constants and the stored ones where the backward
     reads them only in fusions (XLA recomputes them there: e.g. a masked score matrix and its softmax from the
     scores, a causal mask from an iota); one a matmul reads stays in a buffer. Nor is one recomputed that a
-    fusible op *expands* from smaller operands (:func:`_expands`: a layer norm's per-row statistic times its
-    scale): XLA:CPU materialises such broadcasts where the backward's reductions read them (its YNNPACK
-    library fusions take their operands from buffers), so at least one buffer of its size lives from the
-    forward to the backward (flax's lm1b on 16 devices, the compiled step's live ranges: 1 per layer norm
-    under fsdp_tp, 2 under dp, 3 under tp). Not counted: a residual the backward never reads (passed to a
-    call whose body does not use it, as the masked scores of a softmax's backward: XLA removes it)."""
+    fusible op *expands* from smaller operands, or that has such an op on its fusible chain
+    (:func:`~meshtrain.analysis.fusible._expands_on_the_way`: a layer norm's per-row statistic times its scale,
+    an RMS norm's ``x / sqrt(mean(x²))``): XLA:CPU materialises such broadcasts where the backward's reductions
+    read them (its YNNPACK library fusions take their operands from buffers), so at least one buffer of its size
+    lives from the forward to the backward (flax's lm1b on 16 devices, the compiled step's live ranges: 1 per
+    layer norm under fsdp_tp, 2 under dp, 3 under tp; T5 on 64 devices: each RMS norm's ``div``). A bool
+    residual fused from one value the step does not keep otherwise counts as that value
+    (:func:`~meshtrain.analysis.fusible._fusion_roots`: ReLU's mask is recomputed from the f32 pre-activation,
+    which XLA keeps). Not counted: a residual the backward never reads (passed to a call whose body does not
+    use it, as the masked scores of a softmax's backward: XLA removes it)."""
     producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     backward = 1 + max((producer.get(jaxpr.outvars[i], (-1,))[0] for i in activations), default=-1)
     live = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -202,43 +176,6 @@ def _stored_residuals(jaxpr, activations) -> list:
                 continue
         stored.add(v)
     return sorted(stored, key=lambda v: producer.get(v, (-1,))[0])
-
-
-def _broadcasts(eqn) -> bool:
-    """Whether ``eqn`` broadcasts a smaller computed operand into its larger output (``x / sqrt(var)`` of a
-    ``(b, T, D)`` value by a ``(b, T, 1)`` statistic: JAX binds the size-1 dimensions without a separate
-    ``broadcast_in_dim``)."""
-    size = int(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0
-    return size > 1 and any(int(np.prod(getattr(x.aval, "shape", ()))) < size
-                            for x in eqn.invars if not isinstance(x, Literal))
-
-
-def _expands_on_the_way(v, producer, kept, depth: int) -> bool:
-    """Whether a fusible op that *expands* (:func:`_expands`) or broadcasts (:func:`_broadcasts`) makes ``v`` or a
-    value it is fused from, up to the values the step keeps (``kept``): RMSNorm's ``x / sqrt(mean(x²))`` divides
-    by a broadcast per-row statistic, which XLA:CPU materialises (T5 under fsdp on 64 devices: every layer norm's
-    ``div`` is a live ``f32[b, T, D]`` buffer at the peak, next to its ``mul`` by the weight)."""
-    found = None if isinstance(v, Literal) else producer.get(v)
-    if found is None or depth < 0 or not _fusible(found[1]):
-        return False
-    if _expands(found[1]) or _broadcasts(found[1]):
-        return True
-    return any(not kept(x) and _expands_on_the_way(x, producer, kept, depth - 1) for x in found[1].invars)
-
-
-def _fusion_roots(v, producer, kept, depth: int) -> set:
-    """The values a fusible residual ``v`` is computed from that the step does not keep already (``kept``): the
-    first non-fusible producers (a matmul's output) up its chain of fusible ops. XLA fuses a residual the
-    backward reads only in fusions into those readers and keeps one such value instead of the residual:
-    ReLU's mask ``x > 0`` (bool) is recomputed from the pre-activation ``x`` (f32), which lives to the backward
-    (T5's ``wi`` outputs at the peak of its step under fsdp on 64 devices). A residual fused from two or more
-    (a residual stream ``x + attention_out``) is stored itself (:func:`_stored_residuals`)."""
-    if kept(v):
-        return set()
-    found = producer.get(v)
-    if found is None or depth <= 0 or not _fusible(found[1]):
-        return {v}
-    return set().union(*(_fusion_roots(x, producer, kept, depth - 1) for x in found[1].invars))
 
 
 def local_rows(plan) -> int:
