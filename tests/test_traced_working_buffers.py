@@ -89,3 +89,32 @@ def test_traced_estimate_within_10_percent_of_the_compiled_peak(abstract, recipe
     traced = estimate_memory(plan, None, cost=cost)
     peak = program_cost(mt.make_plan(abstract, recipe, batch=LAYOUT), loss).memory.peak
     assert abs(traced.total / peak - 1) < 0.10, (traced.to_dict(), peak)
+
+
+class ScannedMLP(nn.Module):
+    """Two ReLU layers scanned over stacked weights (leading logical axis ``layers``), a replicated head."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, DIM, embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
+        stack = nn.scan(ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2,
+                        metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack()(x, None)
+        return nn.Dense(16, use_bias=False, kernel_init=lp(nn.initializers.lecun_normal(), (None, None)))(x)
+
+
+class ScannedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        init = nn.initializers.lecun_normal()
+        h = nn.relu(nn.Dense(HIDDEN, use_bias=False, kernel_init=lp(init, ("embed", "mlp")))(x))
+        return x + nn.Dense(DIM, use_bias=False, kernel_init=lp(init, ("mlp", "embed")))(h), None
+
+
+def test_first_weight_gradient_made_by_a_layer_scan_is_one_layers_slice():
+    """The replicated head's gradient is its own buffer (all-reduced, counted with the gradients); the first
+    reduce-scattered ones come out of the layer scan, which makes one layer's (DIM, HIDDEN) slice at a time."""
+    abstract = mt.abstract_state(from_linen(ScannedMLP(), jax.ShapeDtypeStruct((1, T), jnp.int32)),
+                                 optax.adamw(1e-3))
+    _, cost, _ = _traced(abstract, "fsdp")
+    assert cost.gradient == DIM * HIDDEN * 4, cost.to_dict()  # not the stacked 2 layers

@@ -26,6 +26,10 @@ from jax.extend.core import Literal
 from meshtrain.plan import gradient_shardings
 
 
+#: Loops whose outputs stack one slice per iteration (a scanned layer stack's gradients).
+_LOOPS = ("scan", "while")
+
+
 def _earliest_full_size(jaxpr, start: int, grad) -> Optional[tuple]:
     """``(index, var)``: the earliest equation from ``start`` on (the backward) that makes a value of ``grad``'s
     size flowing into ``grad`` (through transposes, casts, sums of partial gradients: every step keeps the
@@ -82,21 +86,27 @@ def first_gradient_bytes(plan, jaxpr, backward: int, grads: Sequence) -> int:
     ``jaxpr``: the loss's VJP traced on one device's rows (:func:`meshtrain.analysis.traced._residuals`),
     ``backward``: the index of its first backward equation, ``grads``: its gradient outputs in the parameters'
     tree order. The buffer is the value of the gradient's size the backward makes first (a matmul's output, in
-    its dtype), divided by the shards of the gradient's non-batch axes (tensor parallelism keeps it split).
+    its dtype), divided by the shards of the gradient's non-batch axes (tensor parallelism keeps it split); made
+    by a layer scan, one layer's slice (each iteration makes its own); of the gradients one equation makes
+    first, the largest.
     E.g. T5 (vocabulary 4096, width 256, f32) under ``fsdp`` on 64 devices: the head's ``(256, 4096)`` gradient,
     4 MiB per device, where the gradients count 64 KiB."""
     shardings = jax.tree.leaves(gradient_shardings(plan))
     if len(shardings) != len(grads):
         return 0
-    first = None
+    made = []  # (index of the equation that makes it first, bytes per device)
     for grad, sharding in zip(grads, shardings):
         if isinstance(grad, Literal) or not hasattr(grad.aval, "shape") or not _reduced_over_batch(plan, sharding):
             continue  # a gradient kept whole is its own buffer, counted with the gradients
         found = _earliest_full_size(jaxpr, backward, grad)
-        if found is not None and (first is None or found[0] < first[0]):
-            first = (found[0], found[1], sharding)
-    if first is None:
+        if found is None:
+            continue
+        index, var = found
+        nbytes = math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
+        if jaxpr.eqns[index].primitive.name in _LOOPS and var.aval.shape:
+            nbytes //= max(var.aval.shape[0], 1)  # a layer scan reduces each layer's slice as its iteration makes it
+        made.append((index, nbytes // max(_non_batch_shards(plan, sharding), 1)))
+    if not made:
         return 0
-    _, var, sharding = first
-    nbytes = math.prod(var.aval.shape) * np.dtype(var.aval.dtype).itemsize
-    return int(nbytes // max(_non_batch_shards(plan, sharding), 1))
+    first = min(index for index, _ in made)
+    return int(max(nbytes for index, nbytes in made if index == first))
