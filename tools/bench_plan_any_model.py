@@ -17,6 +17,8 @@ T5 on 64 devices (issue 31), with XLA's buffers at the compiled peak (``tools/xl
 
     MESHTRAIN_BENCH_DEVICES=64 python tools/bench_plan_any_model.py --models t5 --recipes fsdp,fsdp_tp \
         --batch 64 --terms --buffers /tmp/t5-dump
+    MESHTRAIN_BENCH_DEVICES=64 python tools/bench_plan_any_model.py --models t5 --recipes fsdp --batch 64 \
+        --t5 vocab_size=32128,d_model=512,d_kv=64,d_ff=2048,num_heads=8     # t5-small's widths, 2+2 layers
 """
 
 from __future__ import annotations
@@ -200,14 +202,18 @@ def _t5_clip_keywords():
     modeling_flax_t5.jnp = Jnp("jnp")
 
 
+#: ``T5Config`` fields that replace the bench's sizes (``--t5 vocab_size=32128,d_model=512,...``)
+T5_OVERRIDES: dict = {}
+
+
 def _t5():
     import transformers
 
     _t5_clip_keywords()
     rules = rules_file("hf_t5")
+    sizes = dict(vocab_size=VOCAB, d_model=DIM, d_kv=HEAD_DIM, d_ff=HIDDEN, num_layers=LAYERS, num_heads=HEADS)
     hf = transformers.FlaxT5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=DIM, d_kv=HEAD_DIM, d_ff=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
-        dropout_rate=0.0))
+        **{**sizes, **T5_OVERRIDES}, dropout_rate=0.0))
     ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
     return (from_linen(hf, ids, ids, ids, ids, rules=rules), t5_loss,
             tokens("inputs", "mask", "decoder_inputs", "decoder_mask", "targets"), rules)
@@ -299,8 +305,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch (a multiple of the data-parallel size)")
     ap.add_argument("--buffers", metavar="DIR", help="dump each compile to DIR and print XLA's buffers live at "
                                                       "its peak (tools/xla_live_buffers.py)")
+    ap.add_argument("--t5", default="", metavar="FIELD=INT,...",
+                    help="T5Config sizes instead of the bench's, e.g. vocab_size=32128,d_model=512,d_kv=64,d_ff=2048,"
+                         "num_heads=8")
     args = ap.parse_args(argv)
     set_batch(args.batch)
+    T5_OVERRIDES.update({k: int(v) for k, v in (f.split("=") for f in args.t5.split(",") if f)})
     if args.buffers:  # read when the CPU backend starts, at the first compile below
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.buffers} "
                                    "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*jit_step.*")

@@ -9,9 +9,10 @@ its start, where every saved activation is still live; the first weight gradient
 
     first_gradient_bytes(plan, jaxpr, backward, grads)   # bytes per device, 0 without sharded gradients
 
-Measured on HuggingFace's Flax T5 under ``fsdp`` on 64 CPU devices (``tools/bench_t5_memory.py``): XLA's
-buffer at the peak is ``ynn_fusion.11``, ``f32[4096,256]`` (4 MiB, ``transpose(jvp(...))/lm_head/dot_general``),
-next to the gathered head weight ``all-gather.34`` (counted with the gathered weights).
+Measured on HuggingFace's Flax T5 under ``fsdp`` on 64 CPU devices (``tools/bench_plan_any_model.py --models t5
+--buffers DIR``; BENCHMARKS.md, "T5 at 64 devices"): XLA's buffer at the peak is ``ynn_fusion.11``,
+``f32[2064,256]`` (2,113,536 B, ``transpose(jvp(...))/lm_head/dot_general``), next to the gathered table
+``all-gather.34`` (counted with the gathered weights).
 """
 
 from __future__ import annotations
@@ -30,34 +31,40 @@ from meshtrain.plan import gradient_shardings
 _LOOPS = ("scan", "while")
 
 
-def _earliest_full_size(jaxpr, start: int, grad) -> Optional[tuple]:
-    """``(index, var)``: the earliest equation from ``start`` on (the backward) that makes a value of ``grad``'s
-    size flowing into ``grad`` (through transposes, casts, sums of partial gradients: every step keeps the
-    size), or ``None`` when ``grad`` is not made in the backward (an input passed through, a zero)."""
+def _earliest_full_size(producer, grad) -> Optional[tuple]:
+    """``(index, var)``: the earliest backward equation (``producer``: value -> (index, equation), the backward's
+    only) that makes a value of ``grad``'s dimensions flowing into ``grad`` (through transposes, casts, reshapes,
+    sums of partial gradients), or ``None`` when ``grad`` is not made in the backward (an input passed through, a
+    zero). Only values with ``grad``'s dimensions in some order count (or a reshape's input of its size): the
+    head's ``dlogits`` ``(b, T, V)`` may have as many elements as its ``(D, V)`` gradient, and is not it."""
     if isinstance(grad, Literal):
         return None
-    size = math.prod(grad.aval.shape)
-    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) if i >= start for v in e.outvars}
-    best, todo, seen = None, [grad], set()
+    size, dims = math.prod(grad.aval.shape), sorted(grad.aval.shape)
+    best, todo, seen = None, [(grad, False)], set()
     while todo:
-        v = todo.pop()
+        v, reshaped = todo.pop()
         if isinstance(v, Literal) or v in seen or v not in producer:
+            continue
+        shape = getattr(v.aval, "shape", ())
+        if math.prod(shape) != size or not (reshaped or sorted(shape) == dims):
             continue
         seen.add(v)
         i, e = producer[v]
-        if math.prod(getattr(v.aval, "shape", ())) != size:
-            continue
         if best is None or i < best[0]:
             best = (i, v)
-        todo.extend(e.invars)
+        todo.extend((x, e.primitive.name == "reshape") for x in e.invars)
     return best
+
+
+def _batch_axes(plan) -> set:
+    rule = plan.rules.table("activations").get("batch")
+    return set(rule.mesh_axes if rule else ())
 
 
 def _reduced_over_batch(plan, sharding) -> bool:
     """Whether a gradient kept in ``sharding`` is split over a data-parallel (batch) axis of more than one device:
     the full-size partial sum is then reduce-scattered, a buffer of its own."""
-    rule = plan.rules.table("activations").get("batch")
-    batch_axes = set(rule.mesh_axes if rule else ())
+    batch_axes = _batch_axes(plan)
     sizes = plan.mesh_sizes
     for entry in sharding.spec:
         for axis in entry if isinstance(entry, tuple) else (entry,):
@@ -67,8 +74,7 @@ def _reduced_over_batch(plan, sharding) -> bool:
 
 
 def _non_batch_shards(plan, sharding) -> int:
-    rule = plan.rules.table("activations").get("batch")
-    batch_axes = set(rule.mesh_axes if rule else ())
+    batch_axes = _batch_axes(plan)
     sizes = plan.mesh_sizes
     shards = 1
     for entry in sharding.spec:
@@ -94,11 +100,12 @@ def first_gradient_bytes(plan, jaxpr, backward: int, grads: Sequence) -> int:
     shardings = jax.tree.leaves(gradient_shardings(plan))
     if len(shardings) != len(grads):
         return 0
+    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) if i >= backward for v in e.outvars}
     made = []  # (index of the equation that makes it first, bytes per device)
     for grad, sharding in zip(grads, shardings):
         if isinstance(grad, Literal) or not hasattr(grad.aval, "shape") or not _reduced_over_batch(plan, sharding):
             continue  # a gradient kept whole is its own buffer, counted with the gradients
-        found = _earliest_full_size(jaxpr, backward, grad)
+        found = _earliest_full_size(producer, grad)
         if found is None:
             continue
         index, var = found
