@@ -120,3 +120,39 @@ def test_suite_profile_splits_cpu_from_waiting(tmp_path):
     assert [line.split()[-1] for line in files[2:]] == ["tests/test_a.py", "tests/test_b.py"]
     idle = out.stdout.split("most waiting")[1].splitlines()
     assert idle[2].split() == ["38.0", "40.0", "tests/test_b.py::t2"]
+
+
+def test_xla_live_buffers_names_the_buffers_live_at_the_peak(tmp_path):
+    """tools/xla_live_buffers.py joins XLA's dump files (lines as XLA 0.10 writes them: the optimized HLO, the
+    live ranges with their "(peak)" section, the buffer assignment): each live buffer's shape, kind and op_name,
+    and the temp allocation less the live bytes (the heap's fragmentation)."""
+    prefix = tmp_path / "module_0007.jit_step.cpu_after_optimizations"
+    (tmp_path / f"{prefix.name}.txt").write_text(
+        '  %param.4 = f32[8,64]{1,0} parameter(4), metadata={op_name="state.params[\'head\']"}\n'
+        '  %all-gather.3 = f32[64,64]{1,0} all-gather(%param.4), dimensions={0}, '
+        'metadata={op_name="jit(step)/jvp(M)/head/dot_general"}\n'
+        '  %ynn_fusion.1 = f32[64,64]{1,0} fusion(%a, %b), kind=kCustom, '
+        'metadata={op_name="jit(step)/transpose(jvp(M))/head/dot_general"}\n'
+        '  %wrapped_copy.2 = f32[64,64]{1,0} fusion(%all-gather.3), kind=kLoop\n'
+        '  %max_fusion = f32[4,64]{1,0} fusion(%ynn_fusion.0), metadata={op_name="jit(step)/jvp(M)/jit(relu)/max"}\n')
+    (tmp_path / f"{prefix.name}-live-range.txt").write_text(
+        "HloLiveRange (max 9):\n  BufferLiveRange:\n    param.4{}:0-9\n  Live ranges at 5 (peak):\n"
+        "    ynn_fusion.1{}: 16384 bytes (cumulative: 16384 bytes)\n"
+        "    all-gather.3{}: 16384 bytes (cumulative: 32768 bytes)\n"
+        "    wrapped_copy.2{}: 16384 bytes (cumulative: 49152 bytes)\n"
+        "    max_fusion{}: 1024 bytes (cumulative: 50176 bytes)\n"
+        "    param.4{}: 2048 bytes (cumulative: 52224 bytes)\n"
+        "  Stack trace breakdown for peak usage: 52 224 bytes\n")
+    (tmp_path / f"{prefix.name}-buffer-assignment.txt").write_text(
+        "BufferAssignment:\nallocation 0: size 2048, parameter 4, shape |f32[8,64]| at ShapeIndex {}:\n"
+        "allocation 1: size 51200, preallocated-temp:\n")
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "xla_live_buffers.py"), str(tmp_path)],
+                        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "peak at instruction 5: 50,176 B live in temp buffers" in out.stdout
+    assert "temp allocation 51,200 B (fragmentation 1,024 B)" in out.stdout
+    kinds = {line.split()[1]: line for line in out.stdout.splitlines()[1:] if line.strip()[0].isdigit()}
+    assert "backward" in kinds["ynn_fusion.1"] and "f32[64,64]" in kinds["ynn_fusion.1"]
+    assert "gathered weight (copy)" in kinds["wrapped_copy.2"] and "gathered weight " in kinds["all-gather.3"]
+    assert "forward" in kinds["max_fusion"] and "jit(relu)/max" in kinds["max_fusion"]
+    assert "argument" in kinds["param.4"]

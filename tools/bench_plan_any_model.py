@@ -7,10 +7,18 @@ compile of the same step on as many simulated CPU devices, for models nobody on 
 Models: ``vit`` (meshtrain's NNX ViT), ``lm1b`` (a Linen decoder in flax's lm1b style: ``DenseGeneral`` with
 short logical names ``embed``/``joined_kv``/``kv``, bridged with ``from_linen``), ``flax-lm1b`` (flax's own lm1b
 Transformer, unedited, when ``python tools/fetch_upstream_models.py`` has fetched it), and, when ``transformers`` is
-installed, HuggingFace's Flax ``gpt2``, ``bert`` (masked LM) and ``hf-vit``, unedited, and, when
+installed, HuggingFace's Flax ``gpt2``, ``bert`` (masked LM), ``hf-vit`` and ``t5`` (encoder-decoder, untied head),
+unedited, and, when
 ``MESHTRAIN_BIG_VISION`` names a big_vision checkout (``python tools/fetch_upstream_models.py --big-vision``),
 big_vision's ViT unedited, ``bv-vit`` and ``bv-vit-scan`` (its own layer scan); the rules files of the unnamed
 ones are ``recipes/rules/*.yaml``. Memory error = traced estimate / compiled peak − 1 (bytes per device, f32).
+
+T5 on 64 devices (issue 31), with XLA's buffers at the compiled peak (``tools/xla_live_buffers.py``)::
+
+    MESHTRAIN_BENCH_DEVICES=64 python tools/bench_plan_any_model.py --models t5 --recipes fsdp,fsdp_tp \
+        --batch 64 --terms --buffers /tmp/t5-dump
+    MESHTRAIN_BENCH_DEVICES=64 python tools/bench_plan_any_model.py --models t5 --recipes fsdp --batch 64 \
+        --t5 vocab_size=32128,d_model=512,d_kv=64,d_ff=2048,num_heads=8     # t5-small's widths, 2+2 layers
 """
 
 from __future__ import annotations
@@ -101,6 +109,12 @@ def hf_vit_loss(model, batch):
     return ce.sum(), ce.size
 
 
+def set_batch(rows: int) -> None:
+    """The global batch of every model's example (``--batch``; 64 devices need at least 64 rows)."""
+    global BATCH
+    BATCH = rows
+
+
 def tokens(*keys):
     return {k: jax.ShapeDtypeStruct((BATCH, T), jnp.int32) for k in keys}
 
@@ -163,6 +177,48 @@ def _hf_vit():
             images(32, 3), rules)
 
 
+def t5_loss(model, batch):
+    logits = model(batch["inputs"], batch["mask"], batch["decoder_inputs"], batch["decoder_mask"],
+                   deterministic=True).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return ce.sum(), ce.size
+
+
+def _t5_clip_keywords():
+    """transformers 4.57's Flax T5 calls ``jnp.clip(x, a_max=...)``, a keyword JAX 0.10 no longer takes: its
+    module sees a ``jnp`` whose ``clip`` accepts it (this process only; the model is otherwise unedited)."""
+    import types
+
+    from transformers.models.t5 import modeling_flax_t5
+
+    class Jnp(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(jnp, name)
+
+        @staticmethod
+        def clip(x, a_min=None, a_max=None, **kwargs):
+            return jnp.clip(x, kwargs.get("min", a_min), kwargs.get("max", a_max))
+
+    modeling_flax_t5.jnp = Jnp("jnp")
+
+
+#: ``T5Config`` fields that replace the bench's sizes (``--t5 vocab_size=32128,d_model=512,...``)
+T5_OVERRIDES: dict = {}
+
+
+def _t5():
+    import transformers
+
+    _t5_clip_keywords()
+    rules = rules_file("hf_t5")
+    sizes = dict(vocab_size=VOCAB, d_model=DIM, d_kv=HEAD_DIM, d_ff=HIDDEN, num_layers=LAYERS, num_heads=HEADS)
+    hf = transformers.FlaxT5ForConditionalGeneration(transformers.T5Config(
+        **{**sizes, **T5_OVERRIDES}, dropout_rate=0.0))
+    ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return (from_linen(hf, ids, ids, ids, ids, rules=rules), t5_loss,
+            tokens("inputs", "mask", "decoder_inputs", "decoder_mask", "targets"), rules)
+
+
 def _flax_lm1b_path() -> str:
     import importlib.util
 
@@ -221,8 +277,8 @@ def _big_vision(scan: bool):
 
 
 MODELS = {"vit": _vit, "lm1b": _lm1b, "flax-lm1b": _flax_lm1b, "gpt2": _gpt2, "bert": _bert, "hf-vit": _hf_vit,
-          "bv-vit": lambda: _big_vision(False), "bv-vit-scan": lambda: _big_vision(True)}
-HF = ("gpt2", "bert", "hf-vit")
+          "t5": _t5, "bv-vit": lambda: _big_vision(False), "bv-vit-scan": lambda: _big_vision(True)}
+HF = ("gpt2", "bert", "hf-vit", "t5")
 BIG_VISION = ("bv-vit", "bv-vit-scan")
 
 
@@ -246,7 +302,18 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--terms", action="store_true", help="print each estimate's components")
+    ap.add_argument("--batch", type=int, default=BATCH, help="global batch (a multiple of the data-parallel size)")
+    ap.add_argument("--buffers", metavar="DIR", help="dump each compile to DIR and print XLA's buffers live at "
+                                                      "its peak (tools/xla_live_buffers.py)")
+    ap.add_argument("--t5", default="", metavar="FIELD=INT,...",
+                    help="T5Config sizes instead of the bench's, e.g. vocab_size=32128,d_model=512,d_kv=64,d_ff=2048,"
+                         "num_heads=8")
     args = ap.parse_args(argv)
+    set_batch(args.batch)
+    T5_OVERRIDES.update({k: int(v) for k, v in (f.split("=") for f in args.t5.split(",") if f)})
+    if args.buffers:  # read when the CPU backend starts, at the first compile below
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.buffers} "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*jit_step.*")
     models = args.models.split(",")
     try:
         import transformers  # noqa: F401
@@ -271,7 +338,13 @@ def main(argv=None) -> int:
             print("  ".join(rows[-1]), f"({time.perf_counter() - start:.0f} s)", flush=True)
             if args.terms:
                 for c, b in traced.components:
-                    print(f"    {c.value}: {b / MiB:,.2f} MiB")
+                    print(f"    {c.value}: {b / MiB:,.2f} MiB ({b:,} B)")
+                print(f"    compiled peak: {peak:,} B; estimate - peak: {traced.total - peak:+,} B")
+            if args.buffers:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                from xla_live_buffers import newest_module, report
+
+                print(report(newest_module(args.buffers), top=12))
     print(f"\nbatch {BATCH}, sequence {T} (ViTs: images), f32, {DEVICES} devices: AbstractMesh estimate vs compile")
     if args.markdown:
         print(f"| model | recipe | AbstractMesh estimate | compiled peak ({DEVICES} CPU devices) | error |\n"

@@ -178,7 +178,8 @@ class ProgramCost:
     (compiled for the plan's devices: ``memory``, ``collectives``, ``xla_flops`` set) or
     :data:`TRACED` (an ``AbstractMesh``: only traced). ``activations``: :func:`saved_activation_bytes`
     and ``working_set``: what tensor parallelism's all-reduces add to the backward's peak, ``recompute``: what
-    recomputing a remat segment in the backward holds (:class:`TracedActivations`; traced plans only).
+    recomputing a remat segment in the backward holds, ``gradient``: the first weight gradient the backward makes,
+    at full size before its reduce-scatter (:class:`TracedActivations`; traced plans only).
     ``xla_flops``: ``cost_analysis()["flops"] × devices`` (while bodies once).
     """
 
@@ -191,6 +192,7 @@ class ProgramCost:
     activations: Optional[int] = None
     working_set: Optional[int] = None
     recompute: Optional[int] = None
+    gradient: Optional[int] = None
 
     @property
     def flops_per_device(self) -> float:
@@ -199,7 +201,7 @@ class ProgramCost:
     def to_dict(self) -> Dict[str, object]:
         return {"source": self.source, "num_devices": self.num_devices, "flops": self.flops,
                 "xla_cost_analysis_flops": self.xla_flops, "activations": self.activations,
-                "working_set": self.working_set, "recompute": self.recompute,
+                "working_set": self.working_set, "recompute": self.recompute, "gradient": self.gradient,
                 "memory": self.memory.to_dict() if self.memory else None}
 
 
@@ -216,7 +218,7 @@ def program_cost(plan, loss_fn, batch_abstract=None, *, compile: Optional[bool] 
     if not compile:
         acts = traced_activations(plan, loss_fn)
         return ProgramCost(TRACED, plan.num_devices, flops, activations=acts.saved, working_set=acts.working,
-                           recompute=acts.recompute)
+                           recompute=acts.recompute, gradient=acts.gradient)
     if is_abstract(plan):
         compile_step(plan, loss_fn, batch_abstract)  # raises the explanation
     compiled = traced.lower().compile()

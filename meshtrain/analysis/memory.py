@@ -313,7 +313,7 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
              f"{EXTRAPOLATED}: ÷{t} (tensor) for residuals with a dimension the plan splits over the tensor axes, "
              f"+ the all-reduced sums (matmuls over a tensor-split dimension) a residual is fused from"
              + ("; context parallelism not applied (an upper bound)" if layout_of(plan).context > 1 else "")),
-            (Component.TEMPORARIES, extra + (cost.working_set or 0) + (cost.recompute or 0),
+            (Component.TEMPORARIES, extra + (cost.working_set or 0) + (cost.recompute or 0) + (cost.gradient or 0),
              f"{EXTRAPOLATED}: weights as multiplied where not the stored parameters: gathered over FSDP axes or cast "
              f"to the compute dtype (Σ E·c ÷ non-batch shards"
              + ("; LoRA: the frozen base too, gathered, each target read as a new base + s·A@B"
@@ -326,6 +326,8 @@ def program_memory(plan, loss_fn, *, cost: Optional[ProgramCost] = None) -> Memo
              + (f"; {MEASURED}: + the remat recompute, the residuals of the largest remat segment differentiated "
                 f"without its policy (what the backward holds while it recomputes that segment), counted as the "
                 f"step's residuals, {EXTRAPOLATED}: ÷{t} (tensor) where split" if cost.recompute else "")
+             + (f"; {MEASURED}: + the first weight gradient the backward makes, at full size before its "
+                f"reduce-scatter over the data-parallel axes (÷ its non-batch shards)" if cost.gradient else "")
              + "; XLA's other working buffers not included"),
             (Component.OTHER, per.get("model_state", 0) + per.get("base", 0),
              f"{EXACT}: model state" + (" and LoRA's frozen base" if "base" in per else "") + " (plan)"))

@@ -23,6 +23,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from meshtrain.abstract import path_str
+from meshtrain.analysis.fusible import _CALLS, _FUSIBLE, _expands_on_the_way, _fusible, _fusion_roots
+from meshtrain.analysis.gradient_buffers import first_gradient_bytes
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.weights_as_used import (_axes_in, _tensor_divisor, gathered_layer_bytes,  # noqa: F401
                                                tensor_split_sizes, working_weight_bytes)  # (re-exports)
@@ -91,28 +93,6 @@ def _residuals(plan, loss_fn, rows: int, *, forward: bool = False):
             abstract.params, abstract.model_state, _local_batch(plan, rows)).jaxpr
 
 
-#: Primitives XLA fuses into their consumers (elementwise, broadcasts, reshapes, converts, index ramps): a
-#: residual made by these from values the step keeps anyway is recomputed where the backward reads it, not stored.
-_FUSIBLE = frozenset({
-    "abs", "add", "and", "broadcast_in_dim", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div", "eq",
-    "erf", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt",
-    "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "sqrt",
-    "square", "squeeze", "sub", "tanh", "transpose", "xor"})
-_CALLS = ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "closed_call")
-
-
-def _fusible(eqn) -> bool:
-    """Whether XLA fuses ``eqn`` into its consumers: a fusible primitive, or a call whose body has only those."""
-    name = eqn.primitive.name
-    if name in _FUSIBLE:
-        return True
-    if name in _CALLS:
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
-        return inner is not None and all(_fusible(e) for e in inner.eqns)
-    return False
-
-
 #: Consumers that take a fused producer as their input (a reduction's input fusion)
 _FUSING_CONSUMERS = _FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 
@@ -133,15 +113,6 @@ def _read_only_by_fusions(jaxpr, var, start: int) -> bool:
             elif name not in _FUSING_CONSUMERS:
                 return False
     return True
-
-
-def _expands(eqn) -> bool:
-    """Whether ``eqn`` makes a value larger than each of its operands, at least one of them computed (not a
-    literal): an outer product or broadcast, e.g. a layer norm's ``rsqrt(var)[..., None] * scale`` of shape
-    ``(b, T, D)`` from a ``(b, T, 1)`` statistic and a ``(D,)`` weight."""
-    size = int(np.prod(eqn.outvars[0].aval.shape)) if eqn.outvars else 0
-    computed = [x for x in eqn.invars if not isinstance(x, Literal)]
-    return bool(computed) and all(int(np.prod(getattr(x.aval, "shape", ()))) < size for x in computed)
 
 
 def _read_in(jaxpr, var, start: int) -> bool:
@@ -165,19 +136,26 @@ def _stored_residuals(jaxpr, activations) -> list:
     inputs, and not those made by fusible ops from inputs, constants and the stored ones where the backward
     reads them only in fusions (XLA recomputes them there: e.g. a masked score matrix and its softmax from the
     scores, a causal mask from an iota); one a matmul reads stays in a buffer. Nor is one recomputed that a
-    fusible op *expands* from smaller operands (:func:`_expands`: a layer norm's per-row statistic times its
-    scale): XLA:CPU materialises such broadcasts where the backward's reductions read them (its YNNPACK
-    library fusions take their operands from buffers), so at least one buffer of its size lives from the
-    forward to the backward (flax's lm1b on 16 devices, the compiled step's live ranges: 1 per layer norm
-    under fsdp_tp, 2 under dp, 3 under tp). Not counted: a residual the backward never reads (passed to a
-    call whose body does not use it, as the masked scores of a softmax's backward: XLA removes it)."""
+    fusible op *expands* from smaller operands, or that has such an op on its fusible chain
+    (:func:`~meshtrain.analysis.fusible._expands_on_the_way`: a layer norm's per-row statistic times its scale,
+    an RMS norm's ``x / sqrt(mean(x²))``): XLA:CPU materialises such broadcasts where the backward's reductions
+    read them (its YNNPACK library fusions take their operands from buffers), so at least one buffer of its size
+    lives from the forward to the backward (flax's lm1b on 16 devices, the compiled step's live ranges: 1 per
+    layer norm under fsdp_tp, 2 under dp, 3 under tp; T5 on 64 devices: each RMS norm's ``div``). A bool
+    residual fused from one value the step does not keep otherwise counts as that value
+    (:func:`~meshtrain.analysis.fusible._fusion_roots`: ReLU's mask is recomputed from the f32 pre-activation,
+    which XLA keeps). Not counted: a residual the backward never reads (passed to a call whose body does not
+    use it, as the masked scores of a softmax's backward: XLA removes it)."""
     producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     backward = 1 + max((producer.get(jaxpr.outvars[i], (-1,))[0] for i in activations), default=-1)
     live = set(jaxpr.invars) | set(jaxpr.constvars)
     stored: set = set()
 
+    def kept(v) -> bool:
+        return isinstance(v, Literal) or v in live or v in stored
+
     def derivable(v, depth: int) -> bool:
-        if isinstance(v, Literal) or v in live or v in stored:
+        if kept(v):
             return True
         found = producer.get(v)
         return (found is not None and depth > 0 and _fusible(found[1])
@@ -186,10 +164,16 @@ def _stored_residuals(jaxpr, activations) -> list:
     unique = {id(v): v for v in (jaxpr.outvars[i] for i in activations) if not isinstance(v, Literal)}
     for v in sorted(unique.values(), key=lambda v: producer.get(v, (-1,))[0]):
         found = producer.get(v)
-        if v in live or not _read_in(jaxpr, v, backward) or (
-                found is not None and _fusible(found[1]) and not _expands(found[1])
-                and all(derivable(x, 8) for x in found[1].invars) and _read_only_by_fusions(jaxpr, v, backward)):
+        if v in live or not _read_in(jaxpr, v, backward):
             continue
+        if (found is not None and _fusible(found[1]) and not _expands_on_the_way(v, producer, kept, 8)
+                and _read_only_by_fusions(jaxpr, v, backward)):
+            if all(derivable(x, 8) for x in found[1].invars):
+                continue  # recomputed from what the step keeps anyway
+            roots = _fusion_roots(v, producer, kept, 8)
+            if len(roots) == 1 and v.aval.dtype == jnp.bool_:  # recomputed from the one value XLA keeps instead of it
+                stored.update(roots)
+                continue
         stored.add(v)
     return sorted(stored, key=lambda v: producer.get(v, (-1,))[0])
 
@@ -225,11 +209,14 @@ class TracedActivations:
     (:func:`_backward_working_set`, with and without them); 0 without a tensor axis (XLA's other working
     buffers are not estimated: on one device's rows they stay within the saved residuals' error). ``recompute``:
     under remat, what the backward holds while it recomputes the largest remat segment
-    (:func:`_recompute_working_set`); ``None`` without remat."""
+    (:func:`_recompute_working_set`); ``None`` without remat. ``gradient``: the first weight gradient the
+    backward makes, at full size before its reduce-scatter, where the step keeps gradients split over the
+    data-parallel axes (:func:`~meshtrain.analysis.gradient_buffers.first_gradient_bytes`; 0 otherwise)."""
 
     saved: int
     working: int
     recompute: Optional[int] = None
+    gradient: int = 0
 
 
 def traced_activations(plan, loss_fn) -> TracedActivations:
@@ -240,7 +227,7 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     t, split, width = tensor_split_sizes(plan)
     outs, more = one.outvars, two.outvars
     if len(outs) == len(more):  # activations: the residuals whose shape follows the rows
-        rows_of = {id(x): y.aval.shape for x, y in zip(outs, more)}
+        rows_of = _rows_of(one, two)
         picked = [i for i, (x, y) in enumerate(zip(outs, more)) if tuple(x.aval.shape) != tuple(y.aval.shape)]
     else:  # fallback: not a weight's shape
         params = {tuple(x.shape) for x in jax.tree.leaves(plan.abstract.params)}
@@ -260,7 +247,20 @@ def traced_activations(plan, loss_fn) -> TracedActivations:
     recompute = _recompute_working_set(plan, loss_fn, b, t, split) if _remat_bodies(one) else None
     if recompute is not None:  # the residuals the backward is done with before it recomputes a segment are freed
         recompute = max(recompute - int(_freed_before_remat(one, backward, sizes)), 0)
-    return TracedActivations(saved, int(working), recompute)
+    n_params = len(jax.tree.leaves(plan.abstract.params))  # the VJP's last outputs: the gradients, in tree order
+    gradient = first_gradient_bytes(plan, one, backward, one.outvars[len(outs) - n_params:])
+    return TracedActivations(saved, int(working), recompute, gradient)
+
+
+def _rows_of(jaxpr, more) -> dict:
+    """``id(value) -> its shape on one more row`` for ``jaxpr``'s outputs and, where ``more`` (the same program
+    traced on one more row) has the same equations, every value an equation makes (a residual may be stored as
+    a value it is recomputed from: :func:`_fusion_roots`)."""
+    found = {}
+    if len(jaxpr.eqns) == len(more.eqns):
+        found.update({id(x): y.aval.shape for e, f in zip(jaxpr.eqns, more.eqns) for x, y in zip(e.outvars, f.outvars)})
+    found.update({id(x): y.aval.shape for x, y in zip(jaxpr.outvars, more.outvars)})
+    return found
 
 
 def _freed_before_remat(jaxpr, start: int, sizes) -> float:
@@ -340,7 +340,7 @@ def _recompute_working_set(plan, loss_fn, b: int, t: int, split: frozenset) -> O
         (res, n), (res_more, n_more) = _segment_residuals(body), _segment_residuals(body_more)
         if n != n_more:
             continue
-        rows_of = {id(x): y.aval.shape for x, y in zip(res.outvars[:n], res_more.outvars[:n])}
+        rows_of = _rows_of(res, res_more)
         picked = [i for i, (x, y) in enumerate(zip(res.outvars[:n], res_more.outvars[:n]))
                   if tuple(x.aval.shape) != tuple(y.aval.shape)]
         stored = _stored_residuals(res, picked)
