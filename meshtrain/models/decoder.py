@@ -235,8 +235,9 @@ def cache_attention(q_btnh, k_bskh, v_bskh, allowed_bts):
     uses KV head ``i // group``, as ``jnp.repeat`` would pair them) and each product is one batched matmul
     over ``(batch, kv_heads)``, so the cache is read as it is stored. Why: repeating the cache per query head
     copied it ``group`` times at every decode step, and with many rows (a server's batch) those copies cost
-    more than the weights (a 25M-parameter model, 8 query / 2 KV heads, 16 rows x 256 positions: 79 ms per
-    step with the copies, 34 ms without; 1 row: no slower; tiny: 1 row 0.4 -> 0.2 ms, 64 rows 14 -> 8.5 ms).
+    more than the weights (BENCHMARKS.md, "Serving, third pass": a 24M-parameter Llama, 8 query / 2 KV heads,
+    16 rows x 256 positions: 70-123 ms per step with the copies, 32-44 ms without; 1 row: the same within
+    the host's noise; ``tiny``, 64 rows: 14 -> 8.5 ms).
     Why not ``dot_product_attention`` itself: its grouped form became library (YNNPACK) calls on XLA:CPU that
     cost 1-2 us each at decode sizes (profiled, ``tiny``)."""
     b, t, n, h = q_btnh.shape
