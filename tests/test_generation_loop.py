@@ -94,3 +94,21 @@ def test_the_loop_equals_the_per_token_loop_on_the_8_device_recipes(name, recipe
         for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(layer)):
             assert tuple(b.sharding.spec) == tuple(a.sharding.spec)[1:]
             np.testing.assert_array_equal(np.asarray(a[l]), np.asarray(b))
+
+
+@pytest.mark.parametrize("heads, kv_heads, new", [(8, 2, 1), (8, 2, 3), (4, 4, 1)])
+def test_cached_attention_over_grouped_kv_heads_equals_repeated_heads_attention(heads, kv_heads, new):
+    # the cache is read as stored (query head i uses KV head i // group): the reference repeats the KV heads
+    # per query head and runs jax.nn.dot_product_attention with the same mask
+    from meshtrain.models.decoder import cache_attention
+
+    rng = np.random.default_rng(0)
+    b, s, h = 3, 16, 8
+    q = jnp.asarray(rng.standard_normal((b, new, heads, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, s, kv_heads, h)), jnp.float32) for _ in range(2))
+    allowed = jnp.asarray(rng.random((b, new, s)) < 0.7).at[:, :, 0].set(True)
+    ref = jax.nn.dot_product_attention(q, jnp.repeat(k, heads // kv_heads, axis=2),
+                                       jnp.repeat(v, heads // kv_heads, axis=2), mask=allowed[:, None])
+    got = cache_attention(q, k, v, allowed)
+    assert got.shape == (b, new, heads, h)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)

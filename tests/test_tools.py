@@ -156,3 +156,42 @@ def test_xla_live_buffers_names_the_buffers_live_at_the_peak(tmp_path):
     assert "gathered weight (copy)" in kinds["wrapped_copy.2"] and "gathered weight " in kinds["all-gather.3"]
     assert "forward" in kinds["max_fusion"] and "jit(relu)/max" in kinds["max_fusion"]
     assert "argument" in kinds["param.4"]
+
+
+def test_serve_benchmark_alternates_batched_and_one_after_another_rows_and_divides_medians():
+    """tools/bench_serve.py's bookkeeping, with a stand-in server (the real ones: BENCHMARKS.md, "Serving,
+    third pass"): every N once; per round N = 16 (measured again after the first) and the same requests one
+    after another on the big server and on 1 slot; the ratio is of the medians over the rounds."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(ROOT, "tools", "bench_serve.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Stub:
+        def __init__(self):
+            self.bodies = []
+
+        def complete(self, body):
+            self.bodies.append(body)
+            return {"usage": {"completion_tokens": body["max_tokens"]}}
+
+    args = argparse.Namespace(clients=[1, 4, 16], requests_per_client=2, max_tokens=8, prompt_len=4,
+                              max_batch=64, rounds=2)
+    servers = {64: Stub(), 1: Stub()}
+    rows = bench.run_rows(servers, args)
+    assert [(r["round"], r["clients"], r["slots"], r["requests"]) for r in rows] == [
+        (0, 1, 64, 2), (0, 4, 64, 8), (0, 16, 64, 32),
+        (1, "16 one after another", 64, 32), (1, "16 one after another", 1, 32),
+        (2, 16, 64, 32), (2, "16 one after another", 64, 32), (2, "16 one after another", 1, 32)]
+    assert len(servers[64].bodies) == 2 + 8 + 32 * 4 and len(servers[1].bodies) == 32 * 2
+    assert len({tuple(b["prompt"]) for b in servers[1].bodies}) == 32  # distinct prompts, as the batched rows'
+
+    def row(clients, slots, tokens_per_s):
+        return {"clients": clients, "slots": slots, "tokens_per_s": tokens_per_s}
+
+    seq = "16 one after another"
+    made = [row(16, 64, 400.0), row(seq, 64, 100.0), row(seq, 1, 80.0), row(16, 64, 440.0), row(seq, 64, 120.0),
+            row(seq, 1, 90.0), row(16, 64, 300.0)]
+    assert bench.ratios(made, args) == {"same_server": round(400 / 110, 2), "one_slot": round(400 / 85, 2)}

@@ -1,26 +1,34 @@
 """``meshtrain serve`` under load: N concurrent clients against one server, and the same requests one
 after another.
 
-    python tools/bench_serve.py RUN --recipe dp --devices 1             # N = 1, 4, 16, 64
-    python tools/bench_serve.py --clients 1 16 --requests-per-client 4 --max-tokens 64
-    python tools/bench_serve.py --json
-    python tools/bench_serve.py --no-http                              # the scheduler alone, in this process
+    python tools/bench_serve.py                                         # N = 1, 4, 16, 64; the default workload
+    python tools/bench_serve.py RUN --recipe dp --devices 1             # a run folder of yours
+    python tools/bench_serve.py --rounds 3                              # N = 16 vs one after another, 3 times
+    python tools/bench_serve.py --model tiny --max-tokens 32 --json
+    python tools/bench_serve.py --no-http                               # the scheduler alone, in this process
 
-Without RUN, a ``tiny`` run is trained for one step into a temporary folder (the weights do not change
-the speed). Each client sends ``--requests-per-client`` completions one after another: a
-``--prompt-len``-token prompt of its own (token ids), ``--max-tokens`` new tokens, greedy, no stop at
-the end-of-sequence ids (``ignore_eos``), so every request makes exactly ``--max-tokens`` tokens.
+The default workload is what serving is: a model whose decode step is dominated by reading its weights
+(``bench-25m``: a Llama of 24M parameters, 97 MB in f32, 3x this host's 32 MB L3 cache; 8 query heads
+sharing 2 KV heads; trained for one step from a ``config.json`` this tool writes: the weights do not change
+the speed), requests of ``--max-tokens`` 128 new tokens after a 16-token prompt. ``--model tiny`` or
+``small`` (built-in) fit in the L3 cache with their weights, so a step over 1 row costs about as little as
+the cache reads and the HTTP work: they measure the server's overheads, not batching.
 
-Two servers, each started (and warmed up by one request) before its clock starts:
+Each client sends ``--requests-per-client`` completions one after another: a ``--prompt-len``-token prompt
+of its own (token ids), ``--max-tokens`` new tokens, greedy, no stop at the end-of-sequence ids
+(``ignore_eos``), so every request makes exactly ``--max-tokens`` tokens.
 
-* ``--max-batch`` slots (default 64): the rows N = ``--clients``;
-* 1 slot: the N = 16 requests (or the largest N below it) sent by one client one after another, the
-  baseline of serving without batching.
+Two servers, both started (and warmed up by one request) before any clock starts:
 
-Figures per row: throughput = completion tokens of all requests ÷ the wall seconds from the first
-request sent to the last answer; latency = each request's seconds from sent to answered (p50, p99 over
-the row's requests). The last line: N = 16's throughput over the one-after-another row's (the issue's
-bar: >= 4x), and the load average before and after.
+* ``--max-batch`` slots (default 64): the rows N = ``--clients``, and the N = 16 requests (or the largest N
+  below it) sent by one client one after another ("one after another, same server");
+* 1 slot: the same one-after-another requests ("one after another, 1 slot": a server without batching).
+
+With ``--rounds R`` the N = 16 row and both one-after-another rows are measured R times, alternated, so a
+change in the host's load falls on both sides. Figures per row: throughput = completion tokens of all
+requests / the wall seconds from the first request sent to the last answer; latency = each request's
+seconds from sent to answered (p50, p99 over the row's requests). The last lines: N = 16's throughput over
+each one-after-another row's (the issue's bar: >= 4x), and the load average before and after.
 
 ``--no-http`` measures the same rows against the scheduler itself (:mod:`meshtrain.serving.scheduler`,
 built as ``meshtrain serve`` builds it, in this process): continuous batching without the HTTP layer,
@@ -111,7 +119,7 @@ def measure(server: Server, clients: int, per_client: int, args) -> Dict:
     with ThreadPoolExecutor(clients) as pool:
         latencies = [x for row in pool.map(client, range(clients)) for x in row]
     wall = time.perf_counter() - start
-    return {"clients": clients, "requests": len(latencies), "wall_s": round(wall, 3),
+    return {"clients": clients, "requests": len(latencies), "wall_s": round(wall, 3), "load": round(os.getloadavg()[0], 1),
             "tokens_per_s": round(len(latencies) * args.max_tokens / wall, 1),
             "p50_s": round(float(np.percentile(latencies, 50)), 3), "p99_s": round(float(np.percentile(latencies, 99)), 3)}
 
@@ -144,67 +152,111 @@ class InProcess:
         self.built.scheduler.join(60)
 
 
-def tiny_run(folder: str, model: str = "tiny") -> str:
+#: the default workload's model (a HuggingFace ``config.json``: ``meshtrain train --model FOLDER`` builds it)
+BENCH_MODELS = {"bench-25m": {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": 264, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32"}}
+
+
+def train_run(folder: str, model: str) -> str:
+    """A run of ``model`` (built-in or :data:`BENCH_MODELS`) trained for one step in ``folder``."""
     run = os.path.join(folder, model)
-    subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", model, "--steps", "1", "--ckpt-every", "1",
-                    "--out", run, "--devices", "1", "--recipe", "dp", "--progress", "none"], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, timeout=START_BOUND_S)
+    source = model
+    if model in BENCH_MODELS:
+        source = os.path.join(folder, f"{model}-config")
+        os.makedirs(source, exist_ok=True)
+        with open(os.path.join(source, "config.json"), "w") as f:
+            json.dump(BENCH_MODELS[model], f)
+    subprocess.run([sys.executable, "-m", "meshtrain", "train", "--model", source, "--steps", "1", "--ckpt-every", "1",
+                    "--warmup-steps", "1", "--out", run, "--devices", "1", "--recipe", "dp", "--progress", "none"],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=START_BOUND_S)
     return run
 
 
-def main() -> None:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", nargs="?", help="run folder (default: a tiny run trained for one step)")
+    p.add_argument("run", nargs="?", help="run folder (default: --model trained for one step)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--model", default="tiny", help="the built-in model trained for one step when no RUN is given")
+    p.add_argument("--rounds", type=int, default=1, help="N = 16 and one after another, alternated this many times")
+    p.add_argument("--model", default="bench-25m", help=f"the model trained for one step when no RUN is given: "
+                   f"{', '.join(BENCH_MODELS)} or a built-in name (tiny, small)")
     p.add_argument("--context", type=int, default=0, help="tokens per slot (0: the model's max_seq_len)")
     p.add_argument("--recipe", default="dp")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--no-http", action="store_true", help="the scheduler alone, in this process")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def run_rows(servers: Dict[int, object], args) -> List[Dict]:
+    """Every N once, then ``--rounds`` of (N = 16, one after another on the same server, on 1 slot)."""
+    big = servers[args.max_batch]
+    n_seq = max([c for c in args.clients if c <= 16] or [1])
+    rows = [{**measure(big, n, args.requests_per_client, args), "slots": args.max_batch, "round": 0}
+            for n in args.clients]
+    for r in range(1, args.rounds + 1):
+        if r > 1 and n_seq in args.clients:
+            rows.append({**measure(big, n_seq, args.requests_per_client, args), "slots": args.max_batch, "round": r})
+        for slots in (args.max_batch, 1):
+            row = measure(servers[slots], 1, n_seq * args.requests_per_client, args)
+            rows.append({**row, "clients": f"{n_seq} one after another", "slots": slots, "round": r})
+    return rows
+
+
+def ratios(rows: List[Dict], args) -> Dict[str, float]:
+    """N = 16's throughput over each one-after-another row's, from the medians over the rounds."""
+    batched = [r["tokens_per_s"] for r in rows if r["clients"] == 16]
+    if not batched:
+        return {}
+    out = {}
+    for slots, name in ((args.max_batch, "same_server"), (1, "one_slot")):
+        seq = [r["tokens_per_s"] for r in rows if isinstance(r["clients"], str) and r["slots"] == slots]
+        out[name] = round(float(np.median(batched)) / float(np.median(seq)), 2)
+    return out
+
+
+def main() -> None:
+    args = parse_args()
     if args.no_http:
         import jax
 
         jax.config.update("jax_num_cpu_devices", args.devices)  # before the backend starts
-    load_before = os.getloadavg()
     folder = tempfile.mkdtemp(prefix="bench_serve_")
-    run = args.run or tiny_run(folder, args.model)
+    run = args.run or train_run(folder, args.model)
     extra = ["--recipe", args.recipe, "--devices", str(args.devices), "--model-name", "bench"]
     extra += ["--context", str(args.context)] if args.context else []
-    rows = []
-    for max_batch in (args.max_batch, 1):
-        server = InProcess(run, args, max_batch) if args.no_http else Server(run, extra, max_batch, folder)
-        try:
-            server.complete(request_body(0, args))  # warm: every program compiled before the clock starts
-            if max_batch == 1:
-                n = max([c for c in args.clients if c <= 16] or [1])
-                row = measure(server, 1, n * args.requests_per_client, args)
-                rows.append({**row, "clients": f"{n} one after another", "slots": 1})
-            else:
-                rows += [{**measure(server, n, args.requests_per_client, args), "slots": max_batch}
-                         for n in args.clients]
-        finally:
+    servers: Dict[int, object] = {}
+    try:
+        for max_batch in (args.max_batch, 1):
+            servers[max_batch] = (InProcess(run, args, max_batch) if args.no_http
+                                  else Server(run, extra, max_batch, folder))
+            servers[max_batch].complete(request_body(0, args))  # warm: every program compiled before any clock
+        load_before = os.getloadavg()
+        rows = run_rows(servers, args)
+        load_after = os.getloadavg()
+    finally:
+        for server in servers.values():
             server.stop()
-    load_after = os.getloadavg()
-    batched = next((r for r in rows if r["clients"] == 16), None)
-    ratio = batched["tokens_per_s"] / rows[-1]["tokens_per_s"] if batched else None
+    ratio = ratios(rows, args)
     if args.json:
         print(json.dumps({"rows": rows, "ratio_16": ratio, "load_before": load_before, "load_after": load_after}))
         return
-    print(f"{'scheduler alone (no HTTP)' if args.no_http else 'HTTP'}; run {run} ({args.model if not args.run else 'given'}, context {args.context or 'max_seq_len'}); {args.prompt_len}-token prompts, {args.max_tokens} new tokens each, greedy, "
-          f"{args.requests_per_client} requests per client; recipe {args.recipe} on {args.devices} device(s)")
-    print("| clients | slots | requests | wall s | tokens/s | p50 latency s | p99 latency s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"{'scheduler alone (no HTTP)' if args.no_http else 'HTTP'}; run {run} ({args.model if not args.run else 'given'}, "
+          f"context {args.context or 'max_seq_len'}); {args.prompt_len}-token prompts, {args.max_tokens} new tokens "
+          f"each, greedy, {args.requests_per_client} requests per client; recipe {args.recipe} on {args.devices} device(s)")
+    print("| round | clients | slots | requests | wall s | tokens/s | p50 latency s | p99 latency s | load after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['clients']} | {r['slots']} | {r['requests']} | {r['wall_s']} | {r['tokens_per_s']} | "
-              f"{r['p50_s']} | {r['p99_s']} |")
-    if ratio is not None:
-        print(f"N = 16 batched / one after another: {ratio:.1f}x throughput")
+        print(f"| {r['round']} | {r['clients']} | {r['slots']} | {r['requests']} | {r['wall_s']} | {r['tokens_per_s']} | "
+              f"{r['p50_s']} | {r['p99_s']} | {r['load']} |")
+    for name, value in ratio.items():
+        print(f"N = 16 batched / one after another ({name.replace('_', ' ')}): {value:.2f}x throughput (medians)")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after "
           f"{load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
 

@@ -230,18 +230,24 @@ MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 def cache_attention(q_btnh, k_bskh, v_bskh, allowed_bts):
     """Attention of ``t`` new queries over a KV cache of ``s`` slots, ``allowed_bts`` the slots each query sees:
-    ``jax.nn.dot_product_attention``'s arithmetic (logits in f32, scaled after the dot, softmax in f32) with
-    grouped KV heads repeated per query head, so each product is one batched matmul over heads. Why not
-    ``dot_product_attention`` itself: its grouped form ``(kv_heads, group)`` became library (YNNPACK) calls on
-    XLA:CPU that cost 1-2 us each at decode sizes, against ~0.5 us for the per-head matmuls (profiled,
-    ``tiny``); repeating ``kv_heads`` copies only the cache, which a decode step reads anyway."""
-    n, kv = q_btnh.shape[2], k_bskh.shape[2]
-    if n != kv:
-        k_bskh, v_bskh = jnp.repeat(k_bskh, n // kv, axis=2), jnp.repeat(v_bskh, n // kv, axis=2)
-    logits_bnts = jnp.einsum("btnh,bsnh->bnts", q_btnh, k_bskh, preferred_element_type=jnp.float32)
-    logits_bnts = jnp.where(allowed_bts[:, None], logits_bnts * (q_btnh.shape[-1] ** -0.5), MASKED)
-    probs_bnts = jax.nn.softmax(logits_bnts, axis=-1).astype(v_bskh.dtype)
-    return jnp.einsum("bnts,bsnh->btnh", probs_bnts, v_bskh).astype(q_btnh.dtype)
+    ``jax.nn.dot_product_attention``'s arithmetic (logits in f32, scaled after the dot, softmax in f32).
+    Grouped KV heads are not repeated: the query heads are split ``(kv_heads, group)`` (query head ``i``
+    uses KV head ``i // group``, as ``jnp.repeat`` would pair them) and each product is one batched matmul
+    over ``(batch, kv_heads)``, so the cache is read as it is stored. Why: repeating the cache per query head
+    copied it ``group`` times at every decode step, and with many rows (a server's batch) those copies cost
+    more than the weights (BENCHMARKS.md, "Serving, third pass": a 24M-parameter Llama, 8 query / 2 KV heads,
+    16 rows x 256 positions: 70-123 ms per step with the copies, 32-44 ms without; 1 row: the same within
+    the host's noise; ``tiny``, 64 rows: 14 -> 8.5 ms).
+    Why not ``dot_product_attention`` itself: its grouped form became library (YNNPACK) calls on XLA:CPU that
+    cost 1-2 us each at decode sizes (profiled, ``tiny``)."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
+    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    logits_bkgts = jnp.where(allowed_bts[:, None, None], logits_bkgts * (h ** -0.5), MASKED)
+    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(v_bskh.dtype)
+    o_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    return o_btkgh.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
 def write_cache(cache_bskh, new_btkh, index):
