@@ -87,46 +87,6 @@ def test_onebit_exchange_keeps_what_it_did_not_send():
     assert float(jnp.max(jnp.abs(new_rn))) > 0.01   # something was held back
 
 
-def _onebit_sum(g_rg, weights=None):
-    """:func:`gc.exchange` (onebit, zero residuals) of replica r's ``g_rg[r]`` on a 2-device ``data`` mesh."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
-
-    def body(g):
-        total, residual = gc.exchange(gc.GradCompression.ONEBIT, g[0], jnp.zeros_like(g[0]), weights)
-        return total[None], residual[None]
-    return jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")), check_vma=False)(g_rg)
-
-
-def test_onebit_weighted_by_the_second_moment_keeps_small_values_small():
-    """Half of each block's values are 100x smaller than the rest (as Adam's frozen second moment records them):
-    with the weights they come back ~100x smaller; without, with the block's mean magnitude (then divided by
-    their small sqrt(nu): a large wrong step)."""
-    n = 2 * gc.BLOCK
-    big = jnp.arange(n) % 2 == 0
-    mag = jnp.where(big, 1.0, 0.01)
-    g_rg = jax.random.normal(jax.random.key(3), (2, n)) * mag
-    weights = gc.value_weights(mag ** 2)
-    true = jnp.sum(g_rg, axis=0)
-    plain, _ = _onebit_sum(g_rg)
-    weighted, residual = _onebit_sum(g_rg, weights)
-    small_plain = float(jnp.mean(jnp.abs(plain[0][~big])))
-    small_weighted = float(jnp.mean(jnp.abs(weighted[0][~big])))
-    assert small_plain > 0.3 and small_weighted < 0.05, (small_plain, small_weighted)
-    assert float(jnp.linalg.norm(weighted[0] - true)) < float(jnp.linalg.norm(plain[0] - true))
-    assert np.array_equal(np.asarray(weighted[0]), np.asarray(weighted[1]))   # every replica sees the same sum
-    # error feedback still exact, in the sent units: what replica 0 sent plus its residual is its value
-    sent0 = gc._unblock(weights * gc.decompress_onebit(*gc.compress_onebit(gc._blocks(g_rg[0])[0] / weights)), g_rg[0])
-    np.testing.assert_allclose(sent0 + residual[0], g_rg[0], rtol=0, atol=1e-6)
-
-
-def test_value_weights_floor_new_values_and_default_to_one():
-    nu = jnp.concatenate([jnp.zeros(gc.BLOCK), jnp.full(gc.BLOCK - 1, 4.0), jnp.zeros(1)])
-    w = gc.value_weights(nu)
-    assert w.shape == (2, gc.BLOCK)
-    assert np.all(np.asarray(w[0]) == 1.0)                      # a block with no history yet: unweighted
-    assert float(w[1, 0]) == 2.0 and float(w[1, -1]) == pytest.approx(0.01 * 2.0 * (gc.BLOCK - 1) / gc.BLOCK)
-
-
 # ---- 1-bit Adam's optimizer (fast) ------------------------------------------------------------------------
 
 def _params():

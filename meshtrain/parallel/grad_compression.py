@@ -228,36 +228,21 @@ def _unblock(b, like):
     return b.reshape(-1)[:like.size].reshape(like.shape)
 
 
-def value_weights(second_moment):
-    """Blocked ``(blocks, BLOCK)`` per-value weights ``sqrt(nu)`` for :func:`exchange` from Adam's frozen second
-    moment ``nu`` (this device's flattened shard), floored at 1 % of the block's mean so that a value with
-    (almost) no history cannot swamp its block, and 1 for a block with none at all. Only the *relative* weights
-    inside a block matter: a constant factor (Adam's bias correction) cancels."""
-    r, _ = _blocks(jnp.sqrt(second_moment))
-    r = jnp.maximum(r, 0.01 * jnp.mean(r, axis=1, keepdims=True))
-    return jnp.where(r > 0, r, 1.0)
-
-
-def exchange(kind: GradCompression, x, residual=None, weights=None):
+def exchange(kind: GradCompression, x, residual=None):
     """The sum over :data:`AXIS` of every replica's ``x`` (this device's local shard of the gradient, or under
     1-bit Adam of its local momentum; inside ``shard_map`` manual over :data:`AXIS`), sent compressed; returns
     ``(sum, new residual or None)``. ``onebit`` sends ``sign(x + residual)`` and the block's mean magnitude and
     keeps what was not sent as the new residual (error feedback).
 
-    ``weights`` (``onebit``; :func:`value_weights` of the frozen ``nu``, the same on every replica): the signs and
-    block means are taken of ``(x + residual) / weights``, i.e. of the momentum in the units of Adam's update
-    ``m / sqrt(nu)``, and sent back times ``weights``. Without them a value whose ``nu`` is small would come back
-    with its block's mean momentum, which divided by its small ``sqrt(nu)`` is a large wrong step; with them each
-    value's error is a like share of its own update. ``nu`` is frozen, so this is a fixed change of units and
-    error feedback's accounting (the residual stays in ``x``'s units) is unchanged."""
+    (Weighing each value by ``sqrt(nu)`` before taking signs, i.e. compressing the momentum in the units of
+    Adam's update, was measured worse under 1-bit Adam: BENCHMARKS.md "Compressed gradient reduction".)"""
     if kind is GradCompression.INT8:
         payload = compress_int8(x)
         unpack = decompress_int8
     else:
         corrected = x.astype(jnp.float32) + residual
-        w = 1.0 if weights is None else weights
-        payload = compress_onebit(_blocks(corrected)[0] / w)
-        unpack = lambda bits, scale: w * decompress_onebit(bits, scale)  # noqa: E731 (w: this device's = every replica's)
+        payload = compress_onebit(corrected)
+        unpack = decompress_onebit
         residual = corrected - _unblock(unpack(*payload), x)
     gathered = [jax.lax.all_gather(p, AXIS) for p in payload]   # the DCN collective: int8 / packed bits
     total = jnp.sum(unpack(*gathered), axis=0)
@@ -304,13 +289,11 @@ def per_replica(local_fn, plan, params, model_state, batch):
 
 
 class Momentum(NamedTuple):
-    """1-bit Adam's inputs to :func:`reduce_across_dcn`: the shared momentum ``m`` of the last step and the
-    variance ``nu`` its update divides by (both laid out like the gradient, the same on every replica), Adam's ``b1`` and
-    ``scale`` = replicas / global weight, which turns a replica's gradient *sum* into its local mean gradient.
-    Each replica then sends ``b1 m + (1 - b1) scale g_i`` in units of ``sqrt(nu)`` (:func:`exchange`)."""
+    """1-bit Adam's inputs to :func:`reduce_across_dcn`: the shared momentum ``m`` of the last step (laid out like
+    the gradient, the same on every replica), Adam's ``b1`` and ``scale`` = replicas / global weight, which turns
+    a replica's gradient *sum* into its local mean gradient. Each replica then sends ``b1 m + (1 - b1) scale g_i``."""
 
     mu: Any
-    nu: Any
     b1: jax.Array
     scale: jax.Array
 
@@ -341,9 +324,7 @@ def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_s
         sizes = np.cumsum([g.size for g in local])[:-1]
         bucket = jnp.concatenate([g.reshape(-1) for g in local])
         res = None if residuals is None else jnp.concatenate([r[0].reshape(-1) for r in residuals])
-        weights = None if momentum is None else value_weights(
-            jnp.concatenate([v.reshape(-1).astype(jnp.float32) for v in jax.tree.leaves(momentum.nu)]))
-        total, new_res = exchange(choice.kind, bucket, res, weights)
+        total, new_res = exchange(choice.kind, bucket, res)
         if momentum is not None:   # the average of the replicas' momenta: the same on every replica
             total = total / choice.replicas
         out = [t.reshape(g.shape) for t, g in zip(jnp.split(total, sizes), local)]
@@ -352,7 +333,7 @@ def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_s
         return jax.tree_util.tree_unflatten(treedef, out), new_res, energy
 
     res_specs = None if residuals is None else flat_stacked
-    momentum_specs = None if momentum is None else Momentum(specs, specs, P(), P())   # the same shard per device
+    momentum_specs = None if momentum is None else Momentum(specs, P(), P())   # mu: the same shard per device
     # (check_vma off: the all-gathered sum is the same on every `data` replica, which JAX cannot infer)
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(stacked_specs, res_specs, momentum_specs),
                        out_specs=(specs, res_specs, None if momentum is None else P()), check_vma=False)
