@@ -14,7 +14,11 @@ state ``frozen`` (the compressed program does, before the update) it is exactly 
 functions, so the warm-up matches an uncompressed run bit for bit); from then on its input is the averaged
 momentum, ``mu`` is set to it, ``nu`` and ``nu``'s bias correction stay as at the freeze, and clipping is off
 (the exact gradient's norm is known on no replica; clipping the momentum's noisy increment would bend ``m``).
-Weight decay and the learning-rate schedule apply as in AdamW.
+Weight decay and the learning-rate schedule apply as in AdamW. The frozen ``nu`` of each parameter leaf is scaled
+by that leaf's *trend*: the b2-average of the exact per-leaf energy of the replicas' local gradients (one f32 per
+leaf, summed over ``data`` by the step) over its mean in the first :data:`TREND_REFERENCE_STEPS` compressed steps,
+because with AdamW's ``b2`` 0.95 the exact variance keeps falling after the freeze and a fixed one takes too
+small steps (measured: BENCHMARKS.md "Compressed gradient reduction across DCN").
 
 Example::
 
