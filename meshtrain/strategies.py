@@ -350,9 +350,9 @@ _COMPRESSION_HELP = ("gradient reduction across DCN over `data` (which must be t
                      "(per-block scales) or onebit (sign + scale, error feedback in the model state)")
 
 
-_WARMUP_HELP = ("steps sent uncompressed before grad_compression starts (onebit: 15-25 percent of the run, as 1-bit "
-                "Adam does, so that Adam's second moment, which then weighs each value, is learnt from exact "
-                "gradients); 0: compressed from the first step")
+_WARMUP_HELP = ("steps sent uncompressed before grad_compression starts (onebit with Adam, i.e. 1-bit Adam: "
+                "required, 15-25 percent of the run, so that Adam's second moment is learnt from exact gradients "
+                "before it freezes); 0: compressed from the first step")
 
 
 def _feedback_rule(kind: GradCompression) -> Dict[str, str]:

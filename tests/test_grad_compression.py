@@ -23,6 +23,7 @@ from meshtrain.checkpoint import Checkpointer
 from meshtrain.cli import main
 from meshtrain.errors import ConfigError, RecipeError
 from meshtrain.parallel import grad_compression as gc
+from meshtrain.parallel import onebit_adam as oba
 from meshtrain.parallel.resolved import resolve_step
 from meshtrain.train.step import WarmupStep
 
@@ -34,11 +35,13 @@ def _recipe(kind: str):
     return mt.get_recipe("hsdp").with_mesh(dcn={"data": 2}, data=1).with_options(grad_compression=kind)
 
 
-def _plan(kind: str, fsdp: int = 4, warmup: int = 0):
+def _plan(kind: str, fsdp: int = 4, warmup: int = 1, tx=None):
+    """tiny on 2 slices x ``fsdp``; 1-bit Adam (:func:`oba.onebit_adamw`, variance frozen after ``warmup`` exact
+    steps) unless ``tx`` is given."""
     recipe = _recipe(kind).with_mesh(dcn={"data": 2}, data=1, fsdp=fsdp).with_options(grad_compression_warmup=warmup)
     mesh = recipe.mesh.build(jax.devices()[:2 * fsdp])
     factory = gc.feedback_factory(mt.models.model_factory(mt.models.get_config("tiny")), recipe)
-    abstract = mt.abstract_state(factory, optax.adamw(3e-3))
+    abstract = mt.abstract_state(factory, tx or oba.onebit_adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
     return mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(8, 32))
 
 
@@ -65,51 +68,103 @@ def test_onebit_residual_is_exactly_what_was_not_sent():
     np.testing.assert_allclose(sent + new_residual, g + residual, rtol=0, atol=1e-6)
 
 
-def _onebit_sum(g_rg, weights=None):
-    """:func:`gc.exchange` (onebit, zero residuals) of replica r's ``g_rg[r]`` on a 2-device ``data`` mesh."""
+def test_onebit_exchange_keeps_what_it_did_not_send():
+    """Two replicas exchange through :func:`gc.exchange` (onebit): every replica gets the same average, and that
+    average plus the replicas' mean new residual is the mean of what they meant to send (their values plus old
+    residuals): error feedback loses nothing, it delays it."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    x_rn = jax.random.normal(jax.random.key(3), (2, 3 * gc.BLOCK + 5)) * jnp.linspace(0.01, 2.0, 3 * gc.BLOCK + 5)
+    old_rn = jax.random.normal(jax.random.key(4), x_rn.shape) * 0.1
 
-    def body(g):
-        total, residual = gc.exchange(gc.GradCompression.ONEBIT, g[0], jnp.zeros_like(g[0]), weights)
+    def body(x, old):
+        total, residual = gc.exchange(gc.GradCompression.ONEBIT, x[0], old[0])
         return total[None], residual[None]
-    return jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")), check_vma=False)(g_rg)
+    total_rn, new_rn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
+                                     out_specs=(P("data"), P("data")), check_vma=False)(x_rn, old_rn)
+    assert np.array_equal(np.asarray(total_rn[0]), np.asarray(total_rn[1]))
+    np.testing.assert_allclose(total_rn[0] / 2 + jnp.mean(new_rn, axis=0), jnp.mean(x_rn + old_rn, axis=0),
+                               rtol=0, atol=1e-5)
+    assert float(jnp.max(jnp.abs(new_rn))) > 0.01   # something was held back
 
 
-def test_onebit_weighted_by_the_second_moment_keeps_small_values_small():
-    """Half of each block's values are 100x smaller than the rest (as Adam's second moment records them): with
-    the weights they come back ~100x smaller; without, with the block's mean magnitude (the +48 % loss gap)."""
-    n = 2 * gc.BLOCK
-    big = jnp.arange(n) % 2 == 0
-    mag = jnp.where(big, 1.0, 0.01)
-    g_rg = jax.random.normal(jax.random.key(3), (2, n)) * mag
-    weights = gc.value_weights(mag ** 2)
-    true = jnp.sum(g_rg, axis=0)
-    plain, _ = _onebit_sum(g_rg)
-    weighted, residual = _onebit_sum(g_rg, weights)
-    small_plain = float(jnp.mean(jnp.abs(plain[0][~big])))
-    small_weighted = float(jnp.mean(jnp.abs(weighted[0][~big])))
-    assert small_plain > 0.3 and small_weighted < 0.05, (small_plain, small_weighted)
-    assert float(jnp.linalg.norm(weighted[0] - true)) < float(jnp.linalg.norm(plain[0] - true))
-    assert np.array_equal(np.asarray(weighted[0]), np.asarray(weighted[1]))   # every replica sees the same sum
-    # error feedback still exact, in gradient units: what replica 0 sent plus its residual is its gradient
-    sent0 = gc._unblock(weights * gc.decompress_onebit(*gc.compress_onebit(gc._blocks(g_rg[0])[0] / weights)), g_rg[0])
-    np.testing.assert_allclose(sent0 + residual[0], g_rg[0], rtol=0, atol=1e-6)
+# ---- 1-bit Adam's optimizer (fast) ------------------------------------------------------------------------
+
+def _params():
+    return {"w": jax.random.normal(jax.random.key(5), (4, 8)), "b": jnp.linspace(-1.0, 1.0, 8)}
 
 
-def test_value_weights_floor_new_values_and_default_to_one():
-    nu = jnp.concatenate([jnp.zeros(gc.BLOCK), jnp.full(gc.BLOCK - 1, 4.0), jnp.zeros(1)])
-    w = gc.value_weights(nu)
-    assert w.shape == (2, gc.BLOCK)
-    assert np.all(np.asarray(w[0]) == 1.0)                      # a block with no history yet: unweighted
-    assert float(w[1, 0]) == 2.0 and float(w[1, -1]) == pytest.approx(0.01 * 2.0 * (gc.BLOCK - 1) / gc.BLOCK)
+def test_onebit_adamw_is_optax_adamw_with_clipping_until_frozen():
+    params = _params()
+    schedule = optax.linear_schedule(1e-3, 3e-3, 5)
+    ours = oba.onebit_adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, clip_norm=1.0)
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+    s_ours, s_ref = ours.init(params), ref.init(params)
+    for i in range(4):   # gradients large enough that clipping acts on some steps
+        g = jax.tree.map(lambda p: jax.random.normal(jax.random.key(10 + i), p.shape) * (0.2 + i), params)
+        u_ours, s_ours = ours.update(g, s_ours, params)
+        u_ref, s_ref = ref.update(g, s_ref, params)
+        for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_ref)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    adam = oba.find_state(s_ours)
+    assert int(adam.count) == 4 and int(adam.nu_count) == 4 and not bool(adam.frozen)
 
 
-def test_second_moment_is_found_for_adam_and_not_for_sgd():
-    params = {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}
-    for tx in (optax.adamw(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))):
-        nu = gc.adam_second_moment(tx.init(params), params)
-        assert nu is not None and jax.tree.structure(nu) == jax.tree.structure(params)
-    assert gc.adam_second_moment(optax.sgd(1e-3, momentum=0.9).init(params), params) is None
+def test_frozen_onebit_adamw_takes_the_momentum_and_keeps_the_variance():
+    params = _params()
+    lr, b1, b2, eps, wd = 2e-3, 0.9, 0.95, 1e-8, 0.1
+    tx = oba.onebit_adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, clip_norm=1.0)
+    state = tx.init(params)
+    for i in range(3):   # the warm-up: exact Adam learns nu
+        _, state = tx.update(jax.tree.map(lambda p: p * (i + 1.0), params), state, params)
+    before = oba.find_state(state)
+    momentum = jax.tree.map(lambda p: 5.0 * jnp.cos(p), params)   # the replicas' averaged momentum (norm > clip)
+    updates, state = tx.update(momentum, oba.frozen(state, jnp.ones(2)), params)
+    after = oba.find_state(state)
+    assert bool(after.frozen) and int(after.count) == 4 and int(after.nu_count) == 3
+    for new, m in zip(jax.tree.leaves(after.mu), jax.tree.leaves(momentum)):
+        assert np.array_equal(np.asarray(new), np.asarray(m))       # mu is the momentum, not clipped or mixed
+    for new, old in zip(jax.tree.leaves(after.nu), jax.tree.leaves(before.nu)):
+        assert np.array_equal(np.asarray(new), np.asarray(old))     # the variance froze
+    for key in params:   # AdamW's update with the frozen, bias-corrected variance (decay on both leaves here)
+        m_hat = momentum[key] / (1 - b1 ** 4)
+        v_hat = before.nu[key] / (1 - b2 ** 3)
+        expected = -lr * (m_hat / (jnp.sqrt(v_hat) + eps) + wd * params[key])
+        np.testing.assert_allclose(updates[key], expected, rtol=1e-6, atol=1e-9)
+
+
+def test_frozen_variance_follows_each_leafs_gradient_energy_trend():
+    """After :data:`oba.TREND_REFERENCE_STEPS` compressed steps fix each leaf's reference energy, the frozen nu
+    is scaled by the b2-average of the exact energy over that reference: leaf 0's energy halves, leaf 1's doubles."""
+    params = _params()
+    b2 = 0.95
+    tx = oba.scale_by_onebit_adam(b2=b2)
+    state = tx.init(params)
+    _, state = tx.update(params, state)   # one exact step: nu learnt
+    momentum = jax.tree.map(jnp.ones_like, params)
+    energies = [jnp.array([4.0, 4.0])] * oba.TREND_REFERENCE_STEPS + [jnp.array([2.0, 8.0])]
+    for i, e in enumerate(energies):
+        _, state = tx.update(momentum, oba.frozen(state, e))
+        if i < oba.TREND_REFERENCE_STEPS - 1:
+            np.testing.assert_array_equal(state.trend, [1.0, 1.0])   # still averaging the reference
+    np.testing.assert_allclose(state.energy_ref, [4.0, 4.0])
+    np.testing.assert_allclose(state.trend, [(b2 * 4 + (1 - b2) * 2) / 4, (b2 * 4 + (1 - b2) * 8) / 4], rtol=1e-6)
+    # leaves in jax.tree.leaves order: "b" then "w"
+    scaled = oba.scaled(state.nu, state.trend)
+    np.testing.assert_allclose(scaled["b"], state.nu["b"] * state.trend[0], rtol=1e-6)
+    np.testing.assert_allclose(scaled["w"], state.nu["w"] * state.trend[1], rtol=1e-6)
+
+
+def test_what_onebit_sends_depends_on_the_optimizer():
+    params = _params()
+    onebit = gc.CompressionChoice(gc.GradCompression.ONEBIT, 2, warmup=5)
+    assert gc.sent_quantity(onebit, oba.onebit_adamw(1e-3).init(params)) is gc.Sent.MOMENTUM
+    assert gc.sent_quantity(onebit, optax.sgd(1e-3, momentum=0.9).init(params)) is gc.Sent.GRADIENT
+    int8 = gc.CompressionChoice(gc.GradCompression.INT8, 2)
+    assert gc.sent_quantity(int8, optax.adamw(1e-3).init(params)) is gc.Sent.GRADIENT
+    with pytest.raises(ConfigError, match="not optax's Adam"):
+        gc.sent_quantity(onebit, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)).init(params))
+    with pytest.raises(ConfigError, match="--grad-compression-warmup K"):
+        gc.sent_quantity(gc.CompressionChoice(gc.GradCompression.ONEBIT, 2), oba.onebit_adamw(1e-3).init(params))
 
 
 # ---- refusals: typed errors, and through the CLI one line, no traceback (fast) ------------------------------
@@ -152,7 +207,9 @@ def test_dcn_reduction_bytes_drop_4x_int8_and_16x_onebit():
     for kind in ("none", "int8", "onebit"):
         plan = _plan(kind)
         # lowered from shapes: nothing to initialise for a compile that is only read
-        text = mt.make_train_step(plan).lower(*step_inputs(plan)).compile().as_text()
+        step = mt.make_train_step(plan)
+        step = getattr(step, "compressed", step)   # past the warm-up: the program that crosses DCN compressed
+        text = step.lower(*step_inputs(plan)).compile().as_text()
         ops = _dcn_ops(plan, text)
         wire[kind] = _wire(ops)
         # the gradient reduction proper: the all-reduces over `data` (uncompressed) or the payload gathers
@@ -194,7 +251,8 @@ def test_onebit_error_feedback_is_model_state_and_changes_with_steps():
 @pytest.mark.slow
 def test_warmup_steps_are_exact_then_onebit_takes_over():
     """``grad_compression_warmup=2``: steps 1-2 run the full-precision program (the same loss and parameters as
-    ``none``, the error feedback untouched), step 3 the compressed one; ``lower`` is the compressed program."""
+    ``none``, the error feedback untouched, Adam's variance learnt), step 3 the compressed one (1-bit Adam: the
+    variance frozen, the averaged momentum Adam's first moment); ``lower`` is the compressed program."""
     plan, exact = _plan("onebit", warmup=2), _plan("none")
     step, exact_step = mt.make_train_step(plan), mt.make_train_step(exact)
     assert isinstance(step, WarmupStep) and resolve_step(plan).grad_compression.warmup == 2
@@ -211,6 +269,33 @@ def test_warmup_steps_are_exact_then_onebit_takes_over():
                 np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
         else:
             assert residual > 0.0
+        adam = oba.find_state(state.opt_state)
+        assert bool(adam.frozen) == (i == 2) and int(adam.nu_count) == min(i + 1, 2)
+        if i == 1:
+            nu_at_freeze = host(adam.nu)
+    assert_bit_exact(nu_at_freeze, adam.nu)   # frozen: the compressed step left the variance alone
+
+
+@pytest.mark.slow
+def test_resume_across_the_warmup_boundary_is_bit_exact(tmp_path):
+    """Saved after the first (exact) step of a 2-step warm-up, restored, run on into the compressed steps: the same
+    state, bit for bit, as the run that never stopped (the program is picked by the step, the freeze is state)."""
+    plan = _plan("onebit", warmup=2)
+    step = mt.make_train_step(plan, donate=False)
+    batches = [put(token_batch(i, 8, 32), plan) for i in range(4)]
+    straight = mt.init_state(plan, seed=0)
+    for b in batches:
+        straight, _ = step(straight, b)
+    state, _ = step(mt.init_state(plan, seed=0), batches[0])
+    with Checkpointer(tmp_path / "ckpt", save_every=1) as ckpt:
+        ckpt.maybe_save(1, state, data_state={"next_batch": 1}, metadata={"recipe": plan.recipe.to_dict()})
+    with Checkpointer(tmp_path / "ckpt", save_every=1) as ckpt:
+        resumed = ckpt.restore(plan).state
+    for b in batches[1:]:
+        resumed, _ = step(resumed, b)
+    assert bool(oba.find_state(resumed.opt_state).frozen)
+    assert max(float(jnp.max(jnp.abs(r))) for r in gc.feedback_of(resumed.model_state)) > 0
+    assert_bit_exact(host(straight), resumed)
 
 
 @pytest.mark.slow
@@ -257,3 +342,12 @@ def test_sigkill_and_resume_is_bit_exact_with_error_feedback(tmp_path):
     assert restarts and restarts[-1]["restored_step"] >= EVERY, restarts
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in sorted(got)] == [expected[s] for s in sorted(expected)]   # bit-identical
+
+
+def test_train_refuses_onebit_adam_without_a_warmup(tmp_path, capsys):
+    """1-bit Adam must learn Adam's variance before freezing it: no warm-up is one line naming the flag."""
+    code = main(["train", "--model", "tiny", "--recipe", RECIPE_FILE, "--steps", "2", "--batch-size", "8",
+                 "--seq-len", "32", "--warmup-steps", "1", "--eval-every", "0", "--progress", "none", "--data", DATA,
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code != 0 and "--grad-compression-warmup K" in err and "Traceback" not in err, err

@@ -66,7 +66,7 @@ from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
-from meshtrain.train.config import TrainConfig, check_recipe_overrides, default_optimizer
+from meshtrain.train.config import AdamVariance, TrainConfig, check_recipe_overrides, default_optimizer
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
@@ -402,9 +402,11 @@ def build(args, choice: Optional[ModelChoice] = None):
     else:  # more devices than this machine has (an accelerator host asked for a pod): plan abstractly
         mesh = recipe.mesh.abstract(n)
     try:
-        # train's optimizer (AdamW after global-norm clipping): the same optimizer-state paths as its plan.json
+        # train's optimizer (AdamW after global-norm clipping; onebit: 1-bit Adam's): the same optimizer-state
+        # paths as its plan.json
         factory = grad_compression.feedback_factory(fp8.recipe_factory(choice.factory, recipe), recipe)
-        abstract = abstract_state(factory, default_optimizer(TrainConfig(), {}),
+        variance = AdamVariance.FREEZES if grad_compression.resolve(recipe).has_feedback else AdamVariance.LEARNT
+        abstract = abstract_state(factory, default_optimizer(TrainConfig(), {}, variance),
                                   annotations=choice.rules)
     except MeshtrainError:
         raise

@@ -14,36 +14,42 @@ Schemes (blocks of :data:`BLOCK` values of the flattened local shard):
 
 * ``int8``: per-block absmax scale (f32), values rounded to int8. Relative error ~1/254 of the block's
   largest value; unbiased enough that no state is kept. Payload: 1 byte + 4/:data:`BLOCK` per value.
-* ``onebit``: *compressed all-gather with error feedback* (1-bit SGD, Seide et al. 2014; EF-SGD,
-  Karimireddy et al. 2019): ``c = g + e``; send ``sign(c)`` packed 8 per byte and the block's mean
-  ``|c|``; keep ``e = c - decompress(c)``. We chose it over 1-bit Adam because it compresses the
-  *gradient* and leaves the optimizer alone (any optax transformation, AdamW included, runs unchanged on
-  the reduced gradient, and no full-precision warm-up phase is needed); error feedback makes the
-  compression error a delay rather than a loss, so the sum of what is applied tracks the sum of true
-  gradients. Payload: 1/8 byte + 4/:data:`BLOCK` per value. The residual ``e`` is per replica and per
-  device shard: an :class:`ErrorFeedback` variable ``(data replicas, *param shape)`` of f32 with logical
-  axes ``("grad_replica", *param axes)`` (``grad_replica -> data``), i.e. model state that the plan
-  shards like the parameter, checkpoints keep and restores reshard.
+* ``onebit``: sign bits packed 8 per byte and the block's mean magnitude, with *error feedback* (1-bit SGD,
+  Seide et al. 2014; EF-SGD, Karimireddy et al. 2019): ``c = x + e``; send ``sign(c)`` and mean ``|c|``; keep
+  ``e = c - decompress(c)``. Payload: 1/8 byte + 4/:data:`BLOCK` per value. What ``x`` is depends on the
+  optimizer (:func:`sent_quantity`), because error feedback only turns the compression error into a delay when
+  the compressed quantity enters the update linearly:
 
-  With Adam (any optax chain holding one ``ScaleByAdamState``) each value is weighted by ``sqrt(nu)`` before the
-  signs are taken (:func:`value_weights`): plain sign + block mean hands every value of a block the same
-  magnitude, and Adam's second moment learns it. ``grad_compression_warmup`` K runs the first K steps
-  uncompressed (a second compiled program) so that ``nu``, and with it the weights, is learnt from exact
-  gradients, as 1-bit Adam's warm-up does. Measured (``small``, 250 steps, AdamW lr 3e-3): this narrows the
-  final-loss gap from +48 % to the figure in README "Compressed gradient reduction across slices", which still
-  misses a 2 % bar: compressing the *momentum* with a frozen variance (1-bit Adam proper) is what is left.
+  - with Adam (:func:`meshtrain.parallel.onebit_adam.onebit_adamw`, which ``meshtrain train`` builds for
+    ``onebit``) it is **1-bit Adam** (Tang et al. 2021): ``grad_compression_warmup`` K exact steps learn Adam's
+    variance, which then freezes, so the update ``m / (sqrt(nu) + eps)`` is linear in the momentum ``m``; each
+    replica sends its local momentum ``x = b1 m + (1 - b1) g_i`` (``m``: the shared momentum, the same on every
+    replica) and the replicas' average is the new ``m``. optax's own Adam is refused (EF on the gradient under
+    Adam's growing variance measured +8.8 % final loss where 1-bit Adam measured the figure in README).
+    1-bit Adam's second, server-side error feedback (compressing the average again for the way back) is not
+    needed: every replica all-gathers every replica's compressed share and averages them itself, exactly and
+    identically, so nothing is compressed twice.
+  - with an optimizer linear in the gradient (SGD, with or without momentum) it is the gradient (EF-SGD).
+
+  The residual ``e`` is per replica and per device shard: an :class:`ErrorFeedback` variable ``(data replicas,
+  *param shape)`` of f32 with logical axes ``("grad_replica", *param axes)`` (``grad_replica -> data``), i.e.
+  model state that the plan shards like the parameter, checkpoints keep and restores reshard. The all-gather
+  brings each device ``replicas - 1`` payloads, ``(R - 1) x 0.14`` bytes per value, against a full-precision
+  ring all-reduce's ``2 (R - 1) / R x 4``: 28x less at 2 slices, less saved as slices grow (even at ~50).
 
 Example::
 
     recipe = mt.get_recipe("hsdp").with_mesh(dcn={"data": 2}, data=1).with_options(grad_compression="onebit")
-    abstract = mt.abstract_state(feedback_factory(factory, recipe), optax.adamw(3e-4))
+    recipe = recipe.with_options(grad_compression_warmup=50)   # onebit with Adam: 1-bit Adam's exact warm-up
+    abstract = mt.abstract_state(feedback_factory(factory, recipe), onebit_adamw(3e-4))
     step = mt.make_train_step(mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(16, 128)))
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Tuple
+import enum
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +59,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.errors import ConfigError
+from meshtrain.parallel import onebit_adam
 from meshtrain.rules import AxisRules, Rule
 from meshtrain.strategies import HSDP, DataParallel, GradCompression
 
@@ -132,8 +139,8 @@ def resolve(recipe, sizes=None) -> CompressionChoice:
         raise ConfigError(f"grad_compression={kind.value}: the mesh's `data` axis has {sizes.get(AXIS, 1)} devices, "
                           f"the recipe's dcn data {dcn}")
     what = ("int8 with per-block scales" if kind is GradCompression.INT8
-            else "sign bits + per-block scale with error feedback (f32 residual per replica, model state), "
-                 "each value weighted by Adam's second moment")
+            else "sign bits + per-block scale with error feedback (f32 residual per replica, model state); with "
+                 "Adam 1-bit Adam: the momentum is sent, the variance frozen after the warm-up")
     warmup = dim.grad_compression_warmup
     return CompressionChoice(kind, dcn, f"{kind.value}: {what}, all-gathered over `data` (DCN, {dcn} slices) "
                                         f"after the exact reduction inside each slice"
@@ -221,37 +228,25 @@ def _unblock(b, like):
     return b.reshape(-1)[:like.size].reshape(like.shape)
 
 
-def value_weights(second_moment):
-    """Blocked ``(blocks, BLOCK)`` per-value weights ``sqrt(nu)`` for :func:`exchange` from the optimizer's second
-    moment ``nu`` (this device's flattened shard): floored at 1 % of the block's mean so that a value with no
-    history yet (an embedding row first seen now) cannot swamp its block, and 1 for a block with no history at
-    all (the first step). Only the *relative* weights inside a block matter: a constant factor cancels."""
-    r, _ = _blocks(jnp.sqrt(second_moment))
-    r = jnp.maximum(r, 0.01 * jnp.mean(r, axis=1, keepdims=True))
-    return jnp.where(r > 0, r, 1.0)
+def exchange(kind: GradCompression, x, residual=None):
+    """The sum over :data:`AXIS` of every replica's ``x`` (this device's local shard of the gradient, or under
+    1-bit Adam of its local momentum; inside ``shard_map`` manual over :data:`AXIS`), sent compressed; returns
+    ``(sum, new residual or None)``. ``onebit`` sends ``sign(x + residual)`` and the block's mean magnitude and
+    keeps what was not sent as the new residual (error feedback).
 
-
-def exchange(kind: GradCompression, g, residual=None, weights=None):
-    """The sum over :data:`AXIS` of every replica's ``g`` (this device's local shard; inside ``shard_map``
-    manual over :data:`AXIS`), sent compressed; returns ``(sum, new residual or None)``.
-
-    ``weights`` (``onebit`` only; from :func:`value_weights`, the same on every replica): the signs are taken of
-    ``(g + residual) / weights`` and the block's mean magnitude is sent in those units, so each value comes back
-    as ``weights * scale * sign``: a value whose typical magnitude is small comes back small. Without them every
-    value of a block comes back with the block's mean magnitude, which Adam's second moment then learns as that
-    value's scale (its update shrinks by ``|g| / mean|g|``). The residual stays in gradient units."""
+    (Weighing each value by ``sqrt(nu)`` before taking signs, i.e. compressing the momentum in the units of
+    Adam's update, was measured worse under 1-bit Adam: BENCHMARKS.md "Compressed gradient reduction".)"""
     if kind is GradCompression.INT8:
-        payload = compress_int8(g)
+        payload = compress_int8(x)
         unpack = decompress_int8
     else:
-        corrected = g.astype(jnp.float32) + residual
-        w = 1.0 if weights is None else weights
-        payload = compress_onebit(_blocks(corrected)[0] / w)
-        unpack = lambda bits, scale: w * decompress_onebit(bits, scale)  # noqa: E731 (w: this device's, = every replica's)
-        residual = corrected - _unblock(unpack(*payload), g)
+        corrected = x.astype(jnp.float32) + residual
+        payload = compress_onebit(corrected)
+        unpack = decompress_onebit
+        residual = corrected - _unblock(unpack(*payload), x)
     gathered = [jax.lax.all_gather(p, AXIS) for p in payload]   # the DCN collective: int8 / packed bits
     total = jnp.sum(unpack(*gathered), axis=0)
-    return _unblock(total, g), residual
+    return _unblock(total, x), residual
 
 
 # ---- the step's reduction ------------------------------------------------------------------------------------
@@ -293,50 +288,88 @@ def per_replica(local_fn, plan, params, model_state, batch):
     return total, weight, metrics, stacked, new_ms
 
 
-def adam_second_moment(opt_state, params):
-    """The optimizer's second moment ``nu`` (the one optax ``ScaleByAdamState`` in ``opt_state``: adam, adamw,
-    chained with clipping...) when it is laid out like ``params``; ``None`` for other optimizers (``onebit`` then
-    sends plain block-mean magnitudes)."""
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-             if isinstance(s, optax.ScaleByAdamState)]
-    if len(found) != 1 or jax.tree.structure(found[0].nu) != jax.tree.structure(params):
-        return None
-    return found[0].nu
+class Momentum(NamedTuple):
+    """1-bit Adam's inputs to :func:`reduce_across_dcn`: the shared momentum ``m`` of the last step (laid out like
+    the gradient, the same on every replica), Adam's ``b1`` and ``scale`` = replicas / global weight, which turns
+    a replica's gradient *sum* into its local mean gradient. Each replica then sends ``b1 m + (1 - b1) scale g_i``."""
+
+    mu: Any
+    b1: jax.Array
+    scale: jax.Array
 
 
-def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_state, second_moment=None):
-    """Sum the stacked per-replica gradients over ``data`` through :func:`exchange` (every mesh axis
-    manual: each device compresses only its own shard). ``second_moment``: :func:`adam_second_moment`
-    (``onebit`` weighs values by it; ``None``: no weights). Returns ``(grads laid out as grad_sh, model_state
-    with the new residuals)``."""
+def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_state, momentum=None):
+    """Sum the stacked per-replica gradients over ``data`` through :func:`exchange` (every mesh axis manual: each
+    device compresses only its own shard), or with ``momentum`` (a :class:`Momentum`) average the replicas'
+    local momenta instead (1-bit Adam). Returns ``(gradient sum, or the new shared momentum, laid out as grad_sh;
+    model_state with the new residuals; per-leaf gradient energy)``: the energy (``momentum`` only, else
+    ``None``) is each leaf's squared norm of the replicas' local mean gradients, averaged over replicas, exact
+    (a psum of one f32 per leaf: the trend :mod:`onebit_adam` puts on the frozen variance)."""
     specs = jax.tree.map(lambda s: s.spec, grad_sh)
     stacked_specs = jax.tree.map(lambda s: P(AXIS, *s), specs, is_leaf=lambda x: isinstance(x, P))
     residuals = feedback_of(model_state)
     flat_specs, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, P))
     flat_stacked = jax.tree.leaves(stacked_specs, is_leaf=lambda x: isinstance(x, P))
-    moment = second_moment if choice.has_feedback else None
 
-    def body(stacked, residuals, moment):
+    def body(stacked, residuals, momentum):
         # one bucket per device: every local shard flattened and joined (one DCN exchange, padding only at its end)
-        local = [g[0] for g in jax.tree.leaves(stacked)]
+        local = [g[0].astype(jnp.float32) for g in jax.tree.leaves(stacked)]
+        energy = None
+        if momentum is not None:   # exact per-leaf energy of the local mean gradients (mean over replicas)
+            energy = jnp.stack([jnp.sum(jnp.square(momentum.scale * g)) for g in local])
+            energy = jax.lax.psum(energy, tuple(plan.mesh.axis_names)) / choice.replicas
+        if momentum is not None:   # this replica's momentum: the shared one decayed plus its own mean gradient
+            local = [momentum.b1 * m.astype(jnp.float32) + (1 - momentum.b1) * momentum.scale * g
+                     for m, g in zip(jax.tree.leaves(momentum.mu), local)]
         sizes = np.cumsum([g.size for g in local])[:-1]
-        bucket = jnp.concatenate([g.reshape(-1).astype(jnp.float32) for g in local])
+        bucket = jnp.concatenate([g.reshape(-1) for g in local])
         res = None if residuals is None else jnp.concatenate([r[0].reshape(-1) for r in residuals])
-        weights = None if moment is None else value_weights(
-            jnp.concatenate([m.reshape(-1).astype(jnp.float32) for m in jax.tree.leaves(moment)]))
-        total, new_res = exchange(choice.kind, bucket, res, weights)
+        total, new_res = exchange(choice.kind, bucket, res)
+        if momentum is not None:   # the average of the replicas' momenta: the same on every replica
+            total = total / choice.replicas
         out = [t.reshape(g.shape) for t, g in zip(jnp.split(total, sizes), local)]
         if new_res is not None:
             new_res = [r.reshape((1,) + g.shape) for r, g in zip(jnp.split(new_res, sizes), local)]
-        return jax.tree_util.tree_unflatten(treedef, out), new_res
+        return jax.tree_util.tree_unflatten(treedef, out), new_res, energy
 
     res_specs = None if residuals is None else flat_stacked
+    momentum_specs = None if momentum is None else Momentum(specs, P(), P())   # mu: the same shard per device
     # (check_vma off: the all-gathered sum is the same on every `data` replica, which JAX cannot infer)
-    moment_specs = None if moment is None else specs   # laid out like the gradient: the same shard per device
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(stacked_specs, res_specs, moment_specs),
-                       out_specs=(specs, res_specs), check_vma=False)
-    grads, new_res = fn(stacked, residuals, moment)
-    return grads, (model_state if residuals is None else with_feedback(model_state, new_res))
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(stacked_specs, res_specs, momentum_specs),
+                       out_specs=(specs, res_specs, None if momentum is None else P()), check_vma=False)
+    out, new_res, energy = fn(stacked, residuals, momentum)
+    return out, (model_state if residuals is None else with_feedback(model_state, new_res)), energy
+
+
+class Sent(str, enum.Enum):
+    """What ``onebit`` compresses: the ``gradient`` (error-feedback SGD: optimizers whose update is linear in the
+    gradient, SGD with or without momentum) or Adam's ``momentum`` (1-bit Adam, :mod:`onebit_adam`)."""
+
+    GRADIENT = "gradient"
+    MOMENTUM = "momentum"
+
+
+def sent_quantity(choice: CompressionChoice, opt_state) -> Sent:
+    """What the step compresses with ``opt_state``'s optimizer, or a :class:`ConfigError` naming the fix: under
+    ``onebit`` an optax Adam (its update is not linear in the gradient, so error feedback drifts: +8.8 % final
+    loss measured) is refused in favour of :func:`onebit_adam.onebit_adamw`, which needs a warm-up to learn its
+    variance before freezing it."""
+    if not choice.has_feedback:
+        return Sent.GRADIENT
+    if onebit_adam.find_state(opt_state) is not None:
+        if choice.warmup < 1:
+            raise ConfigError("grad_compression=onebit with Adam is 1-bit Adam: it learns Adam's variance from exact "
+                              "gradients first, then freezes it; set --grad-compression-warmup K (15-25 percent "
+                              "of the run, e.g. 50 of 250 steps)")
+        return Sent.MOMENTUM
+    adams = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+             if isinstance(s, optax.ScaleByAdamState)]
+    if adams:
+        raise ConfigError("grad_compression=onebit needs meshtrain's 1-bit Adam, not optax's Adam (error feedback on "
+                          "the gradient drifts under Adam's variance): build the optimizer with "
+                          "meshtrain.parallel.onebit_adam.onebit_adamw(...) (`meshtrain train` does), use an "
+                          "optimizer linear in the gradient (SGD), or --grad-compression int8")
+    return Sent.GRADIENT
 
 
 def check_model_state(plan) -> None:

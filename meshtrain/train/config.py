@@ -314,9 +314,22 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
                                               end_value=cfg.peak_lr * cfg.min_lr_ratio)
 
 
-def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes]) -> optax.GradientTransformation:
+class AdamVariance(str, enum.Enum):
+    """Adam's second moment in :func:`default_optimizer`: ``learnt`` every step (AdamW), or ``freezes`` when
+    ``grad_compression: onebit`` starts compressing (1-bit Adam)."""
+
+    LEARNT = "learnt"
+    FREEZES = "freezes"
+
+
+def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes],
+                      variance: AdamVariance = AdamVariance.LEARNT) -> optax.GradientTransformation:
     """AdamW (warmup + cosine) with global-norm clipping; weight decay only on matrices (parameters
-    with two or more logical axes besides ``layers``: not norms, not biases)."""
+    with two or more logical axes besides ``layers``: not norms, not biases).
+
+    ``variance``: :attr:`AdamVariance.FREEZES` for ``grad_compression: onebit`` (1-bit Adam: the same optimizer
+    until the compressed steps start, then its variance freezes; :mod:`meshtrain.parallel.onebit_adam`);
+    default :attr:`AdamVariance.LEARNT` (optax's AdamW)."""
     import optax
 
     from meshtrain.abstract import tree_paths  # lazy: the optimizer's helpers load JAX: the configuration loads without it
@@ -329,5 +342,10 @@ def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes]) -> o
 
         return jax.tree.map(lambda p: len([a for a in param_axes.get(p, ()) if a != "layers"]) >= 2, paths)
 
+    if variance is AdamVariance.FREEZES:
+        from meshtrain.parallel.onebit_adam import onebit_adamw   # lazy, as optax: it loads JAX
+
+        return onebit_adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask,
+                            clip_norm=cfg.clip_norm)
     adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw

@@ -34,6 +34,7 @@ from meshtrain.errors import ConfigError
 from meshtrain.losses import (RESERVED_METRICS, LossFn, next_token_loss,  # noqa: F401 (re-export)
                               unpack_loss)
 from meshtrain.parallel import grad_compression as gc
+from meshtrain.parallel import onebit_adam
 from meshtrain.parallel import pipeline as pipe
 from meshtrain.parallel.resolved import step_context_for  # noqa: F401 (step_context_for re-exported)
 from meshtrain.plan import ShardingPlan, gradient_shardings  # noqa: F401 (re-export)
@@ -181,8 +182,13 @@ def _accumulate(grad_fn, params, model_state, batch, micro: int, plan: ShardingP
 
 
 def _compressed(choice, grad_fn, state, batch, plan: ShardingPlan, grad_sh, ctx):
-    """:func:`_accumulate` (one micro-batch) per ``data`` replica, then the gradient sum over ``data`` sent
-    compressed (:mod:`meshtrain.parallel.grad_compression`); the new error feedback lands in the model state."""
+    """:func:`_accumulate` (one micro-batch) per ``data`` replica, then the reduction over ``data`` sent compressed
+    (:mod:`meshtrain.parallel.grad_compression`); the new error feedback lands in the model state.
+
+    Returns ``(total, weight, metrics, optimizer input, its gradient norm, model_state, opt_state)``: the
+    optimizer input is the mean gradient, or under 1-bit Adam (``onebit`` with :func:`onebit_adam.onebit_adamw`)
+    the replicas' averaged momentum, with the optimizer state marked frozen so that it takes it as such; the
+    norm is then that of the gradient the new momentum implies, ``(m_new - b1 m_old) / (1 - b1)``."""
     def local(params, model_state, batch):
         # inside shard_map over `data`: constraints name the other axes only, on the mesh with `data` manual
         local_ctx = dataclasses.replace(ctx, rules=gc.local_rules(ctx.rules), mesh=jax.sharding.get_abstract_mesh())
@@ -192,10 +198,17 @@ def _compressed(choice, grad_fn, state, batch, plan: ShardingPlan, grad_sh, ctx)
         return total, weight, metrics, grads, new_ms
 
     total, weight, metrics, stacked, model_state = gc.per_replica(local, plan, state.params, state.model_state, batch)
-    # onebit weighs each value by Adam's second moment (the same on every replica: the optimizer state is)
-    moment = gc.adam_second_moment(state.opt_state, state.params) if choice.has_feedback else None
-    grads, model_state = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state, moment)
-    return total, weight, metrics, grads, model_state
+    denom = _denominator(weight)
+    adam = onebit_adam.find_state(state.opt_state) if choice.has_feedback else None
+    if adam is None:   # the gradient sum, compressed (int8; onebit under an optimizer linear in the gradient)
+        grads, model_state, _ = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        return total, weight, metrics, grads, optax.tree.norm(grads), model_state, state.opt_state
+    momentum = gc.Momentum(adam.mu, adam.b1, choice.replicas / denom)
+    mu, model_state, energy = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state, momentum)
+    implied = jax.tree.map(lambda new, old: (new - adam.b1 * old) / (1 - adam.b1), mu, adam.mu)
+    opt_state = onebit_adam.frozen(state.opt_state, energy)
+    return total, weight, metrics, mu, optax.tree.norm(implied), model_state, opt_state
 
 
 def _denominator(weight):
@@ -260,21 +273,24 @@ def make_train_step(plan: ShardingPlan, *, loss_fn: Optional[LossFn] = None,
     compression = ctx.resolved.grad_compression
     if compression.active:
         gc.check_model_state(plan)
+        gc.sent_quantity(compression, plan.abstract.opt_state)   # refuses optax's Adam under onebit
 
     def step(state: TrainState, batch, compression=compression):
         with step_context(ctx):
             if compression.active:  # per-replica gradients, then a compressed exchange over `data` (DCN)
-                total, weight, metrics, grads, model_state = _compressed(compression, grad_fn, state, batch, plan,
-                                                                         grad_sh, ctx)
+                total, weight, metrics, grads, grad_norm, model_state, opt_state = _compressed(
+                    compression, grad_fn, state, batch, plan, grad_sh, ctx)
             else:
                 total, weight, metrics, grads, model_state = _accumulate(grad_fn, state.params, state.model_state,
                                                                          batch, micro, plan, grad_sh)
+                grads = jax.tree.map(lambda g: g / _denominator(weight), grads)
+                grad_norm, opt_state = None, state.opt_state
             denom = _denominator(weight)
-            grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, state.params)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             loss = total / denom
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            grad_norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
+            updates, opt_state = tx.update(grads, opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             if nonfinite is NonFinite.SKIP:

@@ -38,7 +38,7 @@ from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import ShardingPlan, data_parallel_size, make_plan
 from meshtrain.state import init_state
 from meshtrain.settings import plain_settings
-from meshtrain.train.config import MemoryCheckMode, Resume, TrainConfig, default_optimizer
+from meshtrain.train.config import AdamVariance, MemoryCheckMode, Resume, TrainConfig, default_optimizer
 from meshtrain.train.hooks import (CheckpointHook, EvalHook, Hook, MetricsHook, PreemptionHook, ProgressHook,
                                    ThroughputHook)
 from meshtrain.train.loop import Interrupted, Run, TrainingError, TrainSummary, close_loop, run_loop, summary
@@ -140,7 +140,9 @@ class Trainer:
         recipe, mesh = self._recipe_and_mesh(devices)
         factory = fp8.recipe_factory(self.factory, recipe)  # the recipe's fp8: dense layers get their scales
         factory = grad_compression.feedback_factory(factory, recipe)  # onebit: its error feedback (model state)
-        tx = self.tx or default_optimizer(self.cfg, abstract_state(factory, annotations=self.path_rules).param_axes)
+        variance = AdamVariance.FREEZES if grad_compression.resolve(recipe).has_feedback else AdamVariance.LEARNT
+        tx = self.tx or default_optimizer(self.cfg, abstract_state(factory, annotations=self.path_rules).param_axes,
+                                          variance)
         abstract = abstract_state(factory, tx, annotations=self.path_rules)
         return make_plan(abstract, recipe, mesh, batch=self._layout())
 
