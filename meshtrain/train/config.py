@@ -343,7 +343,7 @@ def default_optimizer(cfg: TrainConfig, param_axes: Dict[str, LogicalAxes],
         return jax.tree.map(lambda p: len([a for a in param_axes.get(p, ()) if a != "layers"]) >= 2, paths)
 
     if variance is AdamVariance.FREEZES:
-        from meshtrain.parallel.onebit_adam import onebit_adamw   # lazy, as optax: it loads JAX
+        from meshtrain.parallel.onebit_adam import onebit_adamw  # lazy: it loads JAX, as optax does
 
         return onebit_adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask,
                             clip_norm=cfg.clip_norm)
