@@ -149,6 +149,12 @@ class AbstractState:
         floats = {x.dtype for x in jax.tree.leaves(self.params) if jnp.issubdtype(x.dtype, jnp.floating)}
         return floats.pop() if len(floats) == 1 else None
 
+    def with_optimizer(self, tx: optax.GradientTransformation) -> "AbstractState":
+        """The same model with ``tx``'s state evaluated abstractly: what ``abstract_state(factory, tx)``
+        returns, without building the model again (an optimizer chosen from the parameters' axes, as
+        the Trainer's default one is, needs the model's state first)."""
+        return dataclasses.replace(self, opt_state=jax.eval_shape(tx.init, self.params), tx=tx)
+
     def with_param_dtype(self, dtype) -> "AbstractState":
         """The same state with floating parameters stored as ``dtype`` (optimizer state re-derived).
 

@@ -28,7 +28,15 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "MESHTRAIN_TEST_CACHE" not in os.
     _OWN_CACHE = tempfile.mkdtemp(prefix="meshtrain-tests-jax-cache-")
     os.environ["MESHTRAIN_TEST_CACHE"] = _OWN_CACHE
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS_OVERRIDE", "0")
+# The package's bytecode, written once by the controller: where PYTHONDONTWRITEBYTECODE is set (as in CI's
+# image), every child a test starts would compile meshtrain's sources again (~0.2 CPU s per `meshtrain`
+# process, and the suite starts hundreds); compileall writes the .pyc files whatever that variable says.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    import compileall
+
+    compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshtrain"),
+                           quiet=2)
 # Reference runs built once per session and shared by the workers (helpers.built_once): always a fresh
 # folder, even where a compilation cache is kept across sessions (a result must not outlive its code).
 _OWN_SESSION = None
@@ -78,6 +86,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowest_first)   # stable: a file's tests keep their order (module fixtures, parameters)
 
 
+#: JAX's own compile-phase events (wall seconds, this process only), summed for the CPU log: how much of a
+#: test's time goes to tracing, lowering to MLIR and XLA's compile (``cache_s``: persistent-cache reads).
+_JAX_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+               "/jax/core/compile/backend_compile_duration": "compile_s",
+               "/jax/compilation_cache/cache_retrieval_time_sec": "cache_s"}
+_jax_totals: dict = {}
+
+
+def _jax_seconds() -> dict:
+    if not _jax_totals:
+        from jax import monitoring
+
+        def add(event, duration, **_):
+            if event in _JAX_EVENTS:
+                _jax_totals[_JAX_EVENTS[event]] += duration
+        _jax_totals.update({name: 0.0 for name in _JAX_EVENTS.values()})
+        monitoring.register_event_duration_secs_listener(add)
+    return _jax_totals
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ``MESHTRAIN_TEST_CPU_LOG=FILE``: one JSON line per test with its wall seconds and the CPU seconds
@@ -95,12 +124,14 @@ def pytest_runtest_protocol(item, nextitem):
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
 
+    jax_s0 = dict(_jax_seconds())
     wall0, (own0, kids0) = time.monotonic(), cpu()
     yield
     own1, kids1 = cpu()
     line = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall0, 3), "cpu_s": round(own1 - own0, 3),
             "children_cpu_s": round(kids1 - kids0, 3), "slow": item.get_closest_marker("slow") is not None,
             "failed": bool(getattr(item, "_meshtrain_failed", False))}
+    line.update({name: round(s - jax_s0.get(name, 0.0), 3) for name, s in _jax_seconds().items()})
     with open(log, "a") as f:   # one short line per write: workers append without interleaving
         f.write(json.dumps(line) + "\n")
 

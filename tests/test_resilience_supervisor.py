@@ -12,7 +12,7 @@ import sys
 
 import processes
 import pytest
-from launch_jobs import ROOT, STEPS, env, losses, records
+from launch_jobs import ROOT, STEPS, bench, env, losses, records
 
 from meshtrain.cli import main
 from meshtrain.commands import launch as launch_cmd
@@ -77,10 +77,12 @@ def test_chaos_benchmark_reports_its_figures(uninterrupted, tmp_path):
     """The benchmark's figures; its job is the tiny one of tests/launch_jobs.py (6 steps of 8 × 32 tokens, a
     checkpoint every step), so that its elastic mix's run also shows, against the session's uninterrupted run,
     that an elastic restart finishes on the process left with the same global batch (moved here from
-    tests/test_resilience_elastic.py, which launched the same job and fault for it)."""
+    tests/test_resilience_elastic.py, which launched the same job and fault for it). That run is also the
+    benchmark's reference (``--reference``: the same job, not launched a second time)."""
     out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_resilience.py"), "--model", "tiny",
                          "--steps", str(STEPS), "--seq-len", "32", "--batch-size", "8", "--ckpt-every", "1",
-                         "--mixes", "kill", "kill,elastic", "--work", str(tmp_path)], env=env(), timeout=1200, cwd=ROOT)
+                         "--mixes", "kill", "kill,elastic", "--work", str(tmp_path),
+                         "--reference", str(uninterrupted)], env=env(), timeout=1200, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert re.search(r"kill of process \d at step \d+: RPO \d+ steps, RTO [0-9.]+ s", out.stdout), out.stdout
     assert re.search(r"mix kill: RPO [0-9.]+ steps, RTO [0-9.]+ s, goodput [0-9.]+%, slowdown [0-9.]+x, jitter "
@@ -89,6 +91,12 @@ def test_chaos_benchmark_reports_its_figures(uninterrupted, tmp_path):
     assert "load average" in out.stdout and "'w3': 0.2" in out.stdout
     assert re.search(r"--hang-timeout \d+ \(scaled: ", out.stdout), out.stdout   # measured, not a fixed 6 s
     _assert_elastic_restart_finished_on_one_process(tmp_path / "kill-elastic", uninterrupted)
+
+
+def test_chaos_benchmark_refuses_a_reference_that_is_not_an_uninterrupted_launch(tmp_path):
+    (tmp_path / "events.jsonl").write_text('{"event": "attempt", "unix": 1}\n{"event": "failed", "unix": 2}\n')
+    with pytest.raises(SystemExit, match="not the folder of an uninterrupted launch .* it has .'attempt', 'failed'"):
+        bench().recorded_wall(str(tmp_path))
 
 
 def _assert_elastic_restart_finished_on_one_process(run, uninterrupted):

@@ -123,6 +123,17 @@ def launch(args, out: str, faults: str = "", max_restarts: int = 0, elastic: boo
     return time.perf_counter() - t0
 
 
+def recorded_wall(run_dir: str) -> float:
+    """Seconds from an uninterrupted launch's first attempt to its end, from its ``events.jsonl``; exits with
+    a one-line message for a folder that holds no such launch."""
+    events = records(os.path.join(run_dir, "events.jsonl"))
+    kinds = [e.get("event") for e in events]
+    if kinds[:1] != ["attempt"] or kinds[-1:] != ["done"] or "failed" in kinds:
+        raise SystemExit(f"--reference {run_dir}: not the folder of an uninterrupted launch (its events.jsonl "
+                         f"should go from one attempt to done; it has {kinds or 'none'})")
+    return events[-1]["unix"] - events[0]["unix"]
+
+
 def hang_timeout_for(metrics: List[dict]) -> float:
     """A hang bound for the fault runs on this machine now: 5 x the longest step interval (step, data wait,
     checkpoint block) of the uninterrupted run, its first (compiling) step left out; at least 10 s."""
@@ -210,14 +221,21 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take")
     p.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--reference", default=None,
+                   help="the run folder of an uninterrupted launch of the same job (e.g. an earlier --work's "
+                        "reference) to compare with, instead of launching one; its wall time is read from its "
+                        "events.jsonl (first attempt to done)")
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bench-resilience-")
     os.makedirs(work, exist_ok=True)
     load = os.getloadavg()[0]
     given = args.hang_timeout
     args.hang_timeout = None   # the reference: the watchdog's own bound (minutes), it has no fault to find
-    ref_dir = os.path.join(work, "reference")
-    wall = launch(args, ref_dir)
+    if args.reference:
+        ref_dir, wall = args.reference, recorded_wall(args.reference)
+    else:
+        ref_dir = os.path.join(work, "reference")
+        wall = launch(args, ref_dir)
     ref_metrics = [r for r in records(os.path.join(ref_dir, "metrics.jsonl")) if "loss" in r and "step" in r]
     args.hang_timeout = given or hang_timeout_for(ref_metrics)
     print(f"{args.model}, {args.processes} processes x {args.devices_per_process} CPU devices, {args.steps} steps, "

@@ -315,7 +315,6 @@ def _probe_state(tie_embeddings: bool):
     return abstract_state(lambda rngs: Decoder(cfg, rngs=rngs))
 
 
-@functools.lru_cache(maxsize=None)
 def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "float32",
                       tie_embeddings: bool = False, attention: "AttentionKind | str" = AttentionKind.DENSE,
                       lanes: int = 1, offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD) -> ActivationModel:
@@ -327,19 +326,30 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     (128: XLA:TPU's tiled layouts; measured on v5p, e.g. ``f32[2,1024,16,8]`` takes 16 MiB, not 1).
     ``offloaded``: the names ``Remat.OFFLOAD`` keeps in host memory (traced: the residuals in host memory
     become :attr:`ActivationModel.host_tensors`)."""
-    if lanes != 1:
-        base = saved_activations(remat, compute_dtype, tie_embeddings, attention, 1, offloaded)
-        pad = lambda ts: tuple(dataclasses.replace(t, lanes=lanes) for t in ts)  # noqa: E731
-        return dataclasses.replace(base, tensors=pad(base.tensors), host_tensors=pad(base.host_tensors))
+    remat = Remat(remat)
+    kind = AttentionKind.DENSE if AttentionKind(attention) is AttentionKind.DENSE else AttentionKind.FLASH
+    # One key per distinct trace (a trace is ~0.4 CPU s, run by every `meshtrain train`'s pre-flight): the
+    # names offloaded matter only to remat offload, and the arguments' spellings (a string or an enum,
+    # given or defaulted) must not make a second trace of the same program.
+    names = tuple(offloaded) if remat is Remat.OFFLOAD else DEFAULT_OFFLOAD
+    base = _traced_activations(remat, str(jnp.dtype(compute_dtype)), bool(tie_embeddings), kind, names)
+    if lanes == 1:
+        return base
+    pad = lambda ts: tuple(dataclasses.replace(t, lanes=lanes) for t in ts)  # noqa: E731
+    return dataclasses.replace(base, tensors=pad(base.tensors), host_tensors=pad(base.host_tensors))
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_activations(remat: Remat, compute_dtype: str, tie_embeddings: bool, kind: AttentionKind,
+                        offloaded: Tuple[str, ...]) -> ActivationModel:
+    """:func:`saved_activations` for one normalised key (``lanes`` 1), traced once per process."""
     from flax import nnx
 
 
-    remat = Remat(remat)
     p = PROBE
-    abstract = _probe_state(bool(tie_embeddings))
+    abstract = _probe_state(tie_embeddings)
     graphdef, params, rest = abstract.graphdef, abstract.params, abstract.model_state
     mesh = MeshSpec(ici={"data": 1}).abstract(1)
-    kind = AttentionKind.DENSE if AttentionKind(attention) is AttentionKind.DENSE else AttentionKind.FLASH
     ctx = StepContext(mesh, AxisRules.defaults(), frozenset(), remat, kind, offloaded=tuple(offloaded))
     dtype = jnp.dtype(compute_dtype)
     ids = jax.ShapeDtypeStruct((p["B"], p["T"]), jnp.int32)
@@ -380,3 +390,6 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
     layer_norms = sum(tuple(x.shape) == (p["L"], p["d"]) for x in leaves)
     outer_norms = sum(tuple(x.shape) == (p["d"],) for x in leaves)
     return ActivationModel(remat, str(dtype), tensors[False], mlp_matrices, layer_norms, outer_norms, tensors[True])
+
+
+saved_activations.cache_clear = _traced_activations.cache_clear  # the traces a test's monkeypatch must drop

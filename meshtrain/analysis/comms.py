@@ -59,10 +59,10 @@ import numpy as np
 from meshtrain.analysis.collectives import axes_key, wire_bytes
 from meshtrain.analysis.context_comms import context_collectives
 from meshtrain.analysis.exchange import exchange_levels
-from meshtrain.analysis.layout import cached, layout_of
+from meshtrain.analysis.layout import cached, layout_of, resolved_step
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.moe import capacity_for
-from meshtrain.parallel.resolved import batch_splits, resolve_step
+from meshtrain.parallel.resolved import batch_splits
 from meshtrain.recipes import Remat
 
 
@@ -159,7 +159,7 @@ def analytic_collectives(plan, cfg, backend: "Backend | str" = Backend.TPU) -> L
                                           phase))
 
     pipe = pipeline_shape(plan)
-    compression = resolve_step(plan).grad_compression
+    compression = resolved_step(plan).grad_compression
     for x in cached(plan, "param_collectives", _param_collective_leaves, layout_only=True):
         _param_leaf_collectives(x, plan, cfg, backend, pipe, m, c, put, compression)
     if cfg is not None:
@@ -301,7 +301,7 @@ def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:
 
 def expert_exchange(plan):
     """The plan's :class:`~meshtrain.parallel.moe_exchange.ExpertExchange` (flat or hierarchical; its resolved step's)."""
-    return cached(plan, "expert_exchange", lambda p: resolve_step(p).expert_exchange)
+    return cached(plan, "expert_exchange", lambda p: resolved_step(p).expert_exchange)
 
 
 def expert_axes(plan) -> Tuple[str, ...]:

@@ -18,7 +18,7 @@ import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from meshtrain.analysis.activations import ActivationSplit
-from meshtrain.parallel.resolved import batch_splits
+from meshtrain.parallel.resolved import batch_splits, resolve_step
 from meshtrain.plan import ShardingPlan
 
 
@@ -141,6 +141,12 @@ def cached(plan, key, fn, *, layout_only: bool = False):
     except KeyError:
         out = memo[key] = fn(plan)
         return out
+
+
+def resolved_step(plan, target=None):
+    """``resolve_step(plan, target)``, once per plan and ``target`` (the planner reads a candidate's step from
+    five of its terms): the same object, never a second decision."""
+    return cached(plan, ("resolve_step", target), lambda p: resolve_step(p, target))
 
 
 def per_device_bytes(plan) -> Dict[str, int]:

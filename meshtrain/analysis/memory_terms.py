@@ -23,7 +23,7 @@ from meshtrain.abstract import path_str
 from meshtrain.analysis.activations import saved_activations
 from meshtrain.analysis.compiled import working_weight_bytes
 from meshtrain.analysis.comms import batch_dims
-from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_bytes
+from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_bytes, resolved_step
 from meshtrain.analysis.memory_gpu import (context_kernel_shape, cudnn_packed_terms, gpu_activation_terms,
                                           gpu_context_accumulator_terms, gpu_context_output_terms,
                                           gpu_one_f_one_b_terms, gpu_pipeline_activation_terms,
@@ -32,7 +32,7 @@ from meshtrain.analysis.memory_types import Component, MemoryTerm
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel.context import attention_block_shape, plan_layout
-from meshtrain.parallel.resolved import Target, resolve_step
+from meshtrain.parallel.resolved import Target
 from meshtrain.plan import gradient_shardings
 from meshtrain.recipes import AttentionKind, Remat, Schedule
 from meshtrain.remat_policies import parse_offload_names
@@ -206,7 +206,7 @@ def step_shape(plan, cfg, backend=None) -> StepShape:
     if lay.compute_dtype != lay.param_dtype and total_param_bytes:
         weight_fraction = per["params"] / total_param_bytes
     # the one decision of the step (kernel, loop) that the kernels and the plan's kernel line also read
-    step = resolve_step(plan, backend if isinstance(backend, Target) else backend_name(plan, backend))
+    step = resolved_step(plan, backend if isinstance(backend, Target) else backend_name(plan, backend))
     attention, remat = step.attention.kind, step.remat
     c = np.dtype(lay.compute_dtype).itemsize
     # XLA:TPU's buffer choices, pipelines included (measured: pp/pp_fsdp gpipe, circular and 1f1b at Llama-3-8B
@@ -507,7 +507,7 @@ def attention_working_set(plan, cfg, b_loc: int) -> int:
     """Bytes of the score blocks a blockwise attention kind keeps live in the backward (scores,
     probabilities, their gradient and ``dp``: 4 f32 blocks of ``b × heads × bq × bk``); 0 for ``dense``
     (its ``T × T`` scores are in the activations)."""
-    if resolve_step(plan).attention.kind is AttentionKind.DENSE:
+    if resolved_step(plan).attention.kind is AttentionKind.DENSE:
         return 0
     lay = layout_of(plan)
     bq, bk, heads = attention_block_shape(plan_layout(plan), batch_dims(plan)[1], max(cfg.n_heads // lay.tensor, 1),

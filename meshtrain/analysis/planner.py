@@ -35,14 +35,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from meshtrain.abstract import abstract_state
 from meshtrain.analysis.comms import expert_axes, expert_exchange
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import cached, layout_of, plan_variant
+from meshtrain.analysis.layout import cached, layout_of, plan_variant, resolved_step
 from meshtrain.analysis.memory import Fit, MemoryEstimate, estimate_memory
 from meshtrain.analysis.pipeline import is_pipelined, pipeline_problem, pipeline_shape
 from meshtrain.analysis.steptime import Link, StepTimeEstimate, axis_links, backend_of, estimate_step_time
 from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models import model_factory
 from meshtrain.parallel.pipeline import bubble_warning, config_for
-from meshtrain.parallel.resolved import batch_splits, batch_splits_option, recipe_attention_kind, resolve_step
+from meshtrain.parallel.resolved import batch_splits, batch_splits_option, recipe_attention_kind
 from meshtrain.plan import BatchSpec, fmt_bytes, make_plan
 from meshtrain.recipes import BUILTIN_RECIPES, AttentionKind, Recipe, Remat, Schedule, get_recipe
 from meshtrain.strategies import Pipeline
@@ -181,7 +181,7 @@ def rule_warnings(cfg, plan, hw: Hardware, step: Optional[StepTimeEstimate] = No
                        f"fast-link domain of {hw.name}: its per-layer all-reduces cross the slow links; keep "
                        f"tensor × inner axes ≤ {hw.fast_domain}")
     # only the all-to-all kinds split heads over the context axes (ring / all_gather keep them whole)
-    att = resolve_step(plan).attention.kind.value
+    att = resolved_step(plan).attention.kind.value
     ctx = lay.context if att == "ulysses" else lay.sizes.get("ulysses", 1) if att == "usp" else 1
     for what, heads in (("query heads", getattr(cfg, "n_heads", None)), ("kv heads", getattr(cfg, "n_kv_heads", None))):
         ways = lay.tensor * ctx

@@ -69,11 +69,10 @@ from meshtrain.analysis.compiled import (ANALYTIC, COMPILED, ProgramCost, defaul
                                          program_cost, saved_activation_bytes, working_weight_bytes)
 from meshtrain.analysis.flops import StepFlops, step_flops
 from meshtrain.analysis.hardware import Hardware, get_hardware
-from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_bytes
+from meshtrain.analysis.layout import PlanLayout, cached, layout_of, per_device_bytes, resolved_step
 from meshtrain.analysis.memory import estimate_memory
 from meshtrain.analysis.moe import moe_terms
 from meshtrain.analysis.pipeline import pipeline_shape
-from meshtrain.parallel.resolved import resolve_step
 from meshtrain.recipes import Remat
 
 
@@ -203,7 +202,7 @@ def hbm_traffic(plan, cfg, lay: PlanLayout) -> float:
     split = lay.split()
     moe = moe_terms(plan, cfg)
     acfg = moe.activation_config(cfg) if moe is not None else cfg
-    att = resolve_step(plan).attention.kind  # flash / context kinds keep no T × T scores
+    att = resolved_step(plan).attention.kind  # flash / context kinds keep no T × T scores
     a_none = _activations(Remat.NONE, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     a_saved = _activations(plan.recipe.remat, lay.compute_dtype, cfg.tie_embeddings, att, acfg, B, T, split)
     passes = 4 if plan.recipe.remat is Remat.FULL else 3

@@ -45,10 +45,11 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 def _plan(cfg: DecoderConfig, recipe: str, devices: Optional[int], train: TrainConfig):
     factory = model_factory(cfg)
-    tx = default_optimizer(train, abstract_state(factory).param_axes)
+    model = abstract_state(factory)
+    tx = default_optimizer(train, model.param_axes)
     devs = select_devices(devices)
     built = get_recipe(recipe)
-    return make_plan(abstract_state(factory, tx), built, built.mesh.build(devs))
+    return make_plan(model.with_optimizer(tx), built, built.mesh.build(devs))
 
 
 def import_hf(source: str, out: str, *, recipe: str = "fsdp", devices: Optional[int] = None) -> Dict[str, Any]:

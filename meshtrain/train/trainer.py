@@ -141,10 +141,9 @@ class Trainer:
         factory = fp8.recipe_factory(self.factory, recipe)  # the recipe's fp8: dense layers get their scales
         factory = grad_compression.feedback_factory(factory, recipe)  # onebit: its error feedback (model state)
         variance = AdamVariance.FREEZES if grad_compression.resolve(recipe).has_feedback else AdamVariance.LEARNT
-        tx = self.tx or default_optimizer(self.cfg, abstract_state(factory, annotations=self.path_rules).param_axes,
-                                          variance)
-        abstract = abstract_state(factory, tx, annotations=self.path_rules)
-        return make_plan(abstract, recipe, mesh, batch=self._layout())
+        model = abstract_state(factory, annotations=self.path_rules)
+        tx = self.tx or default_optimizer(self.cfg, model.param_axes, variance)
+        return make_plan(model.with_optimizer(tx), recipe, mesh, batch=self._layout())
 
     def _recipe_and_mesh(self, devices=None):
         cfg = self.cfg
