@@ -143,7 +143,8 @@ def resolve(recipe, sizes=None) -> CompressionChoice:
                           f"the recipe's dcn data {dcn}")
     what = ("int8 with per-block scales" if kind is GradCompression.INT8
             else "sign bits + per-block scale with error feedback (f32 residual per replica, model state); with "
-                 "Adam 1-bit Adam: the momentum is sent, the variance frozen after the warm-up")
+                 "Adam 1-bit Adam: the momentum is sent, the variance frozen after the warm-up but for its level per "
+                 "block of 256 values (one f32 per block all-reduced)")
     warmup = dim.grad_compression_warmup
     return CompressionChoice(kind, dcn, f"{kind.value}: {what}, all-gathered over `data` (DCN, {dcn} slices) "
                                         f"after the exact reduction inside each slice"
