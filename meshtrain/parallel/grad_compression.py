@@ -25,7 +25,7 @@ Schemes (blocks of :data:`BLOCK` values of the flattened local shard):
     variance, which then freezes, so the update ``m / (sqrt(nu) + eps)`` is linear in the momentum ``m``; each
     replica sends its local momentum ``x = b1 m + (1 - b1) g_i`` (``m``: the shared momentum, the same on every
     replica) and the replicas' average is the new ``m``. The frozen variance's level follows the global
-    gradient's energy per block of 256 values (:func:`meshtrain.parallel.onebit_adam.track_variance`: one more
+    gradient's energy per block of 64 values (:func:`meshtrain.parallel.onebit_adam.track_variance`: one more
     f32 per block, all-reduced over ``data``). optax's own Adam is refused (EF on the gradient under
     Adam's growing variance measured +8.8 % final loss where 1-bit Adam measured the figure in README).
     1-bit Adam's second, server-side error feedback (compressing the average again for the way back) is not
@@ -38,7 +38,7 @@ Schemes (blocks of :data:`BLOCK` values of the flattened local shard):
   model state that the plan shards like the parameter, checkpoints keep and restores reshard. The all-gather
   brings each device ``replicas - 1`` payloads, ``(R - 1) x 0.14`` bytes per value, against a full-precision
   ring all-reduce's ``2 (R - 1) / R x 4``: 28x less at 2 slices, less saved as slices grow (even at ~50); 1-bit
-  Adam's variance projections add ``2 (R - 1) / R x 4 / 256`` (25.6x less at 2 slices).
+  Adam's variance projections add ``2 (R - 1) / R x 4 / 64`` (19.7x less than f32 at 2 slices).
 
 Example::
 
@@ -144,7 +144,7 @@ def resolve(recipe, sizes=None) -> CompressionChoice:
     what = ("int8 with per-block scales" if kind is GradCompression.INT8
             else "sign bits + per-block scale with error feedback (f32 residual per replica, model state); with "
                  "Adam 1-bit Adam: the momentum is sent, the variance frozen after the warm-up but for its level per "
-                 "block of 256 values (one f32 per block all-reduced)")
+                 "block of 64 values (one f32 per block all-reduced)")
     warmup = dim.grad_compression_warmup
     return CompressionChoice(kind, dcn, f"{kind.value}: {what}, all-gathered over `data` (DCN, {dcn} slices) "
                                         f"after the exact reduction inside each slice"

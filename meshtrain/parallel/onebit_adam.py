@@ -40,7 +40,7 @@ import optax
 
 #: values per variance block: the step sends one f32 per block of each device's gradient shard (its random
 #: projection) and tracks the block's mean variance (:func:`track_variance`)
-VARIANCE_BLOCK = 256
+VARIANCE_BLOCK = 64
 
 
 class OneBitAdamState(NamedTuple):
