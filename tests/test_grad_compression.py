@@ -109,7 +109,7 @@ def test_onebit_adamw_is_optax_adamw_with_clipping_until_frozen():
     assert int(adam.count) == 4 and int(adam.nu_count) == 4 and not bool(adam.frozen)
 
 
-def test_frozen_onebit_adamw_takes_the_momentum_and_keeps_the_variance():
+def test_frozen_onebit_adamw_takes_the_momentum_and_the_steps_variance():
     params = _params()
     lr, b1, b2, eps, wd = 2e-3, 0.9, 0.95, 1e-8, 0.1
     tx = oba.onebit_adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, clip_norm=1.0)

@@ -38,7 +38,7 @@ Schemes (blocks of :data:`BLOCK` values of the flattened local shard):
   model state that the plan shards like the parameter, checkpoints keep and restores reshard. The all-gather
   brings each device ``replicas - 1`` payloads, ``(R - 1) x 0.14`` bytes per value, against a full-precision
   ring all-reduce's ``2 (R - 1) / R x 4``: 28x less at 2 slices, less saved as slices grow (even at ~50); 1-bit
-  Adam's variance projections add ``2 (R - 1) / R x 4 / 64`` (19.7x less than f32 at 2 slices).
+  Adam's variance projections add ``2 (R - 1) / R x 4 / 64`` (together 19.7x less than f32 at 2 slices).
 
 Example::
 
