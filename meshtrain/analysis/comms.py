@@ -61,6 +61,7 @@ from meshtrain.analysis.context_comms import context_collectives
 from meshtrain.analysis.exchange import exchange_levels
 from meshtrain.analysis.layout import cached, layout_of, resolved_step
 from meshtrain.analysis.pipeline import pipeline_shape
+from meshtrain.parallel import onebit_adam
 from meshtrain.parallel.moe import capacity_for
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.recipes import Remat
@@ -263,6 +264,10 @@ def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int
             # shard all-gathered over `data` (DCN): payload_bytes_per_value per value (scales included)
             payload = g_shard / p * compression.payload_bytes_per_value
             put("all-gather", r, payload * r[1], reduce_runs, f"{compression.kind.value} {x.what[4]}")
+            if compression.has_feedback and onebit_adam.find_state(plan.abstract.opt_state) is not None:
+                # 1-bit Adam's variance tracking: one f32 projection per VARIANCE_BLOCK values, summed over `data`
+                put("all-reduce", r, g_shard / p * 4 / onebit_adam.VARIANCE_BLOCK, reduce_runs,
+                    f"onebit variance {x.what[4]}")
             return
         put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 

@@ -24,7 +24,9 @@ Schemes (blocks of :data:`BLOCK` values of the flattened local shard):
     ``onebit``) it is **1-bit Adam** (Tang et al. 2021): ``grad_compression_warmup`` K exact steps learn Adam's
     variance, which then freezes, so the update ``m / (sqrt(nu) + eps)`` is linear in the momentum ``m``; each
     replica sends its local momentum ``x = b1 m + (1 - b1) g_i`` (``m``: the shared momentum, the same on every
-    replica) and the replicas' average is the new ``m``. optax's own Adam is refused (EF on the gradient under
+    replica) and the replicas' average is the new ``m``. The frozen variance's level follows the global
+    gradient's energy per block of 64 values (:func:`meshtrain.parallel.onebit_adam.track_variance`: one more
+    f32 per block, all-reduced over ``data``). optax's own Adam is refused (EF on the gradient under
     Adam's growing variance measured +8.8 % final loss where 1-bit Adam measured the figure in README).
     1-bit Adam's second, server-side error feedback (compressing the average again for the way back) is not
     needed: every replica all-gathers every replica's compressed share and averages them itself, exactly and
@@ -35,7 +37,8 @@ Schemes (blocks of :data:`BLOCK` values of the flattened local shard):
   *param shape)`` of f32 with logical axes ``("grad_replica", *param axes)`` (``grad_replica -> data``), i.e.
   model state that the plan shards like the parameter, checkpoints keep and restores reshard. The all-gather
   brings each device ``replicas - 1`` payloads, ``(R - 1) x 0.14`` bytes per value, against a full-precision
-  ring all-reduce's ``2 (R - 1) / R x 4``: 28x less at 2 slices, less saved as slices grow (even at ~50).
+  ring all-reduce's ``2 (R - 1) / R x 4``: 28x less at 2 slices, less saved as slices grow (even at ~50); 1-bit
+  Adam's variance projections add ``2 (R - 1) / R x 4 / 64`` (together 19.7x less than f32 at 2 slices).
 
 Example::
 
@@ -140,7 +143,8 @@ def resolve(recipe, sizes=None) -> CompressionChoice:
                           f"the recipe's dcn data {dcn}")
     what = ("int8 with per-block scales" if kind is GradCompression.INT8
             else "sign bits + per-block scale with error feedback (f32 residual per replica, model state); with "
-                 "Adam 1-bit Adam: the momentum is sent, the variance frozen after the warm-up")
+                 "Adam 1-bit Adam: the momentum is sent, the variance frozen after the warm-up but for its level per "
+                 "block of 64 values (one f32 per block all-reduced)")
     warmup = dim.grad_compression_warmup
     return CompressionChoice(kind, dcn, f"{kind.value}: {what}, all-gathered over `data` (DCN, {dcn} slices) "
                                         f"after the exact reduction inside each slice"
@@ -289,12 +293,19 @@ def per_replica(local_fn, plan, params, model_state, batch):
 
 
 class Momentum(NamedTuple):
-    """1-bit Adam's inputs to :func:`reduce_across_dcn`: the shared momentum ``m`` of the last step (laid out like
-    the gradient, the same on every replica), Adam's ``b1`` and ``scale`` = replicas / global weight, which turns
-    a replica's gradient *sum* into its local mean gradient. Each replica then sends ``b1 m + (1 - b1) scale g_i``."""
+    """1-bit Adam's inputs to :func:`reduce_across_dcn`: the shared momentum ``mu`` and variance ``nu`` of the last
+    step (laid out like the gradient, the same on every replica), Adam's ``b1`` and ``b2``, ``nu_correction``
+    (``nu`` times it is the bias-corrected variance), ``seed`` (the step: the variance projection's signs) and
+    ``scale`` = replicas / global weight, which turns a replica's gradient *sum* into its local mean gradient.
+    Each replica then sends ``b1 mu + (1 - b1) scale g_i``; ``nu`` comes back with its block levels tracked
+    (:func:`meshtrain.parallel.onebit_adam.track_variance`)."""
 
     mu: Any
+    nu: Any
     b1: jax.Array
+    b2: jax.Array
+    nu_correction: jax.Array
+    seed: jax.Array
     scale: jax.Array
 
 
@@ -302,9 +313,9 @@ def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_s
     """Sum the stacked per-replica gradients over ``data`` through :func:`exchange` (every mesh axis manual: each
     device compresses only its own shard), or with ``momentum`` (a :class:`Momentum`) average the replicas'
     local momenta instead (1-bit Adam). Returns ``(gradient sum, or the new shared momentum, laid out as grad_sh;
-    model_state with the new residuals; per-leaf gradient energy)``: the energy (``momentum`` only, else
-    ``None``) is each leaf's squared norm of the replicas' local mean gradients, averaged over replicas, exact
-    (a psum of one f32 per leaf: the trend :mod:`onebit_adam` puts on the frozen variance)."""
+    model_state with the new residuals; the new variance)``: the variance (``momentum`` only, else ``None``) is
+    ``momentum.nu`` with each block's level moved towards the global gradient's energy there, estimated from one
+    f32 per block that crosses DCN (:func:`meshtrain.parallel.onebit_adam.track_variance`)."""
     specs = jax.tree.map(lambda s: s.spec, grad_sh)
     stacked_specs = jax.tree.map(lambda s: P(AXIS, *s), specs, is_leaf=lambda x: isinstance(x, P))
     residuals = feedback_of(model_state)
@@ -314,10 +325,13 @@ def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_s
     def body(stacked, residuals, momentum):
         # one bucket per device: every local shard flattened and joined (one DCN exchange, padding only at its end)
         local = [g[0].astype(jnp.float32) for g in jax.tree.leaves(stacked)]
-        energy = None
-        if momentum is not None:   # exact per-leaf energy of the local mean gradients (mean over replicas)
-            energy = jnp.stack([jnp.sum(jnp.square(momentum.scale * g)) for g in local])
-            energy = jax.lax.psum(energy, tuple(plan.mesh.axis_names)) / choice.replicas
+        new_nu = None
+        if momentum is not None:   # the frozen variance's block levels follow the global gradient's energy
+            flat = lambda leaves: jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])  # noqa: E731
+            nu = flat(jax.tree.leaves(momentum.nu))
+            factor = onebit_adam.track_variance(momentum.scale * flat(local), nu * momentum.nu_correction,
+                                                momentum.b2, momentum.seed, AXIS, choice.replicas)
+            new_nu = nu * factor
         if momentum is not None:   # this replica's momentum: the shared one decayed plus its own mean gradient
             local = [momentum.b1 * m.astype(jnp.float32) + (1 - momentum.b1) * momentum.scale * g
                      for m, g in zip(jax.tree.leaves(momentum.mu), local)]
@@ -330,15 +344,19 @@ def reduce_across_dcn(choice: CompressionChoice, plan, stacked, grad_sh, model_s
         out = [t.reshape(g.shape) for t, g in zip(jnp.split(total, sizes), local)]
         if new_res is not None:
             new_res = [r.reshape((1,) + g.shape) for r, g in zip(jnp.split(new_res, sizes), local)]
-        return jax.tree_util.tree_unflatten(treedef, out), new_res, energy
+        if new_nu is not None:
+            new_nu = jax.tree_util.tree_unflatten(treedef, [v.reshape(n.shape).astype(n.dtype) for v, n in zip(
+                jnp.split(new_nu, sizes), jax.tree.leaves(momentum.nu))])
+        return jax.tree_util.tree_unflatten(treedef, out), new_res, new_nu
 
     res_specs = None if residuals is None else flat_stacked
-    momentum_specs = None if momentum is None else Momentum(specs, P(), P())   # mu: the same shard per device
+    # mu, nu: the same shard on every replica
+    momentum_specs = None if momentum is None else Momentum(specs, specs, P(), P(), P(), P(), P())
     # (check_vma off: the all-gathered sum is the same on every `data` replica, which JAX cannot infer)
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(stacked_specs, res_specs, momentum_specs),
-                       out_specs=(specs, res_specs, None if momentum is None else P()), check_vma=False)
-    out, new_res, energy = fn(stacked, residuals, momentum)
-    return out, (model_state if residuals is None else with_feedback(model_state, new_res)), energy
+                       out_specs=(specs, res_specs, None if momentum is None else specs), check_vma=False)
+    out, new_res, new_nu = fn(stacked, residuals, momentum)
+    return out, (model_state if residuals is None else with_feedback(model_state, new_res)), new_nu
 
 
 class Sent(str, enum.Enum):

@@ -12,13 +12,16 @@ and the replicas' average becomes the new shared ``m``.
 :func:`onebit_adamw` is ``optax.chain(clip_by_global_norm, adamw)`` with that switch: until the step marks its
 state ``frozen`` (the compressed program does, before the update) it is exactly that chain (the same optax
 functions, so the warm-up matches an uncompressed run bit for bit); from then on its input is the averaged
-momentum, ``mu`` is set to it, ``nu`` and ``nu``'s bias correction stay as at the freeze, and clipping is off
+momentum, ``mu`` is set to it, ``nu`` is the step's (see below) with its bias correction as at the freeze, clipping is off
 (the exact gradient's norm is known on no replica; clipping the momentum's noisy increment would bend ``m``).
-Weight decay and the learning-rate schedule apply as in AdamW. The frozen ``nu`` of each parameter leaf is scaled
-by that leaf's *trend*: the b2-average of the exact per-leaf energy of the replicas' local gradients (one f32 per
-leaf, summed over ``data`` by the step) over its mean in the first :data:`TREND_REFERENCE_STEPS` compressed steps,
-because with AdamW's ``b2`` 0.95 the exact variance keeps falling after the freeze and a fixed one takes too
-small steps (measured: BENCHMARKS.md "Compressed gradient reduction across DCN").
+Weight decay and the learning-rate schedule apply as in AdamW.
+
+The frozen ``nu`` does not stay fixed: with AdamW's ``b2`` 0.95 the exact variance keeps falling after the freeze
+and a fixed one takes too small steps (measured: BENCHMARKS.md "Compressed gradient reduction across DCN"). Each
+compressed step, :func:`track_variance` moves every block of :data:`VARIANCE_BLOCK` values one b2-step towards
+an unbiased estimate of the *global* gradient's energy in that block (one random projection per block and
+replica, summed over ``data``: one f32 per block crosses DCN), keeping the frozen per-value shape inside the
+block (Adam-mini's observation that a block's second moment can be one number, applied to the level only).
 
 Example::
 
@@ -35,18 +38,16 @@ import jax.numpy as jnp
 import optax
 
 
-#: compressed steps whose gradient energy is averaged into the trend's reference (the trend is 1 until then)
-TREND_REFERENCE_STEPS = 10
+#: values per variance block: the step sends one f32 per block of each device's gradient shard (its random
+#: projection) and tracks the block's mean variance (:func:`track_variance`)
+VARIANCE_BLOCK = 64
 
 
 class OneBitAdamState(NamedTuple):
     """Adam's moments plus what the compressed phase needs: ``nu_count`` (gradients ``nu`` has seen: its bias
     correction, which stops at the freeze), ``frozen`` (set by the compressed step), ``b1`` (the step forms each
-    replica's local momentum with it) and the variance trend (one f32 per parameter leaf, in
-    ``jax.tree.leaves`` order): ``energy`` the step's exact per-leaf gradient energy (written by the compressed
-    step before the update), ``energy_ema`` its b2-average, ``energy_ref`` its mean over the first
-    :data:`TREND_REFERENCE_STEPS` compressed steps, ``trend`` = ``energy_ema / energy_ref`` (the factor on the
-    frozen ``nu``) and ``trend_count`` the compressed steps so far."""
+    replica's local momentum with it) and ``b2`` (the step tracks each block's variance level with it:
+    :func:`track_variance` rewrites ``nu`` before the update)."""
 
     count: jax.Array
     mu: Any
@@ -54,24 +55,48 @@ class OneBitAdamState(NamedTuple):
     nu_count: jax.Array
     frozen: jax.Array
     b1: jax.Array
-    energy: jax.Array
-    energy_ema: jax.Array
-    energy_ref: jax.Array
-    trend: jax.Array
-    trend_count: jax.Array
+    b2: jax.Array
 
 
-def _trend(state: OneBitAdamState, b2: float):
-    """``(energy_ema, energy_ref, trend, trend_count)`` after a compressed step (unchanged in an exact one)."""
-    k = state.trend_count
-    e = state.energy
-    ema = jnp.where(k == 0, e, b2 * state.energy_ema + (1 - b2) * e)
-    ref = jnp.where(k < TREND_REFERENCE_STEPS, (state.energy_ref * k + e) / (k + 1), state.energy_ref)
-    ready = (k + 1 >= TREND_REFERENCE_STEPS) & (ref > 0)
-    trend = jnp.where(ready, ema / jnp.where(ref > 0, ref, 1.0), 1.0)
-    new = (ema, ref, trend, k + 1)
-    old = (state.energy_ema, state.energy_ref, state.trend, state.trend_count)
-    return tuple(jnp.where(state.frozen, n, o) for n, o in zip(new, old))
+def _signs(n: int, seed) -> jax.Array:
+    """``n`` pseudo-random +-1 (f32) from an integer hash of the position and ``seed``: the same on every
+    ``data`` replica for the same value of the same step (they hold the same shard layout), new each step."""
+    h = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1) + jnp.asarray(seed).astype(jnp.uint32) * \
+        jnp.uint32(0x85EBCA77)
+    for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        h = (h ^ (h >> shift)) * jnp.uint32(mult)
+    h = h ^ (h >> 16)
+    return jnp.where((h >> 31) == 1, 1.0, -1.0).astype(jnp.float32)
+
+
+def track_variance(g_local, nu_hat, b2, seed, axis: str, replicas: int):
+    """The factor (one per value of ``g_local``, f32) that moves each block's mean variance one b2-step towards
+    the block's energy of the *global* mean gradient; call it inside ``shard_map`` manual over ``axis``.
+
+    ``g_local``: this replica's local mean gradient, this device's flattened shard; ``nu_hat``: the
+    bias-corrected frozen variance of the same values (the same on every replica); ``seed``: the step (the
+    projection's signs change with it). Each replica projects each block of :data:`VARIANCE_BLOCK` values on one
+    shared random sign vector ``s`` (one f32 per block), the projections are summed over ``axis`` (the only
+    communication: one f32 per block) and divided by the replicas: ``r = s . g`` with ``g`` the global mean
+    gradient, so ``r^2`` is an unbiased estimate of the block's ``sum g^2`` (E[s_j s_k] = 0 for j != k; the mean
+    over replicas of their local energies would instead add the slices' gradient noise). Returns
+    ``b2 + (1 - b2) r^2 / sum(nu_hat)`` per block, broadcast to its values: ``nu`` times it keeps the frozen
+    variance's shape inside the block and makes the block's level the b2-average of the estimates.
+
+    Example (inside the step's shard_map body)::
+
+        factor = track_variance(g_flat, nu_hat_flat, 0.95, count, "data", 2)
+        nu_flat = nu_flat * factor
+    """
+    n = g_local.size
+    pad = -n % VARIANCE_BLOCK
+    block = lambda x: jnp.pad(x.astype(jnp.float32), (0, pad)).reshape(-1, VARIANCE_BLOCK)  # noqa: E731
+    proj = jnp.sum(block(g_local * _signs(n, seed)), axis=1)
+    proj = jax.lax.psum(proj, axis) / replicas   # the DCN collective: one f32 per block
+    level = jnp.sum(block(nu_hat), axis=1)
+    ratio = jnp.where(level > 0, jnp.square(proj) / jnp.where(level > 0, level, 1.0), 1.0)
+    factor = b2 + (1 - b2) * ratio
+    return jnp.repeat(factor, VARIANCE_BLOCK)[:n]
 
 
 def scale_by_onebit_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -82,10 +107,9 @@ def scale_by_onebit_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def init(params):
         zeros = optax.tree.zeros_like(params)
-        leaves = jnp.zeros([len(jax.tree.leaves(params))], jnp.float32)
         return OneBitAdamState(jnp.zeros([], jnp.int32), zeros, optax.tree.zeros_like(params),
                                jnp.zeros([], jnp.int32), jnp.zeros([], jnp.bool_), jnp.asarray(b1, jnp.float32),
-                               leaves, leaves, leaves, jnp.ones_like(leaves), jnp.zeros([], jnp.int32))
+                               jnp.asarray(b2, jnp.float32))
 
     def update(updates, state, params=None):
         del params
@@ -93,18 +117,16 @@ def scale_by_onebit_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         exact = updates if clip is None else clip.update(updates, optax.EmptyState())[0]
         adam_mu = optax.tree.update_moment(exact, state.mu, b1, 1)
         adam_nu = optax.tree.update_moment_per_elem_norm(exact, state.nu, b2, 2)
-        # frozen: the input *is* the new momentum (the replicas' compressed average); nu stays
+        # frozen: the input *is* the new momentum (the replicas' compressed average); nu is the step's (its block
+        # levels tracked by track_variance before this update)
         mu = jax.tree.map(lambda m, a: jnp.where(frozen, m.astype(a.dtype), a), updates, adam_mu)
         nu = jax.tree.map(lambda old, a: jnp.where(frozen, old, a), state.nu, adam_nu)
         count_inc = optax.safe_increment(state.count)
         nu_count = jnp.where(frozen, state.nu_count, optax.safe_increment(state.nu_count))
         mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
         nu_hat = optax.tree.bias_correction(nu, b2, nu_count)
-        ema, ref, trend, trend_count = _trend(state, b2)
-        nu_hat = scaled(nu_hat, trend)   # frozen: the frozen nu follows each leaf's exact gradient-energy trend
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
-        return out, OneBitAdamState(count_inc, mu, nu, nu_count, frozen, state.b1, state.energy, ema, ref, trend,
-                                    trend_count)
+        return out, OneBitAdamState(count_inc, mu, nu, nu_count, frozen, state.b1, state.b2)
 
     return optax.GradientTransformation(init, update)
 
@@ -119,12 +141,6 @@ def onebit_adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float =
                        optax.scale_by_learning_rate(learning_rate))
 
 
-def scaled(nu, trend):
-    """``nu`` with leaf ``i`` (``jax.tree.leaves`` order) times ``trend[i]``: the variance the update uses."""
-    leaves, treedef = jax.tree_util.tree_flatten(nu)
-    return jax.tree_util.tree_unflatten(treedef, [v * trend[i] for i, v in enumerate(leaves)])
-
-
 def _is_state(x) -> bool:
     return isinstance(x, OneBitAdamState)
 
@@ -135,8 +151,13 @@ def find_state(opt_state) -> Optional[OneBitAdamState]:
     return found[0] if len(found) == 1 else None
 
 
-def frozen(opt_state, energy):
-    """``opt_state`` with its :class:`OneBitAdamState` marked frozen and this step's per-leaf gradient ``energy``
-    recorded (the compressed step's acts before the update)."""
-    return jax.tree.map(lambda s: s._replace(frozen=jnp.ones([], jnp.bool_), energy=energy) if _is_state(s) else s,
+def frozen(opt_state, nu):
+    """``opt_state`` with its :class:`OneBitAdamState` marked frozen and its variance replaced by ``nu`` (the
+    compressed step's acts before the update: ``nu`` with its block levels tracked, :func:`track_variance`)."""
+    return jax.tree.map(lambda s: s._replace(frozen=jnp.ones([], jnp.bool_), nu=nu) if _is_state(s) else s,
                         opt_state, is_leaf=_is_state)
+
+
+def bias_correction(state: OneBitAdamState) -> jax.Array:
+    """``1 / (1 - b2^nu_count)``: ``nu`` times it is Adam's bias-corrected variance (frozen count after the freeze)."""
+    return 1.0 / (1.0 - state.b2 ** state.nu_count.astype(jnp.float32))

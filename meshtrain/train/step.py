@@ -204,10 +204,11 @@ def _compressed(choice, grad_fn, state, batch, plan: ShardingPlan, grad_sh, ctx)
         grads, model_state, _ = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state)
         grads = jax.tree.map(lambda g: g / denom, grads)
         return total, weight, metrics, grads, optax.tree.norm(grads), model_state, state.opt_state
-    momentum = gc.Momentum(adam.mu, adam.b1, choice.replicas / denom)
-    mu, model_state, energy = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state, momentum)
+    momentum = gc.Momentum(adam.mu, adam.nu, adam.b1, adam.b2, onebit_adam.bias_correction(adam), adam.count,
+                           choice.replicas / denom)
+    mu, model_state, nu = gc.reduce_across_dcn(choice, plan, stacked, grad_sh, model_state, momentum)
     implied = jax.tree.map(lambda new, old: (new - adam.b1 * old) / (1 - adam.b1), mu, adam.mu)
-    opt_state = onebit_adam.frozen(state.opt_state, energy)
+    opt_state = onebit_adam.frozen(state.opt_state, nu)
     return total, weight, metrics, mu, optax.tree.norm(implied), model_state, opt_state
 
 
