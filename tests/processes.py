@@ -41,10 +41,14 @@ DEFAULT_TIMEOUT_S = 600
 #: collectives, shardings and argument bytes are the same; XLA forms fewer, larger loop fusions (tiny fsdp:
 #: 289 against 331) and its temp bytes move by < 0.5 % (fsdp +0.04 %, pp -0.3 %), inside every estimate's
 #: tolerance. A computed value may differ in the last bits from a user's run (other code), which no test
-#: compares across the two: a test compares runs of one suite.
+#: compares across the two: a test compares runs of one suite. (3) One LLVM module per program
+#: (``--xla_cpu_parallel_codegen_split_count=1``): XLA:CPU splits it to compile the parts on several threads,
+#: which on the suite's 2 busy cores only adds work: a tiny fsdp step 0.69 -> 0.57 CPU s (median of 5,
+#: ``Lowered.compile(compiler_options=...)`` alternated in one process); the generated code is the same.
 #: ``MESHTRAIN_TEST_XLA_OPT=default`` leaves XLA's own settings (what a user's run compiles with).
 TEST_XLA_FLAGS = ("" if os.environ.get("MESHTRAIN_TEST_XLA_OPT") == "default"
-                  else "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+                  else "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                       "--xla_cpu_parallel_codegen_split_count=1")
 
 #: For a child that mostly runs steps rather than compiling them (the main job's 25 `small` steps):
 #: XLA's own LLVM level. There -O0 costs more CPU than it saves (main job: 51-54 user s at -O0, 36-38
