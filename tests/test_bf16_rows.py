@@ -28,6 +28,7 @@ needs_kernel = pytest.mark.skipif(not bf16_rows.kernel_ready(), reason=f"no bf16
     ((1, 1, 640), (640, 1728), 1),      # a decode step's MLP projection
     ((2, 3, 37), (37, 5, 7), 1),        # odd sizes: K not a multiple of the vector width, a 2-D output
     ((1, 1, 4, 16), (4, 16, 96), 2),    # the attention output (n, h, d): two contracted dims
+    ((4, 2, 64), (64, 200), 1),         # 8 rows: MAX_ROWS, still the kernel
     ((3, 40, 64), (64, 200), 1),        # 120 rows > MAX_ROWS: XLA's dot on the stored (out, in) weight
 ])
 def test_the_kernel_equals_xla_f32_dot_of_the_same_bf16_weights(x_shape, w_shape, n_in):

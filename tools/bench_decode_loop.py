@@ -15,8 +15,10 @@ vocabulary, untied head: transformers' Flax Llama has no tied head). transformer
 its greedy tokens are checked against meshtrain's (``agree``). Formats: ``none`` (f32), ``bf16``
 (weights and compute; transformers with ``dtype=bfloat16`` and bf16 params), ``int8`` (meshtrain only).
 
-Each round runs every contender ``--repeats`` times for ``--new-tokens`` tokens and ``--repeats`` times for 1
-token on a ``--prompt-len``-token prompt, greedy and with no stop id, after one warm-up (compiling) call of each
+Contenders: ``host``, ``device`` (the engine as the resolved step chooses: bf16 on 1 CPU device uses the
+row kernel, :mod:`meshtrain.kernels.bf16_rows`), ``xla`` (the compiled loop on XLA's dot: bf16 as before the
+kernel) and ``transformers``. Each round runs every contender ``--repeats`` times for ``--new-tokens`` tokens and
+``--repeats`` times for 1 token on a ``--prompt-len``-token prompt, greedy and with no stop id, after one warm-up (compiling) call of each
 length; each figure is the fastest of its calls (on a shared host the fastest is the least disturbed). The
 contenders run one after another in each round, so every round compares them under the same load. Figures,
 the same arithmetic for every contender:

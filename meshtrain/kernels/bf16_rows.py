@@ -41,8 +41,10 @@ import numpy as np
 
 from meshtrain.errors import ConfigError
 
-#: matmuls of at most this many activation rows (batch x new tokens) use the kernel; more use XLA's dot
-MAX_ROWS = 64
+#: matmuls of at most this many activation rows (batch x new tokens) use the kernel; more use XLA's dot. Why 8: the
+#: kernel does 2 x rows flops per weight it reads; past ~8 rows AVX-512 FMAs, not the bytes, bound it (XLA's f32
+#: matmul blocks for many rows; a long prefill or a server's full batch is better there)
+MAX_ROWS = 8
 #: the smallest layer projection (weights) worth the kernel: its FFI call costs ~1-2 us, more than the bytes it
 #: saves below this (``tiny``, 64 x 256: 2x slower with the kernel; llama-114m, 640 x 1728: faster)
 MIN_ELEMENTS = 2 ** 17
