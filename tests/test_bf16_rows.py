@@ -42,8 +42,13 @@ def test_the_kernel_equals_xla_f32_dot_of_the_same_bf16_weights(x_shape, w_shape
     want = jnp.tensordot(x, w.astype(jnp.float32), axes=n_in)
     assert got.shape == want.shape and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    # a bf16 activation with a bf16 weight gives bf16, as x @ w would
-    assert bf16_rows.project(x.astype(jnp.bfloat16), bf16_rows.pack(w, n_in)).dtype == jnp.bfloat16
+    # bf16 activations (a bf16 model's; AVX512-BF16 dot products where the CPU has them): the same products
+    x16 = x.astype(jnp.bfloat16)
+    got16 = jax.jit(bf16_rows.project)(x16, stored)
+    want16 = jnp.tensordot(x16.astype(jnp.float32), w.astype(jnp.float32), axes=n_in)
+    np.testing.assert_allclose(np.asarray(got16), np.asarray(want16), rtol=1e-5, atol=1e-5)
+    # with a bf16 weight the result is bf16, as x @ w would be
+    assert bf16_rows.project(x16, bf16_rows.pack(w, n_in)).dtype == jnp.bfloat16
 
 
 def test_the_resolved_step_chooses_the_kernel_only_where_it_pays():

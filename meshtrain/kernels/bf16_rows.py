@@ -48,8 +48,10 @@ MAX_ROWS = 8
 #: the smallest layer projection (weights) worth the kernel: its FFI call costs ~1-2 us, more than the bytes it
 #: saves below this (``tiny``, 64 x 256: 2x slower with the kernel; llama-114m, 640 x 1728: faster)
 MIN_ELEMENTS = 2 ** 17
-#: the FFI target's name
+#: the FFI targets' names: f32 activations, and bf16 ones (a bf16 model's: AVX512-BF16 dot products where the CPU
+#: has them; the products of two bf16 are exact in f32 either way)
 TARGET = "meshtrain_bf16_rows"
+TARGET_BF16 = "meshtrain_bf16_rows_bf16"
 _SOURCE = os.path.join(os.path.dirname(__file__), "bf16_rows.cc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC", "-w")
 
@@ -91,11 +93,12 @@ def project(x, w: RowsWeight):
     if tuple(x.shape[x.ndim - w.n_in:]) != tuple(ins):
         raise ConfigError(f"project: x {x.shape} does not end in the weight's input dims {ins}")  # a bug, not input
     lead = x.shape[:x.ndim - w.n_in]
-    x_mk = x.reshape(-1, math.prod(ins)).astype(jnp.float32)  # bf16 -> f32 is exact
+    x_mk = x.reshape(-1, math.prod(ins))
     if x_mk.shape[0] <= MAX_ROWS:
-        y_mn = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x_mk.shape[0], w.wt.shape[0]), jnp.float32))(x_mk, w.wt)
-    else:
-        y_mn = jnp.einsum("mk,nk->mn", x_mk, w.wt.astype(jnp.float32))
+        target, x_mk = (TARGET_BF16, x_mk) if x_mk.dtype == jnp.bfloat16 else (TARGET, x_mk.astype(jnp.float32))
+        y_mn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x_mk.shape[0], w.wt.shape[0]), jnp.float32))(x_mk, w.wt)
+    else:  # bf16 -> f32 is exact
+        y_mn = jnp.einsum("mk,nk->mn", x_mk.astype(jnp.float32), w.wt.astype(jnp.float32))
     return y_mn.reshape(*lead, *outs).astype(jnp.result_type(x.dtype, jnp.dtype(w.dtype)))
 
 
@@ -149,16 +152,18 @@ def _ready() -> Tuple[bool, str]:
     try:
         library = ctypes.cdll.LoadLibrary(_build())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MeshtrainBf16Rows), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(library.MeshtrainBf16RowsBf16), platform="cpu")
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         return False, f"{type(e).__name__}: {e} {detail.decode(errors='replace')[-300:]}".strip()
     # the built kernel must agree with XLA before any step relies on it
     x = np.linspace(-1, 1, 3 * 37, dtype=np.float32).reshape(3, 37)
     w = jnp.asarray(np.cos(np.arange(37 * 21, dtype=np.float32)).reshape(37, 21)).astype(jnp.bfloat16)
-    got = np.asarray(jax.jit(project)(jnp.asarray(x), pack(w, 1, "float32")))
-    want = x @ np.asarray(w.astype(jnp.float32))
-    if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
-        return False, f"the built kernel disagrees with XLA's dot by {np.max(np.abs(got - want)):.3g}"
+    for x_in in (jnp.asarray(x), jnp.asarray(x).astype(jnp.bfloat16)):
+        got = np.asarray(jax.jit(project)(x_in, pack(w, 1, "float32")))
+        want = np.asarray(x_in.astype(jnp.float32)) @ np.asarray(w.astype(jnp.float32))
+        if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return False, f"the built kernel disagrees with XLA's dot by {np.max(np.abs(got - want)):.3g}"
     return True, "built"
 
 
