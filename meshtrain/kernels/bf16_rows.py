@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -37,6 +38,7 @@ from typing import Tuple
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from meshtrain.errors import ConfigError
@@ -120,8 +122,6 @@ def _cpu_id() -> str:
 def _build() -> str:
     """The kernel's shared library, compiled once per source, compiler flags, jaxlib and CPU (atomic rename: test
     workers may build at once); raises ``OSError`` / ``subprocess.SubprocessError`` when it cannot."""
-    import jaxlib
-
     with open(_SOURCE, "rb") as f:
         source = f.read()
     cxx = os.environ.get("CXX", "c++")
@@ -145,8 +145,6 @@ def _build() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _ready() -> Tuple[bool, str]:
-    import ctypes
-
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return False, f"untested CPU architecture {platform.machine()!r}"
     try:
