@@ -28,7 +28,9 @@ are done from the start.
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
 (:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step (bf16 on
-XLA:CPU, which converts to f32 for every matmul: once per generation, :attr:`Engine.hoist_bf16`). The
+XLA:CPU, which converts to f32 for every matmul: once per generation, :attr:`Engine.hoist_bf16`; or, where the
+resolved step says ``DecodeMatmul.BF16_ROWS``, not at all: the layers' projections and an untied head are stored
+``(out, in)`` and multiplied as stored by :mod:`meshtrain.kernels.bf16_rows`, :attr:`Engine.rows_kernel`). The
 logits of an untied head are f32 whatever the weights' format (a tied head shares the embedding table,
 which stays in the compute dtype so that the residual stream does too): bf16 logits near the top are
 0.03-0.06 apart and tie exactly (argmax then picks the lower token id): 14 of the 17 held-out positions
