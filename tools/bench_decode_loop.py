@@ -15,8 +15,10 @@ vocabulary, untied head: transformers' Flax Llama has no tied head). transformer
 its greedy tokens are checked against meshtrain's (``agree``). Formats: ``none`` (f32), ``bf16``
 (weights and compute; transformers with ``dtype=bfloat16`` and bf16 params), ``int8`` (meshtrain only).
 
-Each round runs every contender ``--repeats`` times for ``--new-tokens`` tokens and ``--repeats`` times for 1
-token on a ``--prompt-len``-token prompt, greedy and with no stop id, after one warm-up (compiling) call of each
+Contenders: ``host``, ``device`` (the engine as the resolved step chooses: bf16 on 1 CPU device uses the
+row kernel, :mod:`meshtrain.kernels.bf16_rows`), ``xla`` (the compiled loop on XLA's dot: bf16 as before the
+kernel) and ``transformers``. Each round runs every contender ``--repeats`` times for ``--new-tokens`` tokens and
+``--repeats`` times for 1 token on a ``--prompt-len``-token prompt, greedy and with no stop id, after one warm-up (compiling) call of each
 length; each figure is the fastest of its calls (on a shared host the fastest is the least disturbed). The
 contenders run one after another in each round, so every round compares them under the same load. Figures,
 the same arithmetic for every contender:
@@ -160,9 +162,12 @@ def bench_model(name: str, fmt: str, args) -> list:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     new = load(model, recipe="dp", devices=1, quantize=fmt).engine
     old = Engine(cfg, params, new.plan, weights=fmt, loop="host") if "host" in args.contenders else None
+    # the compiled loop with XLA's dot whatever the resolved step would choose (bf16: before the row kernel)
+    xla = Engine(cfg, params, new.plan, weights=fmt, decode_matmul="xla") if "xla" in args.contenders else None
     prompt = [[(7 * t + 3) % cfg.vocab_size for t in range(args.prompt_len)]]
     n = args.new_tokens
-    calls = {"host": lambda k: old.run(prompt, k), "device": lambda k: new.run(prompt, k)}
+    calls = {"host": lambda k: old.run(prompt, k), "device": lambda k: new.run(prompt, k),
+             "xla": lambda k: xla.run(prompt, k)}
     calls = {k: f for k, f in calls.items() if k in args.contenders}
     hf = None
     if fmt in ("none", "bf16") and "transformers" in args.contenders:
@@ -178,7 +183,8 @@ def bench_model(name: str, fmt: str, args) -> list:
     floor = bytes_per_token(new, args.prompt_len, n)
     rows = []
     for r in range(args.rounds):
-        row = {"model": name, "format": fmt, "round": r, "load_before": os.getloadavg()}
+        row = {"model": name, "format": fmt, "round": r, "load_before": os.getloadavg(),
+               "decode_matmul": "bf16_rows" if new.rows_kernel else "xla"}
         for k, f in calls.items():
             full = min((timed(f, n) for _ in range(args.repeats)), key=lambda x: x[1])
             one = min(timed(f, 1)[1] for _ in range(args.repeats))
@@ -199,8 +205,8 @@ def summary(rows, bandwidth: float) -> str:
              f"{r0['cache_bytes'] / 2 ** 20:.2f} MiB -> floor "
              f"{1e3 * (r0['weight_bytes'] + r0['cache_bytes']) / bandwidth:.2f} ms/token "
              f"({bandwidth / (r0['weight_bytes'] + r0['cache_bytes']):.0f} tokens/s); greedy tokens equal "
-             f"transformers': {r0['agree_with_transformers']}"]
-    kinds = [k for k in ("host", "device", "transformers") if k in r0]
+             f"transformers': {r0['agree_with_transformers']}; device's matmuls: {r0['decode_matmul']}"]
+    kinds = [k for k in ("host", "xla", "device", "transformers") if k in r0]
     for r in rows:
         cells = "  ".join(f"{k} e2e {r[k]['e2e']:7.1f} dec {r[k]['decode'] or 0:7.1f}" for k in kinds)
         vs = (f"  device/transformers e2e {r['device']['e2e'] / r['transformers']['e2e']:.2f}x "
@@ -210,11 +216,12 @@ def summary(rows, bandwidth: float) -> str:
     for fig in ("decode", "e2e"):
         med = {k: statistics.median(r[k][fig] or 0 for r in rows) for k in kinds}
         lines.append(f"  median {fig} tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
-    if "transformers" in kinds and "device" in kinds:
-        ratios = {fig: statistics.median(r["device"][fig] / r["transformers"][fig] for r in rows
-                                         if r["device"][fig] and r["transformers"][fig]) for fig in ("decode", "e2e")}
-        lines.append(f"  median of the per-round ratios device/transformers: decode {ratios['decode']:.2f}x, "
-                     f"e2e {ratios['e2e']:.2f}x")
+    for other in ("transformers", "xla"):
+        if other in kinds and "device" in kinds:
+            ratios = {fig: statistics.median(r["device"][fig] / r[other][fig] for r in rows
+                                             if r["device"][fig] and r[other][fig]) for fig in ("decode", "e2e")}
+            lines.append(f"  median of the per-round ratios device/{other}: decode {ratios['decode']:.2f}x, "
+                         f"e2e {ratios['e2e']:.2f}x")
     return "\n".join(lines)
 
 
@@ -227,7 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10, help="each figure of a round: the fastest of this many calls")
     p.add_argument("--contenders", nargs="+", default=["host", "device", "transformers"],
-                   help="which to run: host (per-token loop), device (compiled loop), transformers")
+                   help="which to run: host (per-token loop), device (compiled loop, matmuls as the resolved step "
+                        "chooses), xla (compiled loop, XLA's dot: bf16 before the row kernel), transformers")
     p.add_argument("--bandwidth", action="store_true", help="only measure the copy bandwidth")
     p.add_argument("--json", action="store_true", help="one JSON object per round")
     args = p.parse_args(argv)

@@ -28,7 +28,9 @@ are done from the start.
 **Weights in the step**: the layer stack stays as stored (int8, or in host memory with
 ``WeightMemory.HOST``) and each layer is brought into compute form inside the layer loop, when it runs
 (:meth:`Engine._load_layer`); everything outside the stack is converted at the top of the step (bf16 on
-XLA:CPU, which converts to f32 for every matmul: once per generation, :attr:`Engine.hoist_bf16`). The
+XLA:CPU, which converts to f32 for every matmul: once per generation, :attr:`Engine.hoist_bf16`; or, where the
+resolved step says ``DecodeMatmul.BF16_ROWS``, not at all: the layers' projections and an untied head are stored
+``(out, in)`` and multiplied as stored by :mod:`meshtrain.kernels.bf16_rows`, :attr:`Engine.rows_kernel`). The
 logits of an untied head are f32 whatever the weights' format (a tied head shares the embedding table,
 which stays in the compute dtype so that the residual stream does too): bf16 logits near the top are
 0.03-0.06 apart and tie exactly (argmax then picks the lower token id): 14 of the 17 held-out positions
@@ -66,10 +68,11 @@ from meshtrain.generation.sampling import Sampling, choose_with_logprobs, token_
 from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
                                           place_layers, store_weights, weight_bytes_per_device, weight_format,
                                           weight_memory)
+from meshtrain.kernels import bf16_rows
 from meshtrain.models.configs import model_factory
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.precision import cast_floats
-from meshtrain.parallel.resolved import resolve_step
+from meshtrain.parallel.resolved import DecodeMatmul, resolve_step
 
 
 #: the untied output projection: its logits are computed in f32 (see ``Engine._model``)
@@ -79,6 +82,30 @@ HEAD = "lm_head_dv"
 def generation_config(cfg: DecoderConfig) -> DecoderConfig:
     """``cfg`` as generation runs it: MoE layers dropless (see the module docstring)."""
     return dataclasses.replace(cfg, capacity_factor=None) if cfg.n_experts else cfg
+
+
+#: the layer weights the row kernel takes, and how many leading dims each contracts (the rest are its outputs)
+ROWS_WEIGHTS = {"wq_dnh": 1, "wk_dkh": 1, "wv_dkh": 1, "wo_nhd": 2, "gate_df": 1, "up_df": 1, "down_fd": 1}
+
+
+def pack_rows(stored):
+    """``stored`` (bf16 weights, the layers one tree per layer) with each layer's dense matmul weights
+    (:data:`ROWS_WEIGHTS`; an MoE layer's experts stay as they are) and an untied head as
+    :class:`~meshtrain.kernels.bf16_rows.RowsWeight` (stored ``(out, in)``; the head's products in f32, as its
+    logits are). One compiled program: the ``(in, out)`` arrays are freed after."""
+
+    def pack_layer(tree):
+        return {k: (pack_layer(v) if isinstance(v, dict) else
+                    bf16_rows.pack(v, ROWS_WEIGHTS[k]) if k in ROWS_WEIGHTS and v.ndim == ROWS_WEIGHTS[k] + 1
+                    + (k in ("wq_dnh", "wk_dkh", "wv_dkh")) else v) for k, v in tree.items()}
+
+    def pack_all(stored):
+        out = {**stored, LAYERS: tuple(pack_layer(layer) for layer in stored[LAYERS])}
+        if HEAD in stored:
+            out[HEAD] = bf16_rows.pack(stored[HEAD], 1, "float32")
+        return out
+
+    return jax.jit(pack_all, donate_argnums=0)(stored)
 
 
 def check_prompts(cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
@@ -178,21 +205,33 @@ class Engine:
     ``memory``: where the layer weights live between steps (:class:`WeightMemory`); ``loop``: where
     the decode loop runs (:class:`DecodeLoop`: ``device``, one compiled loop, unless comparing with
     the per-token ``host`` loop). With the layers on the device and the compiled loop, the layer stack
-    is stored one array per layer (``layered``); streamed from host memory it stays stacked and scanned."""
+    is stored one array per layer (``layered``); streamed from host memory it stays stacked and scanned.
+    ``decode_matmul``: ``None`` lets the resolved step choose (:class:`DecodeMatmul`: bf16 weights on 1 CPU device
+    are multiplied as stored by :mod:`meshtrain.kernels.bf16_rows`); ``"xla"`` keeps XLA's dot."""
 
     def __init__(self, cfg: DecoderConfig, params, plan, *, weights: "WeightFormat | str" = WeightFormat.NONE,
-                 memory: "WeightMemory | str" = WeightMemory.DEVICE, loop: "DecodeLoop | str" = DecodeLoop.DEVICE):
+                 memory: "WeightMemory | str" = WeightMemory.DEVICE, loop: "DecodeLoop | str" = DecodeLoop.DEVICE,
+                 decode_matmul: Optional[str] = None):
         self.cfg = generation_config(cfg)
         self.plan = plan
         self.weights = weight_format(weights)
         self.memory = weight_memory(memory)
         self.loop = decode_loop_kind(loop)
         self.layered = self.loop is DecodeLoop.DEVICE and self.memory is WeightMemory.DEVICE
+        # the plan's step, decoding: dense attention over the cache, and how the layers' matmuls run
+        c = self.cfg
+        largest = c.d_model * max(c.d_ff if not c.n_experts else 0, c.n_heads * c.head_dim)
+        step = resolve_step(plan).for_generation(self.weights.value, plan.mesh.size, self.layered,
+                                                 bf16_rows.kernel_ready, decode_matmul, largest)
+        #: bf16 weights multiplied as stored (the layers' matmul weights and an untied head kept (out, in))
+        self.rows_kernel = step.decode_matmul is DecodeMatmul.BF16_ROWS
         abstract = abstract_state(model_factory(self.cfg))
         self.graphdef, self.model_state = abstract.graphdef, abstract.model_state
         stored = store_weights(jax.device_put(params, plan.param_shardings), self.weights)
         if self.layered:
             stored = {**stored, LAYERS: unstack_layers(stored[LAYERS], self.cfg.n_layers)}
+            if self.rows_kernel:
+                stored = pack_rows(stored)
             # the stack's shapes stand in for the blocks when the model is merged (layered_forward runs
             # each block from its own arrays); the graph of one block comes from them
             self._stack_shapes = abstract.params[LAYERS]
@@ -202,7 +241,6 @@ class Engine:
         compute = {WeightFormat.NONE: plan.recipe.compute_dtype}.get(self.weights, "bfloat16")
         self.compute_dtype = jnp.dtype(compute)
         r = plan.recipe
-        step = resolve_step(plan).for_generation()  # the plan's step, decoding: dense attention over the cache
         self.ctx = StepContext(plan.mesh, plan.rules, r.replicate_ok() | REPLICATE_OK, step.remat,
                                step.attention.kind, tuple(r.strategies), step.layer_loop, step.scan_unroll,
                                resolved=step)
@@ -210,8 +248,9 @@ class Engine:
         #: bf16 weights on XLA:CPU, which has no bf16 matmul and converts each weight to f32 for it: the compiled
         #: loop converts them once per generation (an f32 copy of the weights while it decodes, as transformers'
         #: Flax ``generate`` does), not at every step (which read 2 + wrote 4 + read 4 bytes per weight and token)
+        #: (not with the row kernel: it reads the bf16 weights as stored)
         self.hoist_bf16 = (self.weights is WeightFormat.BF16 and self.memory is WeightMemory.DEVICE
-                           and plan.mesh.devices.flat[0].platform == "cpu")
+                           and plan.mesh.devices.flat[0].platform == "cpu" and not self.rows_kernel)
         self._steps: Dict[Sampling, Tuple] = {}
         self._row_shardings: Dict[Tuple[int, int], NamedSharding] = {}
 
@@ -249,7 +288,9 @@ class Engine:
         weights = {k: (v if k == LAYERS else self._compute_form(v)) for k, v in params.items()}
         if self.layered:
             weights[LAYERS] = self._stack_shapes  # not read: layered_forward runs the blocks
-        if HEAD in params:
+        if HEAD in params and isinstance(params[HEAD], bf16_rows.RowsWeight):
+            weights[HEAD] = params[HEAD]  # packed with dtype f32: f32 logits from the bf16 weights as stored
+        elif HEAD in params:
             # logits in f32: bf16 logits (8 mantissa bits, ~0.03 apart near |logit| 8) tie exactly, and
             # argmax then takes the lower token id (see the module docstring)
             weights[HEAD] = dequantize(params[HEAD], jnp.float32).astype(jnp.float32)
@@ -295,7 +336,8 @@ class Engine:
                 # converted copy of every weight for the whole decode (int8 would then not stay int8). bf16 on
                 # XLA:CPU goes without it (see hoist_bf16): the per-step bf16 -> f32 conversion halved its speed
                 # weights stored in compute form (f32 as trained) convert nothing: no barrier either
-                stored = params if self.hoist_bf16 or self.weights is WeightFormat.NONE else \
+                # nor with the row kernel (it reads bf16 as stored; only the norms' scales convert)
+                stored = params if self.hoist_bf16 or self.rows_kernel or self.weights is WeightFormat.NONE else \
                     jax.lax.optimization_barrier((params, c.index))[0]
                 return self._forward(stored, tokens_bt, c)
 

@@ -25,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtrain import fp8
 from meshtrain.annotate import constrain, scan_layers
 from meshtrain.errors import ConfigError
+from meshtrain.kernels.bf16_rows import RowsWeight, project
 from meshtrain.models.moe import MoE, MoEConfig, find_moe_stats, pop_moe_stats
 from meshtrain.parallel.attention import attention
 from meshtrain.parallel.context import layout_positions
@@ -113,6 +114,15 @@ class DecoderConfig:
         return self.num_params(active=True)
 
 
+def _dense(equation: str, x, w, meta):
+    """A projection ``jnp.einsum(equation, x, w)`` (FP8 with ``meta``), or, when the generation engine stored ``w``
+    for the bf16 row kernel (a :class:`~meshtrain.kernels.bf16_rows.RowsWeight`: only when its resolved step
+    says ``DecodeMatmul.BF16_ROWS``), the same product read as stored. Training never sees a ``RowsWeight``."""
+    if isinstance(w, RowsWeight):
+        return project(x, w)
+    return fp8.einsum(equation, x, w, meta)
+
+
 def _init(in_axis, out_axis):
     return jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
 
@@ -180,9 +190,9 @@ class Attention(nnx.Module):
         """Queries (``lay.padded_heads`` heads: zero heads appended when padded for ``tensor``), keys and values
         (``n_kv_heads``), rotated."""
         wq_dnh = lay.pad_heads(self.wq_dnh[...], 1, ("embed", "heads", "head_dim"))
-        q = fp8.einsum("btd,dnh->btnh", x_btd, wq_dnh, self.fp8_q)
-        k = fp8.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...], self.fp8_k)
-        v = fp8.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...], self.fp8_v)
+        q = _dense("btd,dnh->btnh", x_btd, wq_dnh, self.fp8_q)
+        k = _dense("btd,dkh->btkh", x_btd, self.wk_dkh[...], self.fp8_k)
+        v = _dense("btd,dkh->btkh", x_btd, self.wv_dkh[...], self.fp8_v)
         if self.qkv_bias:
             q = q + lay.pad_heads(self.bq_nh[...], 0, ("heads", "head_dim"))
             k, v = k + self.bk_kh[...], v + self.bv_kh[...]
@@ -199,6 +209,8 @@ class Attention(nnx.Module):
         row-major ``wo_nhd``; the two-axis contraction made XLA:CPU transpose ``wo_nhd`` at every decode step."""
         o = constrain(o_btnh, ("batch", "seq", "heads", "head_dim"))
         wo_nhd = lay.pad_heads(self.wo_nhd[...], 0, ("heads", "head_dim", "embed"))  # zero rows: padding adds 0
+        if isinstance(wo_nhd, RowsWeight):
+            return project(o, wo_nhd)
         if flat and self.fp8_o is None:
             b, t, n, h = o.shape
             return o.reshape(b, t, n * h) @ wo_nhd.reshape(n * h, wo_nhd.shape[-1])
@@ -276,10 +288,10 @@ class MLP(nnx.Module):
         self.fp8_gate, self.fp8_up, self.fp8_down = (fp8.dot_meta() for _ in range(3))  # None unless FP8
 
     def __call__(self, x_btd):
-        gate_btf = fp8.einsum("btd,df->btf", x_btd, self.gate_df[...], self.fp8_gate)
-        h_btf = ACTIVATIONS[self.activation](gate_btf) * fp8.einsum("btd,df->btf", x_btd, self.up_df[...], self.fp8_up)
+        gate_btf = _dense("btd,df->btf", x_btd, self.gate_df[...], self.fp8_gate)
+        h_btf = ACTIVATIONS[self.activation](gate_btf) * _dense("btd,df->btf", x_btd, self.up_df[...], self.fp8_up)
         h_btf = checkpoint_name(constrain(h_btf, ("batch", "seq", "mlp")), "mlp_hidden")
-        return fp8.einsum("btf,fd->btd", h_btf, self.down_fd[...], self.fp8_down)
+        return _dense("btf,fd->btd", h_btf, self.down_fd[...], self.fp8_down)
 
 
 class Block(nnx.Module):
@@ -363,7 +375,7 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("btd,vd->btv", x_btd, self.embedding_vd[...])
             logits = logits * scale if scale != 1.0 else logits
         else:
-            logits = x_btd @ self.lm_head_dv[...]
+            logits = _dense("btd,dv->btv", x_btd, self.lm_head_dv[...], None)
         return constrain(logits, ("batch", "seq", "vocab"))
 
     # -- generation: the same layers against a KV cache --------------------------------------------

@@ -17,13 +17,15 @@ Hopper; splash needs a TPU) live here and nowhere else. Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Tuple
+import enum
+from typing import Callable, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from meshtrain.annotate import StepContext
 from meshtrain.errors import ConfigError
+from meshtrain.kernels.bf16_rows import MIN_ELEMENTS as ROWS_MIN_ELEMENTS
 from meshtrain.parallel.grad_compression import CompressionChoice
 from meshtrain.parallel.grad_compression import resolve as resolve_compression
 from meshtrain.parallel.heads import HeadLayout, plan_heads
@@ -179,6 +181,15 @@ class AttentionChoice:
             raise ConfigError(self.refused)
 
 
+class DecodeMatmul(str, enum.Enum):
+    """How a generation step multiplies by its layers' weights. ``xla``: XLA's dot (on XLA:CPU a bf16 weight is
+    converted to an f32 copy first). ``bf16_rows``: bf16 weights stored ``(out, in)`` and multiplied as stored by
+    :mod:`meshtrain.kernels.bf16_rows` (half the bytes a decode step reads; XLA:CPU, 1 device, bf16 weights)."""
+
+    XLA = "xla"
+    BF16_ROWS = "bf16_rows"
+
+
 @dataclasses.dataclass(frozen=True)
 class ResolvedStep:
     """Everything a step needs, decided once by :func:`resolve_step` (see the module docstring).
@@ -211,6 +222,8 @@ class ResolvedStep:
     expert_exchange: ExpertExchange = ExpertExchange()
     #: the gradient reduction over `data` across DCN (:mod:`meshtrain.parallel.grad_compression`)
     grad_compression: CompressionChoice = CompressionChoice(GradCompression.NONE)
+    #: generation only (:meth:`for_generation`): the layers' matmuls; training always multiplies with XLA's dot
+    decode_matmul: DecodeMatmul = DecodeMatmul.XLA
 
     @property
     def batch_splits(self) -> int:
@@ -221,12 +234,36 @@ class ResolvedStep:
         """``(SCAN or UNROLLED, layers per iteration)`` for a stack of ``n_layers`` (:func:`resolve_layer_loop`)."""
         return resolve_layer_loop(self.layer_loop, n_layers, self.remat, self.scan_unroll)
 
-    def for_generation(self) -> "ResolvedStep":
-        """The step the generation engine runs: no remat (nothing to differentiate) and dense attention over the
-        KV cache (decode attends one token to the cache; prefill writes the cache the same way)."""
+    def for_generation(self, weights: str = "none", devices: int = 1, layered: bool = False,
+                       kernel_ready: Callable[[], bool] = lambda: False, prefer: Optional[str] = None,
+                       largest_matmul: int = 0) -> "ResolvedStep":
+        """The step the generation engine runs: no remat (nothing to differentiate), dense attention over the
+        KV cache (decode attends one token to the cache; prefill writes the cache the same way), and its
+        :class:`DecodeMatmul`: ``bf16_rows`` for ``weights="bf16"`` on XLA:CPU on 1 device with the layers
+        stored one array per layer (``layered``: the compiled decode loop, weights on the device), a layer's
+        largest projection of at least :data:`~meshtrain.kernels.bf16_rows.MIN_ELEMENTS` weights (``largest_matmul``;
+        below it the kernel's call costs more than the bytes it saves: ``tiny`` decodes 2x slower with it), when
+        ``kernel_ready()`` (called only then: it builds the kernel) says the kernel is built; else ``xla``.
+        ``prefer="xla"`` keeps XLA's dot (the reference the kernel is tested and benchmarked against).
+        Example: ``resolve_step(plan).for_generation("bf16", plan.mesh.size, True, kernel_ready)``."""
         dense = AttentionChoice(AttentionKind.DENSE, ContextLayout(AttentionKind.DENSE), None,
                                 "dense (generation: XLA dot-product attention over the KV cache)", "partitioned by XLA")
-        return dataclasses.replace(self, attention=dense, remat=Remat.NONE)
+        if prefer not in (None, *(m.value for m in DecodeMatmul)):
+            raise ConfigError(f"decode matmul {prefer!r}: use one of {[m.value for m in DecodeMatmul]} (or leave it "
+                              f"unset: chosen by platform and weights)")
+        choice = DecodeMatmul.XLA
+        if prefer != DecodeMatmul.XLA.value:
+            eligible = (self.target.platform == "cpu" and weights == "bf16" and devices == 1 and layered
+                        and largest_matmul >= ROWS_MIN_ELEMENTS)
+            if eligible and kernel_ready():
+                choice = DecodeMatmul.BF16_ROWS
+            elif prefer is not None:
+                raise ConfigError(f"decode matmul 'bf16_rows' needs bf16 weights on 1 CPU device with the compiled "
+                                  f"decode loop (got weights {weights!r}, {devices} device(s), platform "
+                                  f"{self.target.platform!r}, layered {layered}, largest projection {largest_matmul} "
+                                  f"weights, at least {ROWS_MIN_ELEMENTS}) and a C++ compiler for the kernel; "
+                                  f"leave it unset to let the engine choose")
+        return dataclasses.replace(self, attention=dense, remat=Remat.NONE, decode_matmul=choice)
 
 
 def packed_batch(plan) -> bool:
