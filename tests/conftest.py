@@ -43,6 +43,8 @@ _OWN_SESSION = None
 if "PYTEST_XDIST_WORKER" not in os.environ:
     _OWN_SESSION = tempfile.mkdtemp(prefix="meshtrain-tests-session-")
     os.environ["MESHTRAIN_TEST_SESSION"] = _OWN_SESSION
+    # the bf16 row kernel (meshtrain/kernels) is built once per session, into it, not the user's ~/.cache
+    os.environ.setdefault("MESHTRAIN_KERNEL_CACHE", os.path.join(_OWN_SESSION, "kernels"))
 
 import jax  # noqa: E402
 
