@@ -26,6 +26,7 @@ import re
 from typing import Iterator, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
@@ -116,7 +117,25 @@ def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
                  else (LayerLoop.SCAN, 1))
     # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
     # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
-    return jax.lax.scan(remat(layer, prevent_cse=unroll > 1), carry, layers, length=length, unroll=unroll)
+    body = remat(layer, prevent_cse=unroll > 1)
+    if unroll >= n > 0 and body is layer:
+        return _unrolled_layers(layer, carry, layers, n)
+    return jax.lax.scan(body, carry, layers, length=length, unroll=unroll)
+
+
+def _unrolled_layers(layer, carry, layers, n: int):
+    """The stack as straight-line Python calls, layer ``i`` on ``layers[i]``; outputs stacked as a scan would.
+
+    Why not ``lax.scan(unroll=n)``: its forward and its transposed (backward) loop each slice the stacked
+    weights, so under FSDP the partitioner all-gathers every weight twice (XLA does not merge collectives).
+    Called directly, the backward matmuls reuse the forward's gathered weight: ``small`` / ``fsdp`` on 8 CPU
+    devices, 76 all-gathers of 24.3 MiB became 48 of 12.3 MiB, the same losses bit for bit
+    (BENCHMARKS.md, "CPU step vs EasyDeL"). Only without remat: a remat policy wants the recomputation."""
+    outs = []
+    for i in range(n):
+        carry, out = layer(carry, jax.tree.map(lambda x, i=i: x[i], layers))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
 
 def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "activation"):
