@@ -82,6 +82,23 @@ def current_step_context() -> Optional[StepContext]:
     return _ACTIVE.get()
 
 
+_UNROLLED_AS_SCAN: contextvars.ContextVar[bool] = contextvars.ContextVar("meshtrain_unrolled_as_scan", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_as_scan() -> Iterator[None]:
+    """Trace a fully unrolled stack as ``lax.scan(unroll=n)`` instead of direct calls (:func:`scan_layers`).
+
+    For the planner's traced residuals (:mod:`meshtrain.analysis`): the same arithmetic and the same residuals,
+    but stacked per layer (``(L, ...)``), the shape its formulas read; the direct calls' per-layer weight slices
+    would otherwise read as activations. Example: ``with unrolled_as_scan(): jax.make_jaxpr(residuals)(...)``."""
+    token = _UNROLLED_AS_SCAN.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED_AS_SCAN.reset(token)
+
+
 def remat(fn, policy: Optional[Remat] = None, *, prevent_cse: bool = False):
     """Wrap a layer function in ``jax.checkpoint`` with the recipe's remat policy.
 
@@ -118,7 +135,7 @@ def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
     # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
     # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
     body = remat(layer, prevent_cse=unroll > 1)
-    if unroll >= n > 0 and body is layer:
+    if unroll >= n > 0 and body is layer and not _UNROLLED_AS_SCAN.get():
         return _unrolled_layers(layer, carry, layers, n)
     return jax.lax.scan(body, carry, layers, length=length, unroll=unroll)
 
