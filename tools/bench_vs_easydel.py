@@ -241,6 +241,9 @@ class Worker:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=60)
+        self.log.close()
+        if self.proc.returncode == 0:   # keep a failed worker's log for the error message's path
+            os.unlink(self.log.name)
 
 
 def _rounds(ours: Worker, peer: Worker, args):
