@@ -26,6 +26,7 @@ import re
 from typing import Iterator, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
@@ -81,6 +82,23 @@ def current_step_context() -> Optional[StepContext]:
     return _ACTIVE.get()
 
 
+_UNROLLED_AS_SCAN: contextvars.ContextVar[bool] = contextvars.ContextVar("meshtrain_unrolled_as_scan", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_as_scan() -> Iterator[None]:
+    """Trace a fully unrolled stack as ``lax.scan(unroll=n)`` instead of direct calls (:func:`scan_layers`).
+
+    For the planner's traced residuals (:mod:`meshtrain.analysis`): the same arithmetic and the same residuals,
+    but stacked per layer (``(L, ...)``), the shape its formulas read; the direct calls' per-layer weight slices
+    would otherwise read as activations. Example: ``with unrolled_as_scan(): jax.make_jaxpr(residuals)(...)``."""
+    token = _UNROLLED_AS_SCAN.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED_AS_SCAN.reset(token)
+
+
 def remat(fn, policy: Optional[Remat] = None, *, prevent_cse: bool = False):
     """Wrap a layer function in ``jax.checkpoint`` with the recipe's remat policy.
 
@@ -116,7 +134,25 @@ def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
                  else (LayerLoop.SCAN, 1))
     # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
     # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
-    return jax.lax.scan(remat(layer, prevent_cse=unroll > 1), carry, layers, length=length, unroll=unroll)
+    body = remat(layer, prevent_cse=unroll > 1)
+    if unroll >= n > 0 and body is layer and not _UNROLLED_AS_SCAN.get():
+        return _unrolled_layers(layer, carry, layers, n)
+    return jax.lax.scan(body, carry, layers, length=length, unroll=unroll)
+
+
+def _unrolled_layers(layer, carry, layers, n: int):
+    """The stack as straight-line Python calls, layer ``i`` on ``layers[i]``; outputs stacked as a scan would.
+
+    Why not ``lax.scan(unroll=n)``: its forward and its transposed (backward) loop each slice the stacked
+    weights, so under FSDP the partitioner all-gathers every weight twice (XLA does not merge collectives).
+    Called directly, the backward matmuls reuse the forward's gathered weight: ``small`` / ``fsdp`` on 8 CPU
+    devices, 76 all-gathers of 24.3 MiB became 48 of 12.3 MiB, the same losses bit for bit
+    (BENCHMARKS.md, "CPU step vs EasyDeL"). Only without remat: a remat policy wants the recomputation."""
+    outs = []
+    for i in range(n):
+        carry, out = layer(carry, jax.tree.map(lambda x, i=i: x[i], layers))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
 
 def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "activation"):

@@ -76,7 +76,7 @@ def test_model_flops_per_token_is_six_n_plus_causal_attention():
 
 def _traced_residual_bytes(cfg, batch, seq, remat):
     """Bytes of what the real model's loss VJP saves (the reference the formulas must reproduce)."""
-    from meshtrain.annotate import StepContext, step_context
+    from meshtrain.annotate import StepContext, step_context, unrolled_as_scan
     from meshtrain.rules import AxisRules
     from meshtrain.train.step import next_token_loss
 
@@ -92,7 +92,8 @@ def _traced_residual_bytes(cfg, batch, seq, remat):
                 return next_token_loss(nnx.merge(abstract.graphdef, p, abstract.model_state), data)[0]
         return jax.tree.leaves(jax.vjp(loss, params)[1])
 
-    with jax.sharding.use_abstract_mesh(mesh):
+    # the layers as a scan (stacked residuals): unrolled, the per-layer weight slices would read as activations
+    with jax.sharding.use_abstract_mesh(mesh), unrolled_as_scan():
         saved = jax.eval_shape(residuals, abstract.params, data)
     params = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(abstract.params)}
     return sum(x.size * x.dtype.itemsize for x in saved if (tuple(x.shape), str(x.dtype)) not in params)

@@ -195,3 +195,27 @@ def test_serve_benchmark_alternates_batched_and_one_after_another_rows_and_divid
     made = [row(16, 64, 400.0), row(seq, 64, 100.0), row(seq, 1, 80.0), row(16, 64, 440.0), row(seq, 64, 120.0),
             row(seq, 1, 90.0), row(16, 64, 300.0)]
     assert bench.ratios(made, args) == {"same_server": round(400 / 110, 2), "one_slot": round(400 / 85, 2)}
+
+
+def test_bench_vs_easydel_falls_back_to_the_hand_written_step_and_alternates_rounds():
+    # Without --peer-python the peer is tools/bench_overhead.py's hand-written step: the same model, plan, data and
+    # optimizer, so both report the same first loss, parameters and (within XLA's own counting) FLOPs. No speed check.
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=processes.TEST_XLA_FLAGS)
+    out = processes.run([sys.executable, os.path.join(ROOT, "tools", "bench_vs_easydel.py"), "--model", "tiny",
+                         "--batch-size", "8", "--seq-len", "32", "--warmup", "1", "--steps", "2", "--rounds", "2",
+                         "--max-ratio", "inf", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    rounds = re.findall(r"round (\d): meshtrain [0-9.]+ ms, hand-written [0-9.]+ ms, ratio [0-9.]+ \((\S+) first\)",
+                        out.stdout)
+    assert rounds == [("1", "meshtrain"), ("2", "hand-written")], out.stdout   # the first side alternates
+    assert re.search(r"median of the per-round ratios [0-9.]+ .*limit inf", out.stdout)
+    assert re.search(r"load average \(1/5/15 min\): before [0-9.]+/[0-9.]+/[0-9.]+, after ", out.stdout)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["peer"] == "hand-written" and res["rounds"] == 2 and len(res["round_ratios"]) == 2
+    assert res["params"]["meshtrain"] == res["params"]["hand-written"] == 131_392
+    assert res["first_loss"]["meshtrain"] == res["first_loss"]["hand-written"]
+    flops = res["flops_per_step"]
+    assert abs(flops["meshtrain"] / flops["hand-written"] - 1) < 0.01, flops
+    assert all(len(v) == 2 for v in res["round_median_ms"].values())
+    assert set(res["cpu_s_per_step"]) == {"meshtrain", "hand-written"}

@@ -16,6 +16,46 @@ import sys
 import time
 
 
+def hand_written_step(plan, tx, batch_size: int, seq_len: int, loop: str):
+    """A plain ``jax.jit`` train step for ``plan``'s model, no meshtrain code in the step: the plan's shardings
+    (parameters, optimizer state, batch), the model's own activation constraints made active, ``tx`` and
+    donation, the layers as one scan (``loop="scan"``) or unrolled (``"unrolled"``).
+    ``fn(params, opt_state, batch) -> (params, opt_state, loss)``; tools/bench_vs_easydel.py reuses it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import meshtrain as mt
+    from meshtrain.annotate import step_context
+    from meshtrain.train.step import step_context_for
+
+    graphdef = plan.abstract.graphdef
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params, {})
+        logits = model(batch["inputs"], batch["positions"], batch["segment_ids"]).astype(jnp.float32)
+        mask = batch["targets"] >= 0
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(batch["targets"], 0))
+        return jnp.sum(ce * mask) / jnp.sum(mask)
+
+    def hand_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    # The same activation layout as meshtrain: the model's own constrain() calls, made active.
+    ctx = step_context_for(mt.make_plan(plan.abstract, plan.recipe.with_options(layer_loop=loop),
+                                        batch=mt.BatchSpec(batch_size, seq_len)))
+
+    def fn(params, opt_state, batch):
+        with step_context(ctx):
+            return hand_step(params, opt_state, batch)
+
+    return jax.jit(fn, in_shardings=(plan.param_shardings, plan.opt_shardings, plan.batch_shardings),
+                   out_shardings=(plan.param_shardings, plan.opt_shardings, None), donate_argnums=(0, 1))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
@@ -31,9 +71,7 @@ def main(argv=None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
-    import jax.numpy as jnp
     import optax
-    from flax import nnx
 
     import meshtrain as mt
     from meshtrain.data import BatchIterator, load_source
@@ -49,40 +87,8 @@ def main(argv=None) -> int:
     mt_state = mt.init_state(plan, seed=0)
     mt_step = mt.make_train_step(plan)
 
-    # hand-written: plain jit with the plan's shardings, no meshtrain code in the step
-    graphdef = abstract.graphdef
-
-    def loss_fn(params, batch):
-        model = nnx.merge(graphdef, params, {})
-        logits = model(batch["inputs"], batch["positions"], batch["segment_ids"]).astype(jnp.float32)
-        mask = batch["targets"] >= 0
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(batch["targets"], 0))
-        return jnp.sum(ce * mask) / jnp.sum(mask)
-
-    def hand_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    from meshtrain.annotate import step_context
-    from meshtrain.train.step import step_context_for
-
-    def constrained(loop):
-        ctx = step_context_for(mt.make_plan(abstract, plan.recipe.with_options(layer_loop=loop),
-                                            batch=mt.BatchSpec(args.batch_size, args.seq_len)))
-
-        def fn(params, opt_state, batch):
-            # The same activation layout as meshtrain: the model's own constrain() calls, made active;
-            # the layers as one scan or unrolled.
-            with step_context(ctx):
-                return hand_step(params, opt_state, batch)
-        return fn
-
-    def jit(fn):
-        return jax.jit(fn, in_shardings=(plan.param_shardings, plan.opt_shardings, plan.batch_shardings),
-                       out_shardings=(plan.param_shardings, plan.opt_shardings, None), donate_argnums=(0, 1))
-
-    hands = {"hand-written scan": jit(constrained("scan")), "hand-written unrolled": jit(constrained("unrolled"))}
+    hands = {f"hand-written {loop}": hand_written_step(plan, tx, args.batch_size, args.seq_len, loop)
+             for loop in ("scan", "unrolled")}
     states = {}
     for name in hands:
         init = mt.init_state(plan, seed=0)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.abstract import abstract_state
-from meshtrain.annotate import StepContext, step_context
+from meshtrain.annotate import StepContext, step_context, unrolled_as_scan
 from meshtrain.errors import ConfigError
 from meshtrain.losses import next_token_loss
 from meshtrain.mesh import MeshSpec
@@ -362,7 +362,8 @@ def _traced_activations(remat: Remat, compute_dtype: str, tie_embeddings: bool, 
                 return next_token_loss(m, batch)[0]
         return jax.tree.leaves(jax.vjp(loss, params)[1])
 
-    with jax.sharding.use_abstract_mesh(mesh):  # a jaxpr's avals say which residuals live in host memory
+    # a jaxpr's avals say which residuals live in host memory; the layers' residuals stacked (L, ...)
+    with jax.sharding.use_abstract_mesh(mesh), unrolled_as_scan():
         saved = jax.make_jaxpr(residuals)(params, batch).out_avals
     param_shapes = {(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)}
     shapes_only = {s for s, _ in param_shapes}

@@ -28,7 +28,7 @@ from meshtrain.analysis.gradient_buffers import first_gradient_bytes
 from meshtrain.analysis.layout import layout_of
 from meshtrain.analysis.weights_as_used import (_axes_in, _tensor_divisor, gathered_layer_bytes,  # noqa: F401
                                                tensor_split_sizes, working_weight_bytes)  # (re-exports)
-from meshtrain.annotate import step_context
+from meshtrain.annotate import step_context, unrolled_as_scan
 from meshtrain.parallel.resolved import batch_splits, step_context_for
 from meshtrain.errors import ConfigError
 from meshtrain.losses import unpack_loss
@@ -88,7 +88,7 @@ def _residuals(plan, loss_fn, rows: int, *, forward: bool = False):
         out, vjp = jax.vjp(lambda p: loss(p, model_state, batch), params)
         return jax.tree.leaves(vjp), vjp(jnp.ones_like(out))  # the backward too: who reads each residual
 
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), unrolled_as_scan():   # the layers' residuals stacked (L, ...)
         return jax.make_jaxpr(forward if forward else residuals)(
             abstract.params, abstract.model_state, _local_batch(plan, rows)).jaxpr
 
