@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
-from meshtrain.recipes import AttentionKind, LayerLoop, Remat, load_yaml, resolve_layer_loop
+from meshtrain.recipes import AttentionKind, LayerLoop, Remat, direct_layer_calls, load_yaml, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, checkpoint_policy
 from meshtrain.rules import AxisRules
 from meshtrain.strategies import Strategy
@@ -135,7 +135,8 @@ def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
     # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
     # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
     body = remat(layer, prevent_cse=unroll > 1)
-    if unroll >= n > 0 and body is layer and not _UNROLLED_AS_SCAN.get():
+    direct = ctx is not None and direct_layer_calls(ctx.layer_loop, n, ctx.remat, ctx.scan_unroll)
+    if direct and not _UNROLLED_AS_SCAN.get():
         return _unrolled_layers(layer, carry, layers, n)
     return jax.lax.scan(body, carry, layers, length=length, unroll=unroll)
 

@@ -93,6 +93,16 @@ def resolve_layer_loop(loop: "LayerLoop | str", n_layers: int, remat: "Remat | s
     return loop, (n_layers if loop is LayerLoop.UNROLLED else min(scan_unroll, max(n_layers, 1)))
 
 
+def direct_layer_calls(loop: "LayerLoop | str", n_layers: int, remat: "Remat | str" = "none",
+                       scan_unroll: int = 1) -> bool:
+    """Whether a stack of ``n_layers`` runs as direct per-layer calls rather than a ``lax.scan``: fully unrolled
+    (:func:`resolve_layer_loop`) with no remat policy. Then the backward reuses what the forward gathered (an
+    FSDP weight is all-gathered once per step, not again in the backward): :func:`meshtrain.annotate.scan_layers`
+    runs the stack so, and the planner's collectives read the same answer."""
+    _, unroll = resolve_layer_loop(loop, n_layers, remat, scan_unroll)
+    return unroll >= n_layers > 0 and Remat(remat) is Remat.NONE
+
+
 class Offload(str, enum.Enum):
     """What lives in host memory between steps (:mod:`meshtrain.offload`): ``none``, or
     ``optimizer`` (the optimizer state, in ``pinned_host`` memory, moved in for the update)."""

@@ -9,6 +9,7 @@ from helpers import mesh_for, rel_diff, run_steps, tiny_abstract
 
 import meshtrain as mt
 from meshtrain.errors import RecipeError
+from meshtrain.models import get_config
 
 
 def _while_loops(plan):
@@ -65,4 +66,14 @@ def test_unrolled_fsdp_stack_gathers_each_weight_once():
     plan = mt.make_plan(tiny_abstract(), recipe.with_options(layer_loop="unrolled"), mesh, batch=mt.BatchSpec(8, 32))
     param_bytes = 4 * plan.abstract.num_params
     # (the embedding is looked up where it lies; the norm scales are gathered again for their gradient: 0.5 KiB)
-    assert _gathered_bytes(plan) <= 1.1 * param_bytes
+    gathered = _gathered_bytes(plan)
+    assert gathered <= 1.1 * param_bytes
+    # the planner reads the same decision (ResolvedStep.direct_layer_calls): no backward re-gather counted
+    # (planned 525,568 B vs compiled 462,336: +13.7 % on tiny, whose embedding table is a larger share than
+    # small's, within 2 % there; counting the re-gather it planned about twice the compiled bytes)
+    from meshtrain.analysis import analytic_collectives, per_axis_estimate
+    planned = per_axis_estimate(analytic_collectives(plan, get_config("tiny"), "cpu"))["fsdp"]["all-gather"]
+    assert planned == pytest.approx(gathered, rel=0.15), (planned, gathered)
+    scanned = mt.make_plan(tiny_abstract(), recipe.with_options(layer_loop="scan"), mesh, batch=mt.BatchSpec(8, 32))
+    again = per_axis_estimate(analytic_collectives(scanned, get_config("tiny"), "cpu"))["fsdp"]["all-gather"]
+    assert again > 1.5 * planned   # a scanned stack's backward loop gathers its weights again

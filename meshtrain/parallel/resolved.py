@@ -31,7 +31,7 @@ from meshtrain.parallel.grad_compression import resolve as resolve_compression
 from meshtrain.parallel.heads import HeadLayout, plan_heads
 from meshtrain.parallel.moe_exchange import ExpertExchange, resolve_exchange
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
-from meshtrain.recipes import AttentionKind, LayerLoop, Remat, resolve_layer_loop
+from meshtrain.recipes import AttentionKind, LayerLoop, Remat, direct_layer_calls, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
 from meshtrain.strategies import Context, Expert, FlashBackend, GradCompression, LoadBalance, Pipeline, Schedule
 
@@ -233,6 +233,11 @@ class ResolvedStep:
     def loop_for(self, n_layers: int) -> Tuple[LayerLoop, int]:
         """``(SCAN or UNROLLED, layers per iteration)`` for a stack of ``n_layers`` (:func:`resolve_layer_loop`)."""
         return resolve_layer_loop(self.layer_loop, n_layers, self.remat, self.scan_unroll)
+
+    def direct_layer_calls(self, n_layers: int) -> bool:
+        """Whether the step runs a stack of ``n_layers`` as direct per-layer calls (:func:`direct_layer_calls`):
+        each FSDP weight is then gathered once per step, the backward reusing the forward's gather."""
+        return direct_layer_calls(self.layer_loop, n_layers, self.remat, self.scan_unroll)
 
     def for_generation(self, weights: str = "none", devices: int = 1, layered: bool = False,
                        kernel_ready: Callable[[], bool] = lambda: False, prefer: Optional[str] = None,
