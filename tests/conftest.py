@@ -190,7 +190,9 @@ def uninterrupted():
     from launch_jobs import launch
 
     def build(folder):
-        done = launch(os.path.join(folder, "run"))
+        # supervised (--max-restarts: nothing fails, it runs once) so that its events.jsonl records the launch's
+        # span, which the chaos benchmark reads when it takes this run as its --reference
+        done = launch(os.path.join(folder, "run"), "--max-restarts", "1")
         assert done.returncode == 0, done.stderr[-3000:]
     return pathlib.Path(built_once("launch-tiny-2x2-uninterrupted", build)) / "run"
 

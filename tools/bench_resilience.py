@@ -164,6 +164,9 @@ def measure(args, kinds: List[str], reference: dict, rng: random.Random, work: s
     kinds = [k for k in kinds if k not in ("elastic", "peers")]
     spec = fault_spec(kinds, args.steps, rng, args.slow_seconds, args.ckpt_every)
     wall = launch(args, out, spec, max_restarts=len(kinds), elastic=elastic, peers=peers)
+    if reference.get("events_wall"):   # a --reference's wall is its events' span: the same measure here
+        events = records(os.path.join(out, "events.jsonl"))
+        wall = events[-1]["unix"] - events[0]["unix"]
     events = records(os.path.join(out, "events.jsonl"))
     metrics = [r for r in records(os.path.join(out, "metrics.jsonl")) if "loss" in r and "step" in r]
     faults = []
@@ -223,8 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--reference", default=None,
                    help="the run folder of an uninterrupted launch of the same job (e.g. an earlier --work's "
-                        "reference) to compare with, instead of launching one; its wall time is read from its "
-                        "events.jsonl (first attempt to done)")
+                        "reference, launched with --max-restarts) to compare with, instead of launching one; its "
+                        "wall time, and then each mix's, is read from events.jsonl (first attempt to the end)")
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bench-resilience-")
     os.makedirs(work, exist_ok=True)
@@ -242,7 +245,7 @@ def main(argv=None) -> int:
           f"checkpoint every {args.ckpt_every} (peers: every {args.peer_every}), --hang-timeout "
           f"{args.hang_timeout:g}{'' if given else ' (scaled: 5 x the longest step interval, at least 10)'}; "
           f"load average {load:.2f} on {os.cpu_count()} CPUs; weights {WEIGHTS}", flush=True)
-    reference = {"wall_s": wall, "arrays": final_arrays(ref_dir, args.steps),
+    reference = {"wall_s": wall, "arrays": final_arrays(ref_dir, args.steps), "events_wall": bool(args.reference),
                  "median_step_s": statistics.median(r["step_time_s"] for r in ref_metrics[1:] or ref_metrics)}
     print(f"uninterrupted: {wall:.1f} s, median step {reference['median_step_s'] * 1e3:.0f} ms, goodput "
           f"{sum(r['step_time_s'] for r in ref_metrics) / wall:.1%}", flush=True)

@@ -130,10 +130,21 @@ def compare_run(run, recipe, batch, prompt_len, new_tokens, rounds, devices, rep
     return report
 
 
+def _median(values):
+    """The median of the figures measured (``None``: a round whose decode time came out <= 0, the whole
+    generation no slower than its first token on a busy host), or ``None`` when no round measured one."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(medians, figure):
+    ours, theirs = medians["meshtrain"][figure], medians["transformers"][figure]
+    return ours / theirs if ours is not None and theirs else None
+
+
 def summary(run, recipe, batch, prompt_len, new_tokens, results, load_before, load_after):
     figures = ("end_to_end_tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s")
-    medians = {side: {f: statistics.median(x[side][f] for x in results if x[side][f] is not None) for f in figures}
-               for side in ("meshtrain", "transformers")}
+    medians = {side: {f: _median(x[side][f] for x in results) for f in figures} for side in ("meshtrain", "transformers")}
     ours, theirs = results[-1]["meshtrain"]["new_ids"], results[-1]["transformers"]["new_ids"]
     first_diff = next((i for row_a, row_b in zip(ours, theirs) for i, (a, b) in enumerate(zip(row_a, row_b))
                        if a != b), None)
@@ -141,9 +152,8 @@ def summary(run, recipe, batch, prompt_len, new_tokens, results, load_before, lo
                                      for f in figures}} for x in results]
     return {"run": run, "recipe": recipe, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "rounds": rows, "median": medians,
-            "ratio_end_to_end": medians["meshtrain"]["end_to_end_tokens_per_s"]
-            / medians["transformers"]["end_to_end_tokens_per_s"],
-            "ratio_decode": medians["meshtrain"]["decode_tokens_per_s"] / medians["transformers"]["decode_tokens_per_s"],
+            "ratio_end_to_end": _ratio(medians, "end_to_end_tokens_per_s"),
+            "ratio_decode": _ratio(medians, "decode_tokens_per_s"),
             "same_tokens": first_diff is None, "first_difference": first_diff,
             "load_average_before": list(load_before), "load_average_after": list(load_after)}
 
@@ -165,8 +175,9 @@ def print_report(report):
     print(f"{'median':>6} {f(m['end_to_end_tokens_per_s']):>13} {f(m['decode_tokens_per_s']):>9} "
           f"{f(m['prefill_tokens_per_s']):>9}   {f(t['end_to_end_tokens_per_s']):>16} {f(t['decode_tokens_per_s']):>9} "
           f"{f(t['prefill_tokens_per_s']):>9}")
-    print(f"meshtrain / transformers: end-to-end {report['ratio_end_to_end']:.2f}x, decode "
-          f"{report['ratio_decode']:.2f}x; same greedy tokens: "
+    x = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731  (None: a side without a decode time)
+    print(f"meshtrain / transformers: end-to-end {x(report['ratio_end_to_end'])}, decode "
+          f"{x(report['ratio_decode'])}; same greedy tokens: "
           f"{'yes' if report['same_tokens'] else 'no, first difference at %d' % report['first_difference']}")
     print("load average (1, 5, 15 min): before " + ", ".join(f"{x:.2f}" for x in report["load_average_before"])
           + "; after " + ", ".join(f"{x:.2f}" for x in report["load_average_after"]), flush=True)
