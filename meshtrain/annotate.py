@@ -135,7 +135,15 @@ def scan_layers(layer, carry, layers, *, length: Optional[int] = None):
     # Unrolled layers are straight-line code: keep XLA from merging the remat recomputation back
     # into the forward pass (measured: remat=full saved nothing unrolled with prevent_cse=False).
     body = remat(layer, prevent_cse=unroll > 1)
-    direct = ctx is not None and direct_layer_calls(ctx.layer_loop, n, ctx.remat, ctx.scan_unroll)
+    # the step's decision (ResolvedStep.direct_layer_calls, which the planner reads too); a context built by hand
+    # has no resolved step: its loop and remat, and any FP8 meta among the layers' leaves keeps the scan
+    if ctx is None:
+        direct = False
+    elif ctx.resolved is not None:
+        direct = ctx.resolved.direct_layer_calls(n)
+    else:
+        direct = direct_layer_calls(ctx.layer_loop, n, ctx.remat, ctx.scan_unroll) and not any(
+            jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) for x in jax.tree.leaves(layers))
     if direct and not _UNROLLED_AS_SCAN.get():
         return _unrolled_layers(layer, carry, layers, n)
     return jax.lax.scan(body, carry, layers, length=length, unroll=unroll)
@@ -151,9 +159,11 @@ def _unrolled_layers(layer, carry, layers, n: int):
     (BENCHMARKS.md, "CPU step vs EasyDeL"). Only without remat: a remat policy wants the recomputation."""
     outs = []
     for i in range(n):
-        carry, out = layer(carry, jax.tree.map(lambda x, i=i: x[i], layers))
+        # lax's slicing and concatenation, not numpy-style indexing: they take extended dtypes too (the FP8 meta
+        # travels through the step's VJP as flax's fp8_meta32)
+        carry, out = layer(carry, jax.tree.map(lambda x, i=i: jax.lax.index_in_dim(x, i, keepdims=False), layers))
         outs.append(out)
-    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+    return carry, jax.tree.map(lambda *xs: jax.lax.concatenate([jax.lax.expand_dims(x, (0,)) for x in xs], 0), *outs)
 
 
 def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "activation"):

@@ -94,13 +94,14 @@ def resolve_layer_loop(loop: "LayerLoop | str", n_layers: int, remat: "Remat | s
 
 
 def direct_layer_calls(loop: "LayerLoop | str", n_layers: int, remat: "Remat | str" = "none",
-                       scan_unroll: int = 1) -> bool:
+                       scan_unroll: int = 1, fp8: "Fp8 | str" = "none") -> bool:
     """Whether a stack of ``n_layers`` runs as direct per-layer calls rather than a ``lax.scan``: fully unrolled
-    (:func:`resolve_layer_loop`) with no remat policy. Then the backward reuses what the forward gathered (an
-    FSDP weight is all-gathered once per step, not again in the backward): :func:`meshtrain.annotate.scan_layers`
-    runs the stack so, and the planner's collectives read the same answer."""
+    (:func:`resolve_layer_loop`) with no remat policy and no FP8 scaling (its meta's gradient, flax's extended
+    ``fp8_meta32`` dtype, has no transpose for slicing a stacked array: the scan carries it). Then the backward
+    reuses what the forward gathered (an FSDP weight is all-gathered once per step, not again in the backward):
+    :func:`meshtrain.annotate.scan_layers` runs the stack so, and the planner's collectives read the same answer."""
     _, unroll = resolve_layer_loop(loop, n_layers, remat, scan_unroll)
-    return unroll >= n_layers > 0 and Remat(remat) is Remat.NONE
+    return unroll >= n_layers > 0 and Remat(remat) is Remat.NONE and Fp8(fp8) is Fp8.NONE
 
 
 class Offload(str, enum.Enum):

@@ -31,7 +31,7 @@ from meshtrain.parallel.grad_compression import resolve as resolve_compression
 from meshtrain.parallel.heads import HeadLayout, plan_heads
 from meshtrain.parallel.moe_exchange import ExpertExchange, resolve_exchange
 from meshtrain.parallel.seq_layout import CONTEXT_KINDS, ContextLayout, context_layout
-from meshtrain.recipes import AttentionKind, LayerLoop, Remat, direct_layer_calls, resolve_layer_loop
+from meshtrain.recipes import AttentionKind, Fp8, LayerLoop, Remat, direct_layer_calls, resolve_layer_loop
 from meshtrain.remat_policies import DEFAULT_OFFLOAD, parse_offload_names
 from meshtrain.strategies import Context, Expert, FlashBackend, GradCompression, LoadBalance, Pipeline, Schedule
 
@@ -224,6 +224,8 @@ class ResolvedStep:
     grad_compression: CompressionChoice = CompressionChoice(GradCompression.NONE)
     #: generation only (:meth:`for_generation`): the layers' matmuls; training always multiplies with XLA's dot
     decode_matmul: DecodeMatmul = DecodeMatmul.XLA
+    #: the recipe's FP8 scaling (``none``: bf16/f32 matmuls); a scaled stack stays a scan (:func:`direct_layer_calls`)
+    fp8: Fp8 = Fp8.NONE
 
     @property
     def batch_splits(self) -> int:
@@ -237,7 +239,7 @@ class ResolvedStep:
     def direct_layer_calls(self, n_layers: int) -> bool:
         """Whether the step runs a stack of ``n_layers`` as direct per-layer calls (:func:`direct_layer_calls`):
         each FSDP weight is then gathered once per step, the backward reusing the forward's gather."""
-        return direct_layer_calls(self.layer_loop, n_layers, self.remat, self.scan_unroll)
+        return direct_layer_calls(self.layer_loop, n_layers, self.remat, self.scan_unroll, self.fp8)
 
     def for_generation(self, weights: str = "none", devices: int = 1, layered: bool = False,
                        kernel_ready: Callable[[], bool] = lambda: False, prefer: Optional[str] = None,
@@ -297,7 +299,7 @@ def resolve_step(plan, target: "Target | str | None" = None, *, mesh=None) -> Re
         compute_dtype=recipe.compute_dtype, offloaded=parse_offload_names(recipe.offload_activations),
         heads=plan_heads(plan, sizes),
         expert_exchange=resolve_exchange(recipe.dimension(Expert), plan.rules, recipe.mesh, dict(plan.mesh_sizes)),
-        grad_compression=resolve_compression(recipe, dict(plan.mesh_sizes)))
+        grad_compression=resolve_compression(recipe, dict(plan.mesh_sizes)), fp8=recipe.fp8)
 
 
 def recipe_attention_kind(recipe) -> AttentionKind:
