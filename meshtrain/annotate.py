@@ -26,7 +26,6 @@ import re
 from typing import Iterator, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import jax
-import jax.numpy as jnp
 
 from meshtrain.axes import MESH_AXES, LogicalAxes
 from meshtrain.errors import RulesError
@@ -159,8 +158,7 @@ def _unrolled_layers(layer, carry, layers, n: int):
     (BENCHMARKS.md, "CPU step vs EasyDeL"). Only without remat: a remat policy wants the recomputation."""
     outs = []
     for i in range(n):
-        # lax's slicing and concatenation, not numpy-style indexing: they take extended dtypes too (the FP8 meta
-        # travels through the step's VJP as flax's fp8_meta32)
+        # (an FP8 stack never comes here: its fp8_meta32 gradient has no transpose for slicing, so it stays a scan)
         carry, out = layer(carry, jax.tree.map(lambda x, i=i: jax.lax.index_in_dim(x, i, keepdims=False), layers))
         outs.append(out)
     return carry, jax.tree.map(lambda *xs: jax.lax.concatenate([jax.lax.expand_dims(x, (0,)) for x in xs], 0), *outs)
