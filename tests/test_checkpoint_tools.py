@@ -34,6 +34,8 @@ def test_bench_checkpoint_runs_small_with_compare(tmp_path):
         assert len(c["async_stall_all_s"]) == 2 and c["sync_save_MBps"] > 0
         assert c["sync_vs_raw_fsync"] == r["raw_fsync_s"] / c["sync_save_s"]
         assert c["stall_ratio"] == c["async_stall_s"] / c["sync_stall_in_loop_s"]
+        assert c["async_stall_first_s"] == c["async_stall_all_s"][0]
+        assert c["async_stall_later_median_s"] == c["async_stall_all_s"][1]     # the median of one later save
         assert c["stall_ratio_idle_cpu"] == c["async_stall_idle_cpu_s"] / c["sync_stall_in_loop_s"]
         assert c["sync_save_peak_rss_x_state"] == c["sync_save_peak_rss_extra_bytes"] / r["state_bytes"]
         # an async save holds a host copy of the state until it is written (CPU: a copy of the shards)
