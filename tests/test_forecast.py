@@ -154,9 +154,10 @@ def test_published_figures_calibration_exact_and_held_out_within_25_percent_or_a
     rows = {r["case"]: r for r in json.loads(out.stdout)}
     assert rows["v5p Llama2-70B"]["role"] == "calibration" and abs(rows["v5p Llama2-70B"]["ratio"] - 1) < 0.02
     held = [r for r in rows.values() if r["role"] == "held-out"]
-    assert len(held) >= 6
+    assert len(held) >= 16
     for r in held:
         assert r["within_25"] or r["reason"], r  # a miss names its reason
-    # at the time of writing: 5 of 6 within 25 % (v6e Llama3.1-8B at 1.25, its reason stated)
-    assert sum(r["within_25"] for r in held) >= 5, [(r["case"], round(r["ratio"], 3)) for r in held]
+    # at the time of writing: 10 of 16 within 25 % (v6e Llama3.1-8B at 1.25 and Megatron-LM's five largest
+    # pipeline rows at 0.36-0.71, their reasons stated)
+    assert sum(r["within_25"] for r in held) >= 10, [(r["case"], round(r["ratio"], 3)) for r in held]
     assert 0.75 <= rows["v4 PaLM 540B"]["ratio"] <= 1.25 and rows["v4 PaLM 540B"]["compared"] == "MFU"

@@ -11,6 +11,10 @@ TPU matmul efficiency is fitted on MaxText's v5p Llama2-70B row); ``held-out`` r
 any constant: the forecast must be within 25 % of their tokens/s per chip (MFU where only MFU is
 published, on the source's own FLOP convention, noted). Misses are listed with their reason.
 
+Megatron-LM's scaling table (arXiv 2104.04473, Table 1) publishes TFLOP/s per GPU on its own count,
+which includes the recomputed forward: ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` per iteration. Its rows
+are compared in tokens/s per GPU, converted with that formula (:func:`megatron_tokens_per_s`).
+
 Published figures that are not compared (and why) are in :data:`LEFT_OUT`. Exit code 0 always (a
 miss is a finding); ``--strict`` exits 1 when a held-out row without a stated reason misses.
 """
@@ -30,6 +34,15 @@ sys.path.insert(0, ROOT)
 MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext (README performance tables)"
 TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
 PALM = "https://arxiv.org/abs/2204.02311 (PaLM, Chowdhery et al. 2022: 6144 TPU v4, 46.2 % MFU)"
+#: Megatron-LM's Table 1 as text (the README's is an image; the paper is not stored as text): BigScience's
+#: notes transcribe it (heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU, % of peak, aggregate
+#: PFLOP/s; a second transcription, https://github.com/SotaroKaneda/MLCarbon data/megatron_table.csv, gives the
+#: same figures); Megatron-LM's own run script for the table gives each row's micro-batch, interleaving and
+#: recomputation.
+MEGATRON = ("https://arxiv.org/abs/2104.04473 Table 1 (A100 80GB, seq 2048, vocab 51,200) as in "
+            "https://github.com/bigscience-workshop/bigscience (experiments/meg-notes.md); micro-batch and "
+            "interleaving from https://github.com/NVIDIA/Megatron-LM "
+            "(examples/academic_paper_scripts/sc21/run_table_1.sh)")
 #: PaLM 540B's shape (118 layers, d_model 18,432, 48 heads of 256, multi-query, SwiGLU of 4·d_model,
 #: 256k vocabulary), as its paper's Table 1 gives it.
 PALM_540B = dict(name="palm-540b", vocab_size=256_000, d_model=18_432, n_layers=118, n_heads=48, n_kv_heads=1,
@@ -53,6 +66,7 @@ class Case:
     tokens_per_s_per_chip: Optional[float] = None
     mfu: Optional[float] = None  # compared instead when no tokens/s is published
     slices: int = 1
+    options: Tuple[Tuple[str, object], ...] = ()  # further recipe options (pipeline micro-batches, schedule, ...)
     assumed: str = ""
     reason: str = ""            # why a miss is expected (a known gap of the forecast); empty: none known
 
@@ -97,12 +111,94 @@ CASES = [
          reason="PaLM's parallel attention + MLP block (one fused matmul input) is not modelled"),
 ]
 
+
+def megatron_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51_200):
+    """Tokens/s per GPU from Megatron-LM's published TFLOP/s per GPU, with the paper's own FLOP count
+    per iteration ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` (it counts the recomputed forward) divided by the
+    ``B·s`` tokens. E.g. ``megatron_tokens_per_s(163, 128, 25600)`` ≈ 20.0 (the 1T row)."""
+    flops_per_token = 96 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return tflops_per_gpu * 1e12 / flops_per_token
+
+
+def megatron_case(size: str, heads: int, hidden: int, layers: int, tensor: int, pipeline: int, gpus: int,
+                  batch: int, micro_batch: int, layers_per_virtual_stage: int, tflops: float,
+                  reason: str = "") -> Case:
+    """One row of Megatron-LM's Table 1 as a held-out :class:`Case`: a GPT of ``layers`` × ``hidden`` with
+    ``heads`` heads on ``gpus`` A100s, tensor × pipeline × data parallel as published, the paper's global
+    ``batch`` in micro-batches of ``micro_batch`` rows per data-parallel rank, interleaved when the run
+    script gives ``layers_per_virtual_stage`` (0: plain 1F1B), remat full. E.g. the 1T row:
+    ``megatron_case("1T", 160, 25600, 128, 8, 64, 3072, 3072, 1, 0, 163)``."""
+    data = gpus // (tensor * pipeline)
+    # GPT's GELU MLP (two h×4h matrices) as meshtrain's SwiGLU (three h×f): f = 8h/3 has its weights and FLOPs
+    # (rounded to a multiple of the tensor size)
+    d_ff = round(8 * hidden / 3 / 8) * 8
+    model = dict(name=f"megatron-gpt-{size.lower()}", vocab_size=51_200, d_model=hidden, n_layers=layers,
+                 n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads, d_ff=d_ff, max_seq_len=2048,
+                 tie_embeddings=True)
+    if pipeline > 1:
+        micro_batches = batch // (data * micro_batch)
+        mesh = (("stage", pipeline), ("data", data), ("fsdp", 1), ("tensor", tensor))
+        if layers_per_virtual_stage:
+            repeats = layers // pipeline // layers_per_virtual_stage
+            options = (("pipeline_micro_batches", micro_batches), ("schedule", "circular"), ("repeats", repeats))
+            how = (f"interleaved 1F1B ({layers_per_virtual_stage} layers per virtual stage) as meshtrain's circular, "
+                   f"{repeats} repeats (the same bubble; circular keeps every micro-batch's stage input)")
+        else:
+            options = (("pipeline_micro_batches", micro_batches), ("schedule", "1f1b"))
+            how = "1F1B as meshtrain's 1f1b"
+        recipe, layout = "pp_fsdp_tp", f"{micro_batches} micro-batches of {micro_batch} per data rank, {how}"
+    else:
+        mesh, recipe = (("data", data), ("tensor", tensor)), "tp"
+        accum = batch // (data * micro_batch)
+        options = (("grad_accum", accum),) if accum > 1 else ()
+        layout = f"micro-batch {micro_batch} per data rank" + (f", {accum} accumulated" if accum > 1 else "")
+    published = megatron_tokens_per_s(tflops, layers, hidden)
+    return Case(
+        f"A100 Megatron GPT {size}", f"{MEGATRON}: GPT {size}, {gpus} A100, {tflops:g} TFLOP/s per GPU → "
+        f"{published:,.1f} tokens/s/GPU", model, "a100", mesh, recipe, batch / gpus, 2048, "full", "held-out",
+        tokens_per_s_per_chip=published, options=options, reason=reason,
+        assumed=f"{layers} layers, d {hidden}, {heads} heads, tied embeddings, GELU MLP 4·d as SwiGLU d_ff "
+                f"{d_ff} ≈ 8·d/3 (same FLOPs); tensor {tensor} × pipeline {pipeline} × data {data}, {layout}; "
+                f"remat full (--recompute-method uniform); fp16 there, bf16 here (same peak); tokens/s = TFLOP/s "
+                f"÷ the paper's 96·l·h²·(1 + s/6h + V/16lh) FLOPs per token (counts the recomputed forward)")
+
+
+#: The data-parallel gradient reduction of a pipeline, by looking at the forecast's ``exposed`` term
+#: (tools/forecast_vs_published.py --json: terms_ms; the collectives from meshtrain.analysis.comms).
+_PER_TICK_REDUCE = ("exposed: meshtrain's pipeline all-reduces each stage's layer gradients over `data` on every "
+                    "tick with work (comms.py: XLA keeps the reductions inside the tick loop; 434 to 1,150 layer "
+                    "reductions a step in these rows) over InfiniBand, more than the backward's compute hides; "
+                    "Megatron all-reduces once per step after the last micro-batch")
+_STAGE_HANDOFF = ("; and the `stage` all-reduces on the critical path: meshtrain's pipeline all-reduces the last "
+                  "stage's output to every stage on each tick that feeds the head and the micro-batches' stack "
+                  "outputs (circular) or f32 input cotangents (1f1b) once a step, where Megatron sends "
+                  "point-to-point between neighbouring stages")
+
+#: Megatron-LM Table 1 (heads, hidden, layers, tensor, pipeline, GPUs, batch as published; micro-batch and
+#: layers per virtual stage from the paper's run_table_1.sh; TFLOP/s per GPU as published).
+MEGATRON_CASES = [
+    megatron_case("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 0, 137),
+    megatron_case("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 0, 138),
+    megatron_case("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 0, 142),
+    megatron_case("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 0, 135),
+    megatron_case("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 0, 138),
+    megatron_case("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 5, 140, reason=_PER_TICK_REDUCE),
+    megatron_case("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 5, 148, reason=_PER_TICK_REDUCE),
+    megatron_case("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155, reason=_PER_TICK_REDUCE),
+    megatron_case("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163, reason=_PER_TICK_REDUCE + _STAGE_HANDOFF),
+    megatron_case("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 0, 163,
+                  reason=_PER_TICK_REDUCE + _STAGE_HANDOFF + "; and matmul: meshtrain's 1f1b re-runs each stage's "
+                  "forward in its VJP on top of remat full (5 forward passes, Megatron's 4) and runs the head on "
+                  "all 64 stages"),
+]
+CASES += MEGATRON_CASES
+
 #: Published figures found but not compared, and why.
 LEFT_OUT = [
-    ("Megatron-LM GPT 1T on 3072 A100 (502 PFLOP/s, 163 TFLOP/s per GPU, 52 % of peak; arXiv 2104.04473)",
-     "its README table is an image and the rows' shapes (layers, hidden, batch per row) were not found in a "
-     "stored source; its FLOP count includes activation recomputation, so tokens/s needs the exact shape"),
-    ("Megatron-LM GPT 175B / 530B rows (same table)", "as above: figures and shapes not found as text"),
+    ("Megatron-LM's README MFU table (22B / 175B / 530B / 1T, arXiv 2205.05198: sequence parallelism and "
+     "selective recomputation, data parallel 1)",
+     "a second table, MFU only; its rows' shapes, batches and interleaving are in that paper's Table 3, found only "
+     "in third-party summaries, not in a run script or the README; not compared"),
     ("NeMo LLAMA3-8B / LLAMA2-7B / GPT3-175B rows (docs.nvidia.com NeMo performance summary)",
      "FP8 runs; the forecast has no FP8 efficiency yet"),
     ("MaxText v5e 16B/32B/64B/128B (configs/v5e)", "the models' shapes are in MaxText's configs, not stored here"),
@@ -128,7 +224,7 @@ def forecast_case(case: Case) -> Dict[str, object]:
     cfg = _config(case.model)
     recipe = mt.get_recipe(case.recipe).with_mesh(**dict(case.mesh)).with_options(
         param_dtype="float32", compute_dtype="bfloat16", remat=case.remat, local_attention="flash",
-        replicate_indivisible=("kv_heads", "vocab"))  # PaLM: one K/V head; 256k vocab ∤ 12
+        replicate_indivisible=("kv_heads", "vocab"), **dict(case.options))  # PaLM: one K/V head; 256k vocab ∤ 12
     abstract = mt.abstract_state(model_factory(cfg), optax.adamw(1e-4))
     batch = round(case.batch_per_chip * case.chips)
     spec = mt.BatchSpec(batch, case.seq_len, keys=("inputs", "targets", "positions"))
