@@ -1,8 +1,12 @@
-"""Imported at start-up by the Python children whose ``PYTHONPATH`` names this folder
-(``helpers.cache_every_process``): every process of a multi-process run writes its own compiled
-programs to the suite's persistent compilation cache, not only process 0.
+"""Imported at start-up by every Python child a test starts: conftest.py puts this folder first on the
+children's ``PYTHONPATH`` (``helpers.cache_every_process`` does the same for an environment built from scratch).
+Two things, neither changing what a child computes:
 
-Why: JAX writes cache entries from process 0 only (``jax._src.compiler._cache_write``: to spare
+1. the garbage collector's thresholds of the suite (``suite_gc.py`` says why and what they save);
+2. every process of a multi-process run writes its own compiled programs to the suite's persistent
+   compilation cache, not only process 0.
+
+Why (2): JAX writes cache entries from process 0 only (``jax._src.compiler._cache_write``: to spare
 shared file systems the contention). On XLA:CPU the executables of processes 1.. have keys of their
 own (their compile options name the process), so those processes missed the cache every time and
 compiled every program again in every launch and every restart: about half of a 2-process launch's
@@ -18,6 +22,10 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+
+import suite_gc
+
+suite_gc.tune()
 
 _MODULE = "jax._src.compiler"
 
