@@ -244,13 +244,15 @@ def kill_then_resume(command, tmp_path, kill_after: int, *, cwd, first=(), bound
 # --- g1: children that share the compilation cache from every process ---------------------------------
 
 #: A folder whose ``sitecustomize.py`` lets every process of a multi-process child run write the suite's
-#: compilation cache (JAX writes it from process 0 only; tests/child_site/sitecustomize.py says why).
+#: compilation cache (JAX writes it from process 0 only) and sets the suite's GC thresholds
+#: (tests/child_site/sitecustomize.py says why). conftest.py puts it on every child's ``PYTHONPATH``.
 CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
 
 
 def cache_every_process(env: dict) -> dict:
     """``env`` for a ``python -m meshtrain`` child whose processes 1.. load their programs from the suite's
     compilation cache instead of compiling them in every launch and restart (process 0 already does).
+    An environment copied from ``os.environ`` already has it (conftest.py); this adds it to one built otherwise.
 
     Example: ``processes.run([sys.executable, "-m", "meshtrain", "launch", ...], env=cache_every_process(env))``."""
     path = env.get("PYTHONPATH", "")
