@@ -3,6 +3,7 @@ states and bit-exact comparisons (the checkpoint, pipeline and resharding tests)
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -63,15 +64,37 @@ def put(batch, plan):
 
 def run_steps(recipe, mesh, steps=10, abstract=None, batch=TINY_BATCH, seq=TINY_SEQ, seed=0):
     """Train ``steps`` steps; returns (losses, plan, final state)."""
+    losses, _, plan, state = _train(recipe, mesh, steps, abstract or tiny_abstract(), batch, seq, seed)
+    return losses, plan, state
+
+
+def run_steps_with_grads(recipe, mesh, steps=10, abstract=None, batch=TINY_BATCH, seq=TINY_SEQ, seed=0):
+    """:func:`run_steps` that also returns the gradients of the first step (at the seed's initial state, on
+    ``token_batch(0)``), as host arrays: ``(losses, grads, plan, final state)``. The optimizer keeps them
+    (:func:`with_kept_grads`), so a parity test reads gradients and losses from one compiled train step per
+    recipe instead of also initialising again and compiling ``make_grad_fn`` (test_parity: two programs and
+    two initialisations per recipe became one of each). ``losses[0]`` is the loss those gradients are of.
+
+    Example: ``losses, grads, plan, _ = run_steps_with_grads(*mesh_for("fsdp"), steps=5)``."""
     abstract = abstract or tiny_abstract()
+    tx = with_kept_grads(abstract.tx)   # the same model and optimizer, and a copy of each step's gradients
+    kept = dataclasses.replace(abstract, tx=tx, opt_state=jax.eval_shape(tx.init, abstract.params))
+    return _train(recipe, mesh, steps, kept, batch, seq, seed, keep_grads=True)
+
+
+def _train(recipe, mesh, steps, abstract, batch, seq, seed, keep_grads=False):
     plan = mt.make_plan(abstract, recipe, mesh, batch=mt.BatchSpec(batch, seq))
     state = mt.init_state(plan, seed=seed)
     step = mt.make_train_step(plan)
-    losses = []
+    losses, grads = [], None
     for i in range(steps):
         state, metrics = step(state, put(token_batch(i, batch, seq), plan))
+        if keep_grads and i == 0:
+            grads = kept_grads(state)
+            # not a vacuous comparison: the step applied gradients, and the optimizer kept them
+            assert any(np.any(g != 0) for g in jax.tree.leaves(grads)), "the kept gradients are all zero"
         losses.append(float(metrics["loss"]))
-    return np.array(losses), plan, state
+    return np.array(losses), grads, plan, state
 
 
 def rel_diff(a, b) -> float:
@@ -221,13 +244,15 @@ def kill_then_resume(command, tmp_path, kill_after: int, *, cwd, first=(), bound
 # --- g1: children that share the compilation cache from every process ---------------------------------
 
 #: A folder whose ``sitecustomize.py`` lets every process of a multi-process child run write the suite's
-#: compilation cache (JAX writes it from process 0 only; tests/child_site/sitecustomize.py says why).
+#: compilation cache (JAX writes it from process 0 only) and sets the suite's GC thresholds
+#: (tests/child_site/sitecustomize.py says why). conftest.py puts it on every child's ``PYTHONPATH``.
 CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
 
 
 def cache_every_process(env: dict) -> dict:
     """``env`` for a ``python -m meshtrain`` child whose processes 1.. load their programs from the suite's
     compilation cache instead of compiling them in every launch and restart (process 0 already does).
+    An environment copied from ``os.environ`` already has it (conftest.py); this adds it to one built otherwise.
 
     Example: ``processes.run([sys.executable, "-m", "meshtrain", "launch", ...], env=cache_every_process(env))``."""
     path = env.get("PYTHONPATH", "")

@@ -1,8 +1,13 @@
-"""Imported at start-up by the Python children whose ``PYTHONPATH`` names this folder
-(``helpers.cache_every_process``): every process of a multi-process run writes its own compiled
-programs to the suite's persistent compilation cache, not only process 0.
+"""Imported at start-up by every Python child a test starts: conftest.py puts this folder first on the
+children's ``PYTHONPATH`` (``helpers.cache_every_process`` does the same for an environment built from scratch).
+Two things, neither changing what a child computes:
 
-Why: JAX writes cache entries from process 0 only (``jax._src.compiler._cache_write``: to spare
+1. the garbage collector's thresholds of the suite (``suite_gc.py`` says why and what they save);
+2. every process of a multi-process run writes its own compiled programs to the suite's persistent
+   compilation cache, not only process 0;
+3. JAX's search for a ROCm plugin reads only the installed distributions named like one (``_RocmScan``).
+
+Why (2): JAX writes cache entries from process 0 only (``jax._src.compiler._cache_write``: to spare
 shared file systems the contention). On XLA:CPU the executables of processes 1.. have keys of their
 own (their compile options name the process), so those processes missed the cache every time and
 compiled every program again in every launch and every restart: about half of a 2-process launch's
@@ -18,6 +23,10 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+
+import suite_gc
+
+suite_gc.tune()
 
 _MODULE = "jax._src.compiler"
 
@@ -63,3 +72,47 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if os.environ.get("MESHTRAIN_TEST_CACHE_EVERY_PROCESS", "1") != "0":
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _RocmScan(importlib.abc.MetaPathFinder):
+    """While ``jax._src.numpy.array_constructors`` executes, ``importlib.metadata.distributions()`` yields only
+    the distributions whose folder is named like a ROCm plugin's (``jax_rocm*``), or that have no folder.
+
+    Why: on import that module reads the METADATA of every installed distribution to find a ``jax-rocm*-plugin``
+    (JAX 0.10.2): 120 of them in the suite's venv, 0.06 CPU s in every process that imports JAX, and the suite
+    starts hundreds. A ROCm plugin, if one is installed, is still found (its ``.dist-info`` folder's name is
+    its normalised name, ``jax_rocm7_plugin-...``). Set ``MESHTRAIN_TEST_ROCM_SCAN=default`` for JAX's own scan.
+    """
+
+    MODULE = "jax._src.numpy.array_constructors"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_scanning_rocm_only(module):
+            import importlib.metadata as metadata
+
+            everything = metadata.distributions
+
+            def rocm_named(**kwargs):
+                for dist in everything(**kwargs):
+                    folder = getattr(dist, "_path", None)
+                    if folder is None or os.path.basename(str(folder)).lower().startswith(("jax_rocm", "jax-rocm")):
+                        yield dist
+            metadata.distributions = rocm_named
+            try:
+                exec_module(module)
+            finally:
+                metadata.distributions = everything
+        spec.loader.exec_module = exec_scanning_rocm_only
+        sys.meta_path.remove(self)   # once
+        return spec
+
+
+if os.environ.get("MESHTRAIN_TEST_ROCM_SCAN") != "default":
+    sys.meta_path.insert(0, _RocmScan())
