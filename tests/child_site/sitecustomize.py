@@ -1,6 +1,6 @@
 """Imported at start-up by every Python child a test starts: conftest.py puts this folder first on the
 children's ``PYTHONPATH`` (``helpers.cache_every_process`` does the same for an environment built from scratch).
-Two things, neither changing what a child computes:
+Three things, none of them changing what a child computes:
 
 1. the garbage collector's thresholds of the suite (``suite_gc.py`` says why and what they save);
 2. every process of a multi-process run writes its own compiled programs to the suite's persistent
