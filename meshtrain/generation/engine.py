@@ -334,8 +334,8 @@ class Engine:
 
         def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, seed, n_new):
             def step(tokens_bt, c):
-                if self.fused_step:  # f32 weights as stored: nothing to convert
-                    return decode_step.forward(self.cfg, params, tokens_bt[:, 0], c)
+                if self.fused_step:  # f32 or bf16 weights, read as stored
+                    return decode_step.forward(self.cfg, params, tokens_bt[:, 0], c, self.compute_dtype)
                 # the weights pass a barrier with the step's cache index: without it XLA hoists their
                 # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
                 # converted copy of every weight for the whole decode (int8 would then not stay int8). bf16 on

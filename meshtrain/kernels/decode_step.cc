@@ -30,6 +30,34 @@ inline float widen(uint16_t v) {
   return f;
 }
 
+// f32 -> the nearest bf16 (ties to even), as XLA's convert; bf16_bits: its 16 bits, to_bf16: widened back
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float to_bf16(float f) { return widen(bf16_bits(f)); }
+
+// a bf16 model's activations are bf16 where the XLA step's are (R: the weights are bf16): every projection's
+// output, the norms', the rotary embedding's, the residual stream, the attention's probabilities and output
+template <bool R>
+inline void round_all(float* x, int64_t n) {
+  if constexpr (R) {
+    for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(x[i]);
+  }
+}
+// x += a; a bf16 model adds the two rounded in f32 and keeps the sum unrounded for the norm that reads it next (XLA
+// elides that convert: excess precision), rounding it where the next add reads it
+template <bool R>
+inline void residual(float* x, const float* a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = R ? to_bf16(x[i]) + to_bf16(a[i]) : x[i] + a[i];
+}
+inline void store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits(src[i]);
+}
+
 // y[o0 .. o0+BLK) = sum_k x[k] * w[k, o] for w stored (in, out) row-major: BLK outputs stay in registers over the
 // whole sum (adding into y in memory made every step wait on its own store: 4x slower), the inner loop one
 // contiguous piece of a row
@@ -114,20 +142,21 @@ void rope(float* x, int64_t heads, int64_t h, const float* cos_, const float* si
 
 // grouped-query attention of one row's N query heads (q: (N, H)) over cache slots lo .. hi (kc, vc: (S, K, H)),
 // query head n on KV head n / group: scores scaled after the dot, softmax in f32 (cache_attention's arithmetic)
-template <int HC>
-void attend(const float* q, const float* kc, const float* vc, float* o, float* p, int64_t N, int64_t group,
+template <int HC, typename C>
+void attend(const float* q, const C* kc, const C* vc, float* o, float* p, int64_t N, int64_t group,
             int64_t KH, int64_t h_runtime, int64_t lo, int64_t hi) {
+  constexpr bool R = sizeof(C) == 2;
   const int64_t H = HC ? HC : h_runtime;
-  const float scale = 1.f / std::sqrt(float(H));
+  const float scale = float(1.0 / std::sqrt(double(H)));  // h ** -0.5 rounded once, as the model's
   for (int64_t n = 0; n < N; ++n) {
     const int64_t kv = n / group;
     const float* qn = q + n * H;
     float top = -INFINITY;
     for (int64_t t = lo; t <= hi; ++t) {
-      const float* kt = kc + t * KH + kv * H;
+      const C* kt = kc + t * KH + kv * H;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot) simdlen(HC >= 16 ? 16 : 8)
-      for (int64_t i = 0; i < H; ++i) dot += qn[i] * kt[i];
+      for (int64_t i = 0; i < H; ++i) dot += qn[i] * widen(kt[i]);
       p[t] = dot * scale;
       top = p[t] > top ? p[t] : top;
     }
@@ -138,13 +167,15 @@ void attend(const float* q, const float* kc, const float* vc, float* o, float* p
       sum += p[t];
     }
     float* on = o + n * H;
+    const float inv = 1.f / sum;
     for (int64_t i = 0; i < H; ++i) on[i] = 0.f;
     for (int64_t t = lo; t <= hi; ++t) {
-      const float pt = p[t] / sum;
-      const float* vt = vc + t * KH + kv * H;
+      const float pt = R ? to_bf16(p[t] * inv) : p[t] / sum;
+      const C* vt = vc + t * KH + kv * H;
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) on[i] += pt * vt[i];
+      for (int64_t i = 0; i < H; ++i) on[i] += pt * widen(vt[i]);
     }
+    round_all<R>(on, H);
   }
 }
 
@@ -159,10 +190,11 @@ const W* data(ffi::AnyBuffer b) {
   return reinterpret_cast<const W*>(b.untyped_data());
 }
 
-template <typename W>
+template <typename W, typename HeadW>
 void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* pad, const float* inv_freq,
-          const W* emb, const W* final_norm, const W* head, ffi::RemainingArgs& layers, std::vector<float*>& caches,
+          const W* emb, const W* final_norm, const HeadW* head, ffi::RemainingArgs& layers, std::vector<W*>& caches,
           float* logits) {
+  constexpr bool R = sizeof(W) == 2;  // a bf16 model: its activations rounded to bf16 where XLA's are
   const int64_t D = s.D, NH = s.N * s.H, KH = s.K * s.H, F = s.F, S = s.S, group = s.N / s.K, half = s.H / 2;
   thread_local std::vector<float> scratch;
   scratch.resize(4 * D + 2 * NH + 2 * KH + 2 * F + S + s.H);
@@ -171,6 +203,7 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
   for (int64_t b = 0; b < s.B; ++b) {
     const W* e = emb + int64_t(tokens[b]) * D;
     for (int64_t i = 0; i < D; ++i) x[i] = widen(e[i]) * s.embed_scale;
+    round_all<R>(x, D);
     const int32_t pos = index - pad[b] > 0 ? index - pad[b] : 0;
     for (int64_t i = 0; i < half; ++i) {
       const float angle = float(pos) * inv_freq[i];
@@ -180,33 +213,49 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
     for (int64_t l = 0; l < s.L; ++l) {
       auto w = [&](int64_t j) { return data<W>(layers.get<ffi::AnyBuffer>(9 * l + j).value()); };
       rms_norm(x, w(0), hn, D, s.eps, s.offset);
+      round_all<R>(hn, D);
       matvec(hn, w(1), q, D, NH);
       matvec(hn, w(2), k, D, KH);
       matvec(hn, w(3), v, D, KH);
+      round_all<R>(q, NH);
+      round_all<R>(k, KH);
+      round_all<R>(v, KH);
       rope(q, s.N, s.H, cs, sn);
       rope(k, s.K, s.H, cs, sn);
-      float* kc = caches[2 * l] + b * S * KH;
-      float* vc = caches[2 * l + 1] + b * S * KH;
+      round_all<R>(q, NH);
+      round_all<R>(k, KH);
+      W* kc = caches[2 * l] + b * S * KH;
+      W* vc = caches[2 * l + 1] + b * S * KH;
       if (index < S) {
-        std::memcpy(kc + int64_t(index) * KH, k, KH * sizeof(float));
-        std::memcpy(vc + int64_t(index) * KH, v, KH * sizeof(float));
+        store(kc + int64_t(index) * KH, k, KH);
+        store(vc + int64_t(index) * KH, v, KH);
       }
       // the slots this row's query sees: pad[b] .. index (cache_mask), its own slot always
       const int64_t lo = pad[b] <= index ? pad[b] : index, hi = index < S ? index : S - 1;
       switch (s.H) {  // head_dim known to the compiler: the per-slot dot products unroll (8 us -> 1 us on tiny)
-        case 8: attend<8>(q, kc, vc, o, p, s.N, group, KH, 8, lo, hi); break;
-        case 16: attend<16>(q, kc, vc, o, p, s.N, group, KH, 16, lo, hi); break;
-        case 32: attend<32>(q, kc, vc, o, p, s.N, group, KH, 32, lo, hi); break;
-        case 64: attend<64>(q, kc, vc, o, p, s.N, group, KH, 64, lo, hi); break;
-        case 128: attend<128>(q, kc, vc, o, p, s.N, group, KH, 128, lo, hi); break;
-        default: attend<0>(q, kc, vc, o, p, s.N, group, KH, s.H, lo, hi);
+        case 8: attend<8, W>(q, kc, vc, o, p, s.N, group, KH, 8, lo, hi); break;
+        case 16: attend<16, W>(q, kc, vc, o, p, s.N, group, KH, 16, lo, hi); break;
+        case 32: attend<32, W>(q, kc, vc, o, p, s.N, group, KH, 32, lo, hi); break;
+        case 64: attend<64, W>(q, kc, vc, o, p, s.N, group, KH, 64, lo, hi); break;
+        case 128: attend<128, W>(q, kc, vc, o, p, s.N, group, KH, 128, lo, hi); break;
+        default: attend<0, W>(q, kc, vc, o, p, s.N, group, KH, s.H, lo, hi);
       }
       matvec(o, w(4), a, NH, D);
-      for (int64_t i = 0; i < D; ++i) x[i] += a[i];
+      residual<R>(x, a, D);
       rms_norm(x, w(5), hn, D, s.eps, s.offset);
+      round_all<R>(hn, D);
       matvec(hn, w(6), g, D, F);
       matvec(hn, w(7), u, D, F);
-      if (s.gelu) {
+      round_all<R>(g, F);
+      round_all<R>(u, F);
+      if (R) {  // op by op, each rounded (XLA's bf16 elementwise ops)
+        for (int64_t i = 0; i < F; ++i) {
+          const float z = g[i];
+          const float act = s.gelu ? to_bf16(0.5f * z * (1.f + std::tanh(0.7978845608028654f * (z + 0.044715f * z * z * z))))
+                                   : to_bf16(z * to_bf16(1.f / to_bf16(to_bf16(exp_approx(-z)) + 1.f)));
+          g[i] = to_bf16(act * u[i]);
+        }
+      } else if (s.gelu) {
         for (int64_t i = 0; i < F; ++i) {
           const float z = g[i];
           g[i] = 0.5f * z * (1.f + std::tanh(0.7978845608028654f * (z + 0.044715f * z * z * z))) * u[i];
@@ -216,14 +265,19 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
         for (int64_t i = 0; i < F; ++i) g[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
       }
       matvec(g, w(8), a, F, D);
-      for (int64_t i = 0; i < D; ++i) x[i] += a[i];
+      residual<R>(x, a, D);
     }
     rms_norm(x, final_norm, hn, D, s.eps, s.offset);
+    round_all<R>(hn, D);
     float* y = logits + b * s.V;
-    if (s.tied) {
+    if (s.tied) {  // the tied head multiplies in the compute dtype (a bf16 model: bf16 logits, then the scale)
       matvec_t(hn, head, y, D, s.V);
-      for (int64_t i = 0; i < s.V; ++i) y[i] *= s.head_scale;
-    } else {
+      round_all<R>(y, s.V);
+      if (s.head_scale != 1.f) {
+        for (int64_t i = 0; i < s.V; ++i) y[i] *= s.head_scale;
+        round_all<R>(y, s.V);
+      }
+    } else {  // an untied head's logits are f32 (the engine's)
       matvec(hn, head, y, D, s.V);
     }
   }
@@ -248,25 +302,36 @@ ffi::Error DecodeStepImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> in
   s.gelu = gelu;
   if (s.L == 0 || s.K == 0 || s.N % s.K || s.H % 2) return ffi::Error::InvalidArgument("decode_step: bad heads");
   s.F = rest.get<ffi::AnyBuffer>(6).value().dimensions()[1];
-  std::vector<float*> caches(2 * s.L);
+  const ffi::DataType wtype = emb.element_type();
+  if (wtype != ffi::F32 && wtype != ffi::BF16) return ffi::Error::InvalidArgument("decode_step: f32 or bf16 weights");
+  for (size_t j = 0; j < 9 * size_t(s.L); ++j)
+    if (rest.get<ffi::AnyBuffer>(j).value().element_type() != wtype || final_norm.element_type() != wtype)
+      return ffi::Error::InvalidArgument("decode_step: every weight in the embedding's dtype");
+  if (head.element_type() != ffi::F32 && head.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("decode_step: an f32 or bf16 head");
+  std::vector<void*> caches(2 * s.L);
   for (int64_t c = 0; c < 2 * s.L; ++c) {
     ffi::AnyBuffer in = rest.get<ffi::AnyBuffer>(9 * s.L + c).value();
     auto out = caches_out.get<ffi::AnyBuffer>(c).value();
-    if (in.element_type() != ffi::F32) return ffi::Error::InvalidArgument("decode_step: the cache must be f32");
-    auto dims = in.dimensions();
-    s.S = dims[1];
-    caches[c] = reinterpret_cast<float*>(out->untyped_data());
+    if (in.element_type() != wtype) return ffi::Error::InvalidArgument("decode_step: the cache in the weights' dtype");
+    s.S = in.dimensions()[1];
+    caches[c] = out->untyped_data();
     if (caches[c] != in.untyped_data()) std::memcpy(caches[c], in.untyped_data(), in.size_bytes());
   }
   const int32_t at = index.typed_data()[0];
-  if (emb.element_type() == ffi::F32) {
-    step<float>(s, tokens.typed_data(), at, pad.typed_data(), inv_freq.typed_data(), data<float>(emb),
-                data<float>(final_norm), data<float>(head), rest, caches, logits->typed_data());
-  } else if (emb.element_type() == ffi::BF16) {
-    step<uint16_t>(s, tokens.typed_data(), at, pad.typed_data(), inv_freq.typed_data(), data<uint16_t>(emb),
-                   data<uint16_t>(final_norm), data<uint16_t>(head), rest, caches, logits->typed_data());
+  auto run = [&](auto w_tag, auto head_tag) {
+    using W = decltype(w_tag);
+    using HeadW = decltype(head_tag);
+    std::vector<W*> typed(caches.size());
+    for (size_t c = 0; c < caches.size(); ++c) typed[c] = static_cast<W*>(caches[c]);
+    step<W, HeadW>(s, tokens.typed_data(), at, pad.typed_data(), inv_freq.typed_data(), data<W>(emb),
+                   data<W>(final_norm), data<HeadW>(head), rest, typed, logits->typed_data());
+  };
+  const bool head_f32 = head.element_type() == ffi::F32;
+  if (wtype == ffi::F32) {
+    head_f32 ? run(float{}, float{}) : run(float{}, uint16_t{});
   } else {
-    return ffi::Error::InvalidArgument("decode_step: weights must be f32 or bf16");
+    head_f32 ? run(uint16_t{}, float{}) : run(uint16_t{}, uint16_t{});
   }
   return ffi::Error::Success();
 }

@@ -85,7 +85,8 @@ def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
     """``(logits_b1v, cache)``: one new token per row (``token_b`` ``(batch,)``) through the whole model, written at
     slot ``cache.index`` of the :class:`~meshtrain.generation.loop.LayerCache` (updated in place: the caches are
     aliased to the results) and ``cache.index`` advanced by 1. ``params``: the engine's weights, the layers one tree
-    each (``params["blocks"]``), brought to ``dtype`` (f32: a no-op for f32 weights)."""
+    each (``params["blocks"]``), in ``dtype``: f32, or bf16 (a bf16 model: weights read as stored, its activations
+    and cache bf16 where the XLA step's are)."""
     def w(x):
         return jnp.asarray(x).astype(dtype)
 
@@ -96,7 +97,8 @@ def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
             layers.append(x.reshape(x.shape[0] * x.shape[1], -1) if name == "wo_nhd" else x.reshape(x.shape[0], -1)
                           if x.ndim > 1 else x)
     tied = cfg.tie_embeddings
-    head = w(params["embedding_vd"] if tied else params["lm_head_dv"])
+    # an untied head as stored (f32 logits: the engine's); a tied one is the embedding, in the compute dtype
+    head = w(params["embedding_vd"]) if tied else params["lm_head_dv"]
     head_scale = (cfg.d_model ** -0.5 if cfg.tied_head_scale is None else cfg.tied_head_scale) if tied else 1.0
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(jnp.float32)
     caches = [c for pair in zip(cache.k, cache.v) for c in pair]
