@@ -226,6 +226,8 @@ class Engine:
                                                  decode_step.kernel_ready, decode_step.unsupported(c))
         #: the whole decode step one C++ call (a small f32 model on 1 CPU device: XLA's kernel count bounds its step)
         self.fused_step = step.decode_matmul is DecodeMatmul.FUSED_STEP
+        #: how the compiled loop's decode step multiplies (:class:`DecodeMatmul`, the resolved step's choice)
+        self.decode_matmul = step.decode_matmul
         #: bf16 weights multiplied as stored (the layers' matmul weights and an untied head kept (out, in))
         self.rows_kernel = step.decode_matmul is DecodeMatmul.BF16_ROWS
         abstract = abstract_state(model_factory(self.cfg))

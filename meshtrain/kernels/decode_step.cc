@@ -13,6 +13,7 @@
 // gate (D, F), up (D, F), down (F, D); then per layer the key and value caches (B, S, K, H).
 // Results: logits (B, V) f32, then the 2L caches (aliased to the inputs: only slot `index` is written).
 // Weights are all f32 or all bf16 (read as stored, widened exactly to f32).
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,27 +24,24 @@ namespace ffi = xla::ffi;
 namespace {
 
 inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float widen(uint16_t v) { return std::bit_cast<float>(uint32_t(v) << 16); }
 
 // f32 -> the nearest bf16 (ties to even), as XLA's convert; bf16_bits: its 16 bits, to_bf16: widened back
 inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
-inline float to_bf16(float f) { return widen(bf16_bits(f)); }
+inline float to_bf16(float f) {  // (the same without the 16-bit trip: vectorises)
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  return std::bit_cast<float>((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+}
 
 // a bf16 model's activations are bf16 where the XLA step's are (R: the weights are bf16): every projection's
 // output, the norms', the rotary embedding's, the residual stream, the attention's probabilities and output
 template <bool R>
 inline void round_all(float* x, int64_t n) {
   if constexpr (R) {
+#pragma omp simd
     for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(x[i]);
   }
 }
@@ -51,6 +49,7 @@ inline void round_all(float* x, int64_t n) {
 // elides that convert: excess precision), rounding it where the next add reads it
 template <bool R>
 inline void residual(float* x, const float* a, int64_t n) {
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = R ? to_bf16(x[i]) + to_bf16(a[i]) : x[i] + a[i];
 }
 inline void store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -141,41 +140,60 @@ void rope(float* x, int64_t heads, int64_t h, const float* cos_, const float* si
 }
 
 // grouped-query attention of one row's N query heads (q: (N, H)) over cache slots lo .. hi (kc, vc: (S, K, H)),
-// query head n on KV head n / group: scores scaled after the dot, softmax in f32 (cache_attention's arithmetic)
+// query head n on KV head n / group: scores scaled after the dot, softmax in f32 (cache_attention's arithmetic).
+// Each KV head's keys are first laid out (H, slots) in kt, so every score loop runs along the slots (one score per
+// vector lane) and the group's query heads share them; a dot product per slot and head cost ~20 cycles
 template <int HC, typename C>
-void attend(const float* q, const C* kc, const C* vc, float* o, float* p, int64_t N, int64_t group,
+void attend(const float* q, const C* kc, const C* vc, float* o, float* p, float* kt, int64_t N, int64_t group,
             int64_t KH, int64_t h_runtime, int64_t lo, int64_t hi) {
   constexpr bool R = sizeof(C) == 2;
-  const int64_t H = HC ? HC : h_runtime;
+  const int64_t H = HC ? HC : h_runtime, T = hi - lo + 1, TP = (T + 15) / 16 * 16;  // slots, padded to 16
   const float scale = float(1.0 / std::sqrt(double(H)));  // h ** -0.5 rounded once, as the model's
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t kv = n / group;
-    const float* qn = q + n * H;
-    float top = -INFINITY;
-    for (int64_t t = lo; t <= hi; ++t) {
-      const C* kt = kc + t * KH + kv * H;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot) simdlen(HC >= 16 ? 16 : 8)
-      for (int64_t i = 0; i < H; ++i) dot += qn[i] * widen(kt[i]);
-      p[t] = dot * scale;
-      top = p[t] > top ? p[t] : top;
+  for (int64_t kv = 0; kv < N / group; ++kv) {
+    for (int64_t t = 0; t < T; ++t) {
+      const C* key = kc + (lo + t) * KH + kv * H;
+      for (int64_t i = 0; i < H; ++i) kt[i * TP + t] = widen(key[i]);
     }
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = lo; t <= hi; ++t) {
-      p[t] = exp_approx(p[t] - top);
-      sum += p[t];
-    }
-    float* on = o + n * H;
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < H; ++i) on[i] = 0.f;
-    for (int64_t t = lo; t <= hi; ++t) {
-      const float pt = R ? to_bf16(p[t] * inv) : p[t] / sum;
-      const C* vt = vc + t * KH + kv * H;
+    for (int64_t i = 0; i < H; ++i)
+      for (int64_t t = T; t < TP; ++t) kt[i * TP + t] = 0.f;
+    for (int64_t n = kv * group; n < (kv + 1) * group; ++n) {
+      const float* qn = q + n * H;
+      for (int64_t t0 = 0; t0 < TP; t0 += 16) {  // 16 slots' scores in registers over the head's dims
+        float acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = 0.f;
+        for (int64_t i = 0; i < H; ++i) {
+          const float qi = qn[i];
+          const float* row = kt + i * TP + t0;
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i) on[i] += pt * widen(vt[i]);
+          for (int j = 0; j < 16; ++j) acc[j] += qi * row[j];
+        }
+        for (int j = 0; j < 16; ++j) p[t0 + j] = acc[j];
+      }
+      float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+      for (int64_t t = 0; t < T; ++t) {
+        p[t] *= scale;
+        top = p[t] > top ? p[t] : top;
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < T; ++t) {
+        p[t] = exp_approx(p[t] - top);
+        sum += p[t];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t t = 0; t < T; ++t) p[t] = R ? to_bf16(p[t] * inv) : p[t] / sum;
+      float* on = o + n * H;
+      for (int64_t i = 0; i < H; ++i) on[i] = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        const float pt = p[t];
+        const C* vt = vc + (lo + t) * KH + kv * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) on[i] += pt * widen(vt[i]);
+      }
+      round_all<R>(on, H);
     }
-    round_all<R>(on, H);
   }
 }
 
@@ -197,9 +215,9 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
   constexpr bool R = sizeof(W) == 2;  // a bf16 model: its activations rounded to bf16 where XLA's are
   const int64_t D = s.D, NH = s.N * s.H, KH = s.K * s.H, F = s.F, S = s.S, group = s.N / s.K, half = s.H / 2;
   thread_local std::vector<float> scratch;
-  scratch.resize(4 * D + 2 * NH + 2 * KH + 2 * F + S + s.H);
+  scratch.resize(4 * D + 2 * NH + 2 * KH + 2 * F + (S + 16) + s.H + (S + 16) * s.H);
   float *x = scratch.data(), *hn = x + D, *a = hn + D, *q = a + D, *o = q + NH, *k = o + NH, *v = k + KH,
-        *g = v + KH, *u = g + F, *p = u + F, *cs = p + S, *sn = cs + half;
+        *g = v + KH, *u = g + F, *p = u + F, *cs = p + S + 16, *sn = cs + half, *kt = sn + half;
   for (int64_t b = 0; b < s.B; ++b) {
     const W* e = emb + int64_t(tokens[b]) * D;
     for (int64_t i = 0; i < D; ++i) x[i] = widen(e[i]) * s.embed_scale;
@@ -233,12 +251,12 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
       // the slots this row's query sees: pad[b] .. index (cache_mask), its own slot always
       const int64_t lo = pad[b] <= index ? pad[b] : index, hi = index < S ? index : S - 1;
       switch (s.H) {  // head_dim known to the compiler: the per-slot dot products unroll (8 us -> 1 us on tiny)
-        case 8: attend<8, W>(q, kc, vc, o, p, s.N, group, KH, 8, lo, hi); break;
-        case 16: attend<16, W>(q, kc, vc, o, p, s.N, group, KH, 16, lo, hi); break;
-        case 32: attend<32, W>(q, kc, vc, o, p, s.N, group, KH, 32, lo, hi); break;
-        case 64: attend<64, W>(q, kc, vc, o, p, s.N, group, KH, 64, lo, hi); break;
-        case 128: attend<128, W>(q, kc, vc, o, p, s.N, group, KH, 128, lo, hi); break;
-        default: attend<0, W>(q, kc, vc, o, p, s.N, group, KH, s.H, lo, hi);
+        case 8: attend<8, W>(q, kc, vc, o, p, kt, s.N, group, KH, 8, lo, hi); break;
+        case 16: attend<16, W>(q, kc, vc, o, p, kt, s.N, group, KH, 16, lo, hi); break;
+        case 32: attend<32, W>(q, kc, vc, o, p, kt, s.N, group, KH, 32, lo, hi); break;
+        case 64: attend<64, W>(q, kc, vc, o, p, kt, s.N, group, KH, 64, lo, hi); break;
+        case 128: attend<128, W>(q, kc, vc, o, p, kt, s.N, group, KH, 128, lo, hi); break;
+        default: attend<0, W>(q, kc, vc, o, p, kt, s.N, group, KH, s.H, lo, hi);
       }
       matvec(o, w(4), a, NH, D);
       residual<R>(x, a, D);
@@ -248,12 +266,16 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
       matvec(hn, w(7), u, D, F);
       round_all<R>(g, F);
       round_all<R>(u, F);
-      if (R) {  // op by op, each rounded (XLA's bf16 elementwise ops)
+      if (R && !s.gelu) {  // op by op, each rounded (XLA's bf16 elementwise ops: sigmoid = 1 / (1 + exp(-z)))
+#pragma omp simd
         for (int64_t i = 0; i < F; ++i) {
           const float z = g[i];
-          const float act = s.gelu ? to_bf16(0.5f * z * (1.f + std::tanh(0.7978845608028654f * (z + 0.044715f * z * z * z))))
-                                   : to_bf16(z * to_bf16(1.f / to_bf16(to_bf16(exp_approx(-z)) + 1.f)));
-          g[i] = to_bf16(act * u[i]);
+          g[i] = to_bf16(to_bf16(z * to_bf16(1.f / to_bf16(to_bf16(exp_approx(-z)) + 1.f))) * u[i]);
+        }
+      } else if (R) {
+        for (int64_t i = 0; i < F; ++i) {
+          const float z = g[i];
+          g[i] = to_bf16(to_bf16(0.5f * z * (1.f + std::tanh(0.7978845608028654f * (z + 0.044715f * z * z * z)))) * u[i]);
         }
       } else if (s.gelu) {
         for (int64_t i = 0; i < F; ++i) {
