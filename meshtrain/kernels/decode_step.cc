@@ -11,7 +11,8 @@
 // inv_freq (H/2,) f32, embedding (V, D), final norm (D,), head (D, V) (tied: the embedding (V, D)), then per
 // layer 9 weights: attn norm (D,), wq (D, N*H), wk (D, K*H), wv (D, K*H), wo (N*H, D), mlp norm (D,),
 // gate (D, F), up (D, F), down (F, D); then per layer the key and value caches (B, S, K, H).
-// Results: logits (B, V) f32, then the 2L caches (aliased to the inputs: only slot `index` is written).
+// Results: logits (B, V) f32, the greedy token (B,) s32 and its log-probability (B,) f32, then the 2L caches
+// (aliased to the inputs: only slot `index` is written).
 // Weights are all f32 or all bf16 (read as stored, widened exactly to f32).
 #include <bit>
 #include <cmath>
@@ -211,7 +212,7 @@ const W* data(ffi::AnyBuffer b) {
 template <typename W, typename HeadW>
 void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* pad, const float* inv_freq,
           const W* emb, const W* final_norm, const HeadW* head, ffi::RemainingArgs& layers, std::vector<W*>& caches,
-          float* logits) {
+          float* logits, int32_t* greedy, float* greedy_lp) {
   constexpr bool R = sizeof(W) == 2;  // a bf16 model: its activations rounded to bf16 where XLA's are
   const int64_t D = s.D, NH = s.N * s.H, KH = s.K * s.H, F = s.F, S = s.S, group = s.N / s.K, half = s.H / 2;
   thread_local std::vector<float> scratch;
@@ -302,12 +303,22 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
     } else {  // an untied head's logits are f32 (the engine's)
       matvec(hn, head, y, D, s.V);
     }
+    // the greedy choice and its log-probability (choose_with_logprobs: the first maximum; -log(sum(exp(l - max))))
+    int64_t best = 0;
+    for (int64_t i = 1; i < s.V; ++i) best = y[i] > y[best] ? i : best;
+    const float top = y[best];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < s.V; ++i) sum += exp_approx(y[i] - top);
+    greedy[b] = int32_t(best);
+    greedy_lp[b] = -std::log(sum);
   }
 }
 
 ffi::Error DecodeStepImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> pad,
                           ffi::Buffer<ffi::F32> inv_freq, ffi::AnyBuffer emb, ffi::AnyBuffer final_norm,
                           ffi::AnyBuffer head, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> logits,
+                          ffi::ResultBuffer<ffi::S32> greedy, ffi::ResultBuffer<ffi::F32> greedy_lp,
                           ffi::RemainingRets caches_out, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                           float eps, float offset, float embed_scale, float head_scale, bool tied, bool gelu) {
   const size_t n_rest = rest.size();
@@ -347,7 +358,8 @@ ffi::Error DecodeStepImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> in
     std::vector<W*> typed(caches.size());
     for (size_t c = 0; c < caches.size(); ++c) typed[c] = static_cast<W*>(caches[c]);
     step<W, HeadW>(s, tokens.typed_data(), at, pad.typed_data(), inv_freq.typed_data(), data<W>(emb),
-                   data<W>(final_norm), data<HeadW>(head), rest, typed, logits->typed_data());
+                   data<W>(final_norm), data<HeadW>(head), rest, typed, logits->typed_data(),
+                   greedy->typed_data(), greedy_lp->typed_data());
   };
   const bool head_f32 = head.element_type() == ffi::F32;
   if (wtype == ffi::F32) {
@@ -370,6 +382,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshtrainDecodeStep, DecodeStepImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()
                                   .Attr<int64_t>("n_heads")

@@ -82,11 +82,14 @@ def why_not_ready() -> str:
 
 
 def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
-    """``(logits_b1v, cache)``: one new token per row (``token_b`` ``(batch,)``) through the whole model, written at
-    slot ``cache.index`` of the :class:`~meshtrain.generation.loop.LayerCache` (updated in place: the caches are
-    aliased to the results) and ``cache.index`` advanced by 1. ``params``: the engine's weights, the layers one tree
-    each (``params["blocks"]``), in ``dtype``: f32, or bf16 (a bf16 model: weights read as stored, its activations
-    and cache bf16 where the XLA step's are)."""
+    """``(logits_b1v, cache, (greedy_b, greedy_logprob_b))``: one new token per row (``token_b`` ``(batch,)``)
+    through the whole model, written at slot ``cache.index`` of the :class:`~meshtrain.generation.loop.LayerCache`
+    (updated in place: the caches are aliased to the results) and ``cache.index`` advanced by 1. ``params``: the
+    engine's weights, the layers one tree each (``params["blocks"]``), in ``dtype``: f32, or bf16 (a bf16 model:
+    weights read as stored, its activations and cache bf16 where the XLA step's are). The greedy choice comes with
+    it (the first maximum of each row's logits and its log-probability, as
+    :func:`~meshtrain.generation.sampling.choose_with_logprobs`): a greedy loop then runs no kernels over the
+    vocabulary."""
     def w(x):
         return jnp.asarray(x).astype(dtype)
 
@@ -105,13 +108,15 @@ def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
     fixed = (token_b.astype(jnp.int32), jnp.asarray(cache.index, jnp.int32), cache.pad.astype(jnp.int32), inv_freq,
              w(params["embedding_vd"]), w(params["final_norm"]["scale"]), head)
     first_cache = len(fixed) + len(layers)
-    out_types = (jax.ShapeDtypeStruct((token_b.shape[0], cfg.vocab_size), jnp.float32),
-                 *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches))
-    call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases={first_cache + i: 1 + i
+    rows = token_b.shape[0]
+    out_types = (jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32), *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches))
+    call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases={first_cache + i: 3 + i
                                                                      for i in range(len(caches))})
-    logits_bv, *written = call(*fixed, *layers, *caches, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                               head_dim=cfg.head_dim, eps=np.float32(cfg.norm_eps), offset=np.float32(cfg.norm_offset),
-                               embed_scale=np.float32(cfg.embed_scale), head_scale=np.float32(head_scale), tied=bool(tied),
-                               gelu=cfg.mlp_activation == "gelu_tanh")
-    return logits_bv[:, None, :], dataclasses.replace(cache, k=tuple(written[0::2]), v=tuple(written[1::2]),
-                                                      index=cache.index + 1)
+    f32 = np.float32
+    logits_bv, greedy_b, greedy_lp_b, *written = call(
+        *fixed, *layers, *caches, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        eps=f32(cfg.norm_eps), offset=f32(cfg.norm_offset), embed_scale=f32(cfg.embed_scale),
+        head_scale=f32(head_scale), tied=bool(tied), gelu=cfg.mlp_activation == "gelu_tanh")
+    cache = dataclasses.replace(cache, k=tuple(written[0::2]), v=tuple(written[1::2]), index=cache.index + 1)
+    return logits_bv[:, None, :], cache, (greedy_b, greedy_lp_b)
