@@ -14,6 +14,7 @@ import pytest
 from helpers import GENERATION_NEW, GENERATION_PROMPTS, make_decoder
 
 from meshtrain.generation import WeightFormat, WeightMemory, load
+from meshtrain.parallel.resolved import DecodeMatmul
 
 
 @pytest.mark.slow
@@ -84,7 +85,10 @@ def test_layers_streamed_from_host_memory_give_the_same_tokens_and_one_layer_on_
     assert [g.new_ids for g in outs[WeightMemory.HOST]] == [g.new_ids for g in outs[WeightMemory.DEVICE]]
     gap = max(abs(a - b) for g, h in zip(outs[WeightMemory.HOST], outs[WeightMemory.DEVICE])
               for a, b in zip(g.new_logprobs, h.new_logprobs))
-    assert gap == 0.0  # the same program but for where the layer weights come from
+    # the same program but for where the layer weights come from; a small f32/bf16 model on 1 CPU device decodes
+    # from device memory with the fused step (meshtrain.kernels.decode_step: XLA's arithmetic, summed in its order)
+    fused = runs[WeightMemory.DEVICE].engine.decode_matmul is DecodeMatmul.FUSED_STEP
+    assert gap <= (1e-5 if fused else 0.0), gap
     host = runs[WeightMemory.HOST].engine
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(host.params["blocks"])}
     assert kinds == {"pinned_host"}

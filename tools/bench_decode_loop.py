@@ -16,7 +16,8 @@ its greedy tokens are checked against meshtrain's (``agree``). Formats: ``none``
 (weights and compute; transformers with ``dtype=bfloat16`` and bf16 params), ``int8`` (meshtrain only).
 
 Contenders: ``host``, ``device`` (the engine as the resolved step chooses: bf16 on 1 CPU device uses the
-row kernel, :mod:`meshtrain.kernels.bf16_rows`), ``xla`` (the compiled loop on XLA's dot: bf16 as before the
+row kernel, :mod:`meshtrain.kernels.bf16_rows`; a small f32 or bf16 model the whole decode step in one call,
+:mod:`meshtrain.kernels.decode_step`), ``xla`` (the compiled loop on XLA's dot: bf16 as before the
 kernel) and ``transformers``. Each round runs every contender ``--repeats`` times for ``--new-tokens`` tokens and
 ``--repeats`` times for 1 token on a ``--prompt-len``-token prompt, greedy and with no stop id, after one warm-up (compiling) call of each
 length; each figure is the fastest of its calls (on a shared host the fastest is the least disturbed). The
@@ -184,7 +185,7 @@ def bench_model(name: str, fmt: str, args) -> list:
     rows = []
     for r in range(args.rounds):
         row = {"model": name, "format": fmt, "round": r, "load_before": os.getloadavg(),
-               "decode_matmul": "bf16_rows" if new.rows_kernel else "xla"}
+               "decode_matmul": new.decode_matmul.value}
         for k, f in calls.items():
             full = min((timed(f, n) for _ in range(args.repeats)), key=lambda x: x[1])
             one = min(timed(f, 1)[1] for _ in range(args.repeats))

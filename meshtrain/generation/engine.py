@@ -68,7 +68,7 @@ from meshtrain.generation.sampling import Sampling, choose_with_logprobs, token_
 from meshtrain.generation.weights import (LAYERS, WeightFormat, WeightMemory, dequantize, host_weight_bytes_per_device,
                                           place_layers, store_weights, weight_bytes_per_device, weight_format,
                                           weight_memory)
-from meshtrain.kernels import bf16_rows
+from meshtrain.kernels import bf16_rows, decode_step
 from meshtrain.models.configs import model_factory
 from meshtrain.models.decoder import DecoderConfig
 from meshtrain.precision import cast_floats
@@ -222,7 +222,12 @@ class Engine:
         c = self.cfg
         largest = c.d_model * max(c.d_ff if not c.n_experts else 0, c.n_heads * c.head_dim)
         step = resolve_step(plan).for_generation(self.weights.value, plan.mesh.size, self.layered,
-                                                 bf16_rows.kernel_ready, decode_matmul, largest)
+                                                 bf16_rows.kernel_ready, decode_matmul, largest,
+                                                 decode_step.kernel_ready, decode_step.unsupported(c))
+        #: the whole decode step one C++ call (a small f32 model on 1 CPU device: XLA's kernel count bounds its step)
+        self.fused_step = step.decode_matmul is DecodeMatmul.FUSED_STEP
+        #: how the compiled loop's decode step multiplies (:class:`DecodeMatmul`, the resolved step's choice)
+        self.decode_matmul = step.decode_matmul
         #: bf16 weights multiplied as stored (the layers' matmul weights and an untied head kept (out, in))
         self.rows_kernel = step.decode_matmul is DecodeMatmul.BF16_ROWS
         abstract = abstract_state(model_factory(self.cfg))
@@ -331,6 +336,8 @@ class Engine:
 
         def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, seed, n_new):
             def step(tokens_bt, c):
+                if self.fused_step:  # f32 or bf16 weights, read as stored
+                    return decode_step.forward(self.cfg, params, tokens_bt[:, 0], c, self.compute_dtype)
                 # the weights pass a barrier with the step's cache index: without it XLA hoists their
                 # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
                 # converted copy of every weight for the whole decode (int8 would then not stay int8). bf16 on
@@ -381,8 +388,11 @@ class Engine:
         prefill, _ = self._compiled(sampling)
         limit = np.where(np.arange(batch) < n, max(max_new_tokens, 1), 1).astype(np.int32)  # dummy rows: done
         start = time.perf_counter()
-        tokens, pad_b, limit_b = jax.device_put((tokens, pad, limit), (self._rows(batch), self._rows(batch, 0),
-                                                                       self._rows(batch, 0)))
+        if self.plan.mesh.size > 1:
+            tokens, pad_b, limit_b = jax.device_put((tokens, pad, limit), (self._rows(batch), self._rows(batch, 0),
+                                                                           self._rows(batch, 0)))
+        else:  # one device: the compiled steps take the host arrays as they are (jax.device_put: ~0.1 ms per call)
+            pad_b, limit_b = pad, limit
         first, first_lp, prompt_lp, cache = prefill(self.params, tokens, pad_b, np.uint32(sampling.seed),
                                                     seq=longest + max(max_new_tokens - 1, 0))
         if self.loop is DecodeLoop.HOST:

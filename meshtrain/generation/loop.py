@@ -190,11 +190,12 @@ def decode_loop(forward: Callable, first_b, first_lp_b, cache, limit_b, is_stop_
                 sampling: Sampling) -> Tuple[Decoded, object]:
     """Decode steps ``1 .. n_new - 1`` in one ``lax.while_loop`` (traced inside a compiled step).
 
-    ``forward(tokens_bt, cache) -> (logits_btv, cache)``: one step of the model; ``first_b``, ``first_lp_b``:
-    the prefill's tokens and log-probabilities; ``limit_b``: each row's most new tokens (>= 1);
-    ``is_stop_v``: ``(vocab,)`` bool, the stop ids; ``key``: the sampling seed's key (step ``i`` draws with
-    ``fold_in(key, i)``, as the per-token loop's ``Sampling.key(i)``). A row is done after a stop id or at its limit; its
-    later tokens are computed (the batch moves together) but not counted. Returns the
+    ``forward(tokens_bt, cache) -> (logits_btv, cache)``: one step of the model (or ``(logits_btv, cache,
+    (greedy_b, greedy_logprob_b))``: a step that also made the greedy choice, used when ``sampling`` is greedy);
+    ``first_b``, ``first_lp_b``: the prefill's tokens and log-probabilities; ``limit_b``: each row's most new
+    tokens (>= 1); ``is_stop_v``: ``(vocab,)`` bool, the stop ids; ``key``: the sampling seed's key (step ``i``
+    draws with ``fold_in(key, i)``, as the per-token loop's ``Sampling.key(i)``). A row is done after a stop id or
+    at its limit; its later tokens are computed (the batch moves together) but not counted. Returns the
     :class:`Decoded` and the cache (returned so that a donated cache is updated in place)."""
     batch = first_b.shape[0]
     new_bn = jnp.zeros((batch, n_new), jnp.int32).at[:, 0].set(first_b)
@@ -208,8 +209,11 @@ def decode_loop(forward: Callable, first_b, first_lp_b, cache, limit_b, is_stop_
 
     def step(state):
         i, token_b, cache, new_bn, lp_bn, length_b, done_b = state
-        logits_btv, cache = forward(token_b[:, None], cache)
-        token_b, lp_b = choose_with_logprobs(logits_btv[:, 0], jax.random.fold_in(key, i), sampling)
+        logits_btv, cache, *greedy = forward(token_b[:, None], cache)
+        if greedy and sampling.greedy:  # the step chose already (the fused step: no kernels over the vocabulary)
+            token_b, lp_b = greedy[0]
+        else:
+            token_b, lp_b = choose_with_logprobs(logits_btv[:, 0], jax.random.fold_in(key, i), sampling)
         new_bn = jax.lax.dynamic_update_slice_in_dim(new_bn, token_b[:, None], i, axis=1)
         lp_bn = jax.lax.dynamic_update_slice_in_dim(lp_bn, lp_b[:, None], i, axis=1)
         length_b = length_b + (~done_b).astype(jnp.int32)

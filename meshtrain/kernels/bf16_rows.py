@@ -120,21 +120,26 @@ def _cpu_id() -> str:
 
 
 def _build() -> str:
-    """The kernel's shared library, compiled once per source, compiler flags, jaxlib and CPU (atomic rename: test
-    workers may build at once); raises ``OSError`` / ``subprocess.SubprocessError`` when it cannot."""
-    with open(_SOURCE, "rb") as f:
+    return build_library(_SOURCE, "bf16_rows")
+
+
+def build_library(path: str, name: str) -> str:
+    """The shared library of the C++ kernel at ``path``, compiled once per source, compiler flags, jaxlib and CPU
+    into ``<cache>/<name>-<hash>.so`` (atomic rename: test workers may build at once); raises ``OSError`` /
+    ``subprocess.SubprocessError`` when it cannot. Example: ``build_library("decode_step.cc", "decode_step")``."""
+    with open(path, "rb") as f:
         source = f.read()
     cxx = os.environ.get("CXX", "c++")
     tag = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
-    out = os.path.join(_cache_dir(), f"bf16_rows-{tag}.so")
+    out = os.path.join(_cache_dir(), f"{name}-{tag}.so")
     if os.path.exists(out):
         return out
     os.makedirs(_cache_dir(), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
     os.close(fd)
     try:
-        subprocess.run([cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp], check=True,
+        subprocess.run([cxx, *_FLAGS, "-I", jax.ffi.include_dir(), path, "-o", tmp], check=True,
                        capture_output=True, timeout=300)
         os.replace(tmp, out)
     finally:

@@ -188,6 +188,9 @@ class DecodeMatmul(str, enum.Enum):
 
     XLA = "xla"
     BF16_ROWS = "bf16_rows"
+    #: the whole decode step one C++ call (:mod:`meshtrain.kernels.decode_step`): small f32 or bf16 Llama-shaped
+    #: models on 1 CPU device, where XLA's ~81 kernels per step, not the bytes, bound the step
+    FUSED_STEP = "fused_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +246,8 @@ class ResolvedStep:
 
     def for_generation(self, weights: str = "none", devices: int = 1, layered: bool = False,
                        kernel_ready: Callable[[], bool] = lambda: False, prefer: Optional[str] = None,
-                       largest_matmul: int = 0) -> "ResolvedStep":
+                       largest_matmul: int = 0, step_kernel_ready: Callable[[], bool] = lambda: False,
+                       step_kernel_model: Optional[str] = "no model given") -> "ResolvedStep":
         """The step the generation engine runs: no remat (nothing to differentiate), dense attention over the
         KV cache (decode attends one token to the cache; prefill writes the cache the same way), and its
         :class:`DecodeMatmul`: ``bf16_rows`` for ``weights="bf16"`` on XLA:CPU on 1 device with the layers
@@ -252,6 +256,11 @@ class ResolvedStep:
         below it the kernel's call costs more than the bytes it saves: ``tiny`` decodes 2x slower with it), when
         ``kernel_ready()`` (called only then: it builds the kernel) says the kernel is built; else ``xla``.
         ``prefer="xla"`` keeps XLA's dot (the reference the kernel is tested and benchmarked against).
+        ``fused_step`` (the whole decode step one call, :mod:`meshtrain.kernels.decode_step`): f32 weights and
+        compute, or bf16 weights, on XLA:CPU on 1 device, ``layered``, every projection *below* that size (a small
+        model: the step is bound by XLA's kernel count, and the kernel is single-threaded), ``step_kernel_model``
+        ``None`` (the kernel's :func:`~meshtrain.kernels.decode_step.unsupported` of the model: else why not) and
+        ``step_kernel_ready()``.
         Example: ``resolve_step(plan).for_generation("bf16", plan.mesh.size, True, kernel_ready)``."""
         dense = AttentionChoice(AttentionKind.DENSE, ContextLayout(AttentionKind.DENSE), None,
                                 "dense (generation: XLA dot-product attention over the KV cache)", "partitioned by XLA")
@@ -259,7 +268,19 @@ class ResolvedStep:
             raise ConfigError(f"decode matmul {prefer!r}: use one of {[m.value for m in DecodeMatmul]} (or leave it "
                               f"unset: chosen by platform and weights)")
         choice = DecodeMatmul.XLA
-        if prefer != DecodeMatmul.XLA.value:
+        f32 = weights == "none" and self.compute_dtype == "float32"
+        fused = (self.target.platform == "cpu" and (weights == "bf16" or f32)
+                 and devices == 1 and layered and largest_matmul < ROWS_MIN_ELEMENTS and step_kernel_model is None)
+        if prefer in (None, DecodeMatmul.FUSED_STEP.value) and fused and step_kernel_ready():
+            choice = DecodeMatmul.FUSED_STEP
+        elif prefer == DecodeMatmul.FUSED_STEP.value:
+            raise ConfigError(f"decode matmul 'fused_step' needs f32 (weights and compute) or bf16 weights on 1 "
+                              f"CPU device with the compiled decode loop, a small model (every projection under "
+                              f"{ROWS_MIN_ELEMENTS} weights; got {largest_matmul}) the kernel supports (got: "
+                              f"{step_kernel_model or 'ok'}) "
+                              f"and a C++ compiler (got weights {weights!r}, compute {self.compute_dtype}, {devices} "
+                              f"device(s), platform {self.target.platform!r}, layered {layered}); leave it unset")
+        elif prefer != DecodeMatmul.XLA.value:
             eligible = (self.target.platform == "cpu" and weights == "bf16" and devices == 1 and layered
                         and largest_matmul >= ROWS_MIN_ELEMENTS)
             if eligible and kernel_ready():

@@ -1,0 +1,122 @@
+"""A whole decode step of a small Llama-shaped decoder in one C++ call (``decode_step.cc``, through XLA's FFI), for
+the compiled decode loop on CPU.
+
+Why: at ``tiny`` sizes (d_model 64, 2 layers, 0.3 MiB of weights) the decode step is bound by the number of
+kernels, not by bytes or flops. XLA:CPU's loop body runs ~81 thunks (fusions and dots of well under a microsecond of
+work each; transformers' Flax ``generate`` runs the same count), and with the loop's own bookkeeping a step took
+~20-27 us against the ~3 us its arithmetic needs on weights that sit in L2 (BENCHMARKS.md, "The decode-speed bar
+on tiny: the whole step in one call"). The kernel runs the embedding row, every layer (RMSNorm, q/k/v, rotary
+embedding, the cache write, grouped-query attention over the cache, the output projection, the gated MLP) and
+the final norm and head in one call; sampling and the loop's bookkeeping stay in XLA.
+
+Where it runs: :meth:`meshtrain.parallel.resolved.ResolvedStep.for_generation` decides (``DecodeMatmul.FUSED_STEP``:
+XLA:CPU, 1 device, the compiled loop's per-layer weights, f32 weights and compute, a model :func:`unsupported`
+accepts, and small: every layer projection below :data:`meshtrain.kernels.bf16_rows.MIN_ELEMENTS` weights, where
+XLA's multi-threaded dots do not pay). The prefill and every other case stay on XLA. Built on first use with the
+host's compiler like :mod:`meshtrain.kernels.bf16_rows` (the same cache folder).
+
+Example (inside the compiled loop: ``params`` the engine's, layers one tree per layer)::
+
+    logits_bv, cache = forward(cfg, params, token_b, cache)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import platform
+import subprocess
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshtrain.kernels.bf16_rows import build_library
+from meshtrain.models.decoder import ACTIVATIONS, DecoderConfig, rope_frequencies
+
+TARGET = "meshtrain_decode_step"
+_SOURCE = os.path.join(os.path.dirname(__file__), "decode_step.cc")
+#: the weights' names (the generation engine's tree, one layer's), in the kernel's argument order
+LAYER_WEIGHTS = (("attn_norm", "scale"), ("attn", "wq_dnh"), ("attn", "wk_dkh"), ("attn", "wv_dkh"),
+                 ("attn", "wo_nhd"), ("mlp_norm", "scale"), ("mlp", "gate_df"), ("mlp", "up_df"), ("mlp", "down_fd"))
+
+
+def unsupported(cfg: DecoderConfig) -> Optional[str]:
+    """Why the kernel cannot run decoder ``cfg`` (``None``: it can): dense Llama-shaped blocks only (no experts, no
+    q/k/v biases), a SiLU or tanh-GELU gate, an even head_dim (rotary halves)."""
+    if cfg.n_experts:
+        return "a mixture-of-experts MLP"
+    if cfg.qkv_bias:
+        return "q/k/v biases"
+    if cfg.mlp_activation not in ACTIVATIONS:
+        return f"activation {cfg.mlp_activation!r}"
+    if cfg.head_dim % 2:
+        return f"an odd head_dim {cfg.head_dim}"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _ready() -> Tuple[bool, str]:
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return False, f"untested CPU architecture {platform.machine()!r}"
+    try:
+        library = ctypes.cdll.LoadLibrary(build_library(_SOURCE, "decode_step"))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MeshtrainDecodeStep), platform="cpu")
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        return False, f"{type(e).__name__}: {e} {detail.decode(errors='replace')[-300:]}".strip()
+    return True, "built"
+
+
+def kernel_ready() -> bool:
+    """Whether the kernel is built and registered with XLA:CPU (builds it on first call; tests/test_decode_step.py
+    checks it against the XLA step)."""
+    return _ready()[0]
+
+
+def why_not_ready() -> str:
+    return _ready()[1]
+
+
+def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
+    """``(logits_b1v, cache, (greedy_b, greedy_logprob_b))``: one new token per row (``token_b`` ``(batch,)``)
+    through the whole model, written at slot ``cache.index`` of the :class:`~meshtrain.generation.loop.LayerCache`
+    (updated in place: the caches are aliased to the results) and ``cache.index`` advanced by 1. ``params``: the
+    engine's weights, the layers one tree each (``params["blocks"]``), in ``dtype``: f32, or bf16 (a bf16 model:
+    weights read as stored, its activations and cache bf16 where the XLA step's are). The greedy choice comes with
+    it (the first maximum of each row's logits and its log-probability, as
+    :func:`~meshtrain.generation.sampling.choose_with_logprobs`): a greedy loop then runs no kernels over the
+    vocabulary."""
+    def w(x):
+        return jnp.asarray(x).astype(dtype)
+
+    layers = []
+    for layer in params["blocks"]:
+        for group, name in LAYER_WEIGHTS:
+            x = w(layer[group][name])
+            layers.append(x.reshape(x.shape[0] * x.shape[1], -1) if name == "wo_nhd" else x.reshape(x.shape[0], -1)
+                          if x.ndim > 1 else x)
+    tied = cfg.tie_embeddings
+    # an untied head as stored (f32 logits: the engine's); a tied one is the embedding, in the compute dtype
+    head = w(params["embedding_vd"]) if tied else params["lm_head_dv"]
+    head_scale = (cfg.d_model ** -0.5 if cfg.tied_head_scale is None else cfg.tied_head_scale) if tied else 1.0
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(jnp.float32)
+    caches = [c for pair in zip(cache.k, cache.v) for c in pair]
+    fixed = (token_b.astype(jnp.int32), jnp.asarray(cache.index, jnp.int32), cache.pad.astype(jnp.int32), inv_freq,
+             w(params["embedding_vd"]), w(params["final_norm"]["scale"]), head)
+    first_cache = len(fixed) + len(layers)
+    rows = token_b.shape[0]
+    out_types = (jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32), *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches))
+    call = jax.ffi.ffi_call(TARGET, out_types, input_output_aliases={first_cache + i: 3 + i
+                                                                     for i in range(len(caches))})
+    f32 = np.float32
+    logits_bv, greedy_b, greedy_lp_b, *written = call(
+        *fixed, *layers, *caches, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        eps=f32(cfg.norm_eps), offset=f32(cfg.norm_offset), embed_scale=f32(cfg.embed_scale),
+        head_scale=f32(head_scale), tied=bool(tied), gelu=cfg.mlp_activation == "gelu_tanh")
+    cache = dataclasses.replace(cache, k=tuple(written[0::2]), v=tuple(written[1::2]), index=cache.index + 1)
+    return logits_bv[:, None, :], cache, (greedy_b, greedy_lp_b)
