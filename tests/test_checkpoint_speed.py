@@ -111,7 +111,8 @@ def test_default_compression_is_none_and_zstd_still_restores(run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fsdp", "dp"])       # sharded leaves; every leaf replicated 8 times
 def test_background_start_saves_the_values_of_its_step_while_the_loop_donates(recipe, tmp_path):
-    """maybe_save returns once the copies are enqueued. Orbax is held back here until the next step
+    """maybe_save returns once the shards are copied into the run's host buffers (HostStaging, refilled
+    at every save). Orbax is held back here until the next step
     has donated the saved buffers (the worst order): the step must still donate every buffer, and
     the checkpoint must hold the values of its own step, whatever the replication of the leaves."""
     r, mesh = mesh_for(recipe, 8)
@@ -184,6 +185,36 @@ def test_background_start_is_off_by_default_and_for_sync_saves(tmp_path):
     assert not Checkpointer(tmp_path / "b", save_every=1, async_save=False,
                             background_start=True)._saver.in_background
     assert "background_start=True" in repr(Checkpointer(tmp_path / "c", save_every=1, background_start=True))
+
+
+@pytest.mark.parametrize("recipe", ["fsdp", "dp"])       # sharded leaves; every leaf replicated 8 times
+def test_host_staging_copies_replica_zero_into_the_same_buffers_at_every_save(recipe):
+    """HostStaging (CPU): the staged tree equals the state; its replica-0 shards are new arrays over the
+    run's host buffers (the same memory at every save, so no page is faulted in again), other replicas
+    are the state's own; a state of another layout gets buffers of its own."""
+    from meshtrain.checkpoint.staging import HostStaging
+
+    r, mesh = mesh_for(recipe, 8)
+    plan = mt.make_plan(tiny_abstract(), r, mesh, batch=mt.BatchSpec(TINY_BATCH, TINY_SEQ))
+    staging = HostStaging()
+    staging.prepare(device(plan, random_state(plan, 1)))
+    pointers = []
+    for seed in (1, 2):
+        state = device(plan, random_state(plan, seed))
+        staged = staging.stage(state)
+        assert_bit_exact(host(state), staged)
+        ptrs = []
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(staged)):
+            for sa, sb in zip(a.addressable_shards, b.addressable_shards):
+                same = sa.data.unsafe_buffer_pointer() == sb.data.unsafe_buffer_pointer()
+                assert same == (sa.replica_id != 0), (recipe, sa.index, sa.replica_id)
+                if sa.replica_id == 0:
+                    ptrs.append(sb.data.unsafe_buffer_pointer())
+        pointers.append(ptrs)
+    assert pointers[0] == pointers[1]                          # refilled in place, not reallocated
+    other = mt.make_plan(tiny_abstract(), r, mesh, batch=mt.BatchSpec(TINY_BATCH, TINY_SEQ))
+    smaller = jax.tree.map(lambda x: x[..., :1] if x.ndim else x, device(other, random_state(other, 3)))
+    assert_bit_exact(host(smaller), staging.stage(smaller))    # a new layout: new buffers, right values
 
 
 def test_replica_zero_registry_writes_replica_zero_only():

@@ -2,9 +2,12 @@
 
 On CPU, Orbax's "device-to-host transfer" is a zero-copy view of the device buffers, which would pin
 them until the background write ends (the next donating train step would then silently keep a
-second copy of the state). :func:`detach_from_donation` hands Orbax copies instead, and with
+second copy of the state: measured, 0 of 38 buffers donated on that step, 38 of 38 on every other).
+So a save hands Orbax host copies of the replica-0 shards instead
+(:class:`~meshtrain.checkpoint.staging.HostStaging`, refilled in place at each save), and with
 ``background_start`` a :class:`StartWorker` runs Orbax's own blocking part in one worker thread, so
-that :meth:`~meshtrain.checkpoint.Checkpointer.maybe_save` only enqueues those copies and returns.
+that :meth:`~meshtrain.checkpoint.Checkpointer.maybe_save` only copies the shards and returns.
+``tests/test_checkpoint_safety.py`` checks that the step after each async save donates every buffer.
 """
 
 from __future__ import annotations
@@ -15,60 +18,6 @@ from typing import Optional
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import SingleDeviceSharding
-
-
-def detach_from_donation(tree):
-    """On the CPU backend: the same tree, with each leaf's replica-0 shards replaced by fresh copies.
-
-    Orbax's blocking "device-to-host transfer" is ``np.asarray(shard)``, which on CPU is a zero-copy
-    view of the device buffer, kept until the background write finishes. A buffer with such an
-    external reference cannot be donated: the train step right after every async save silently
-    allocated a second copy of the whole state instead of updating it in place (measured: 0 of 38
-    buffers donated on that step, 38 of 38 on every other step). Orbax writes the replica-0 shards
-    of each array (its replica-parallel mode slices shards with a jax op, a copy already), so those
-    are copied here (whole arrays where nothing is replicated), in one batched ``device_put``, before
-    ``save()`` returns (the copy is counted in ``SaveResult.blocking_s``; with ``background_start``
-    it is only enqueued: XLA runs it before any later computation that donates the originals, and
-    Orbax waits for it in the worker); Orbax's views then pin the copies, never the caller's
-    buffers. Other replicas are referenced as they are (a reference does not prevent donation; with
-    ``background_start`` Orbax does not read them: see :func:`replica_zero_registry`). Orbax's own
-    ``enable_pinned_host_transfer`` does the same per slice but costs ~3x more dispatch time. On GPU
-    and TPU the transfer is a real copy: the tree is returned unchanged.
-    ``tests/test_checkpoint_safety.py`` checks that the step after each async save donates every
-    buffer (``tests/test_checkpoint_speed.py`` with ``background_start``)."""
-    if jax.default_backend() != "cpu":
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    sources, targets, slots = [], [], []   # slot: (leaf, None) for a whole array, (leaf, shard list, i)
-    for j, x in enumerate(leaves):
-        if not isinstance(x, jax.Array):
-            continue
-        shards = x.addressable_shards
-        if x.is_fully_addressable and all(sh.replica_id == 0 for sh in shards):   # no replicas: one copy
-            sources.append(x)
-            targets.append(x.sharding)
-            slots.append((j, None, 0))
-            continue
-        arrays = [sh.data for sh in shards]
-        for i, sh in enumerate(shards):
-            if sh.replica_id == 0:
-                sources.append(arrays[i])
-                # in the array's own memory kind (pinned_host for an offloaded optimizer state)
-                targets.append(SingleDeviceSharding(sh.device, memory_kind=x.sharding.memory_kind))
-                slots.append((j, arrays, i))
-    if not sources:
-        return tree
-    rebuilt = {}
-    for (j, arrays, i), copy in zip(slots, jax.device_put(sources, targets, may_alias=False)):
-        if arrays is None:
-            leaves[j] = copy
-        else:
-            arrays[i] = copy
-            rebuilt[j] = arrays
-    for j, arrays in rebuilt.items():
-        leaves[j] = jax.make_array_from_single_device_arrays(leaves[j].shape, leaves[j].sharding, arrays)
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def replica_zero_registry():

@@ -24,7 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from meshtrain.checkpoint import integrity
-from meshtrain.checkpoint.donation import StartWorker, detach_from_donation, replica_zero_registry
+from meshtrain.checkpoint.donation import StartWorker, replica_zero_registry
+from meshtrain.checkpoint.staging import HostStaging
 from meshtrain.checkpoint.faults import DiskFullInjector
 from meshtrain.checkpoint.housekeeping import WriterLock, warn
 from meshtrain.checkpoint.inspection import META_FILE, META_FORMAT
@@ -184,6 +185,8 @@ class Saver:
             self.clean_tmp("left by an earlier run that did not finish it")
         self.manager = self._new_manager()
         self.worker = StartWorker(self.manager) if self.in_background else None
+        # CPU backend: Orbax gets host copies of the shards (the next step donates the originals)
+        self.staging = HostStaging() if jax.default_backend() == "cpu" else None
 
     @property
     def in_background(self) -> bool:
@@ -245,6 +248,8 @@ class Saver:
         step = int(step)
         self.collect()
         if not (force or step % self._every == 0):
+            if self.async_save and self.staging is not None:
+                self.staging.prepare(state)   # the copy's host buffers, allocated long before the first save
             return SaveResult(False, time.perf_counter() - t0, step)
         if step == self.inflight or step in self.session_steps:
             return SaveResult(False, time.perf_counter() - t0, step, note=f"step {step} was already saved by this run")
@@ -274,13 +279,12 @@ class Saver:
             # synchronous save releases them before it returns: no copy (saves time and one state
             # of host memory on CPU; tests/test_checkpoint_speed.py checks the donation).
             self.faults.before_save(step)
-            if self.async_save or self.tuning.copy_before_sync_save:
-                state = detach_from_donation(state)
+            if (self.async_save or self.tuning.copy_before_sync_save) and self.staging is not None:
+                state = self.staging.stage(state)
             args = ocp.args.Composite(state=ocp.args.PyTreeSave(to_nested(state)))
             del state   # the worker must not keep the caller's buffers (they are donated next)
             if self.worker is not None:
-                # the copies are enqueued (XLA orders them before any later step that donates the
-                # originals); Orbax waits for them in the worker, then writes as usual
+                # the shards are copied already (HostStaging); Orbax starts and writes in the worker
                 self.worker.start(step, args)
             else:
                 self.manager.save(step, args=args, force=True)
