@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import meshtrain as mt
+from meshtrain.generation import Sampling
 from meshtrain.parallel.resolved import batch_splits
 
 TINY_BATCH, TINY_SEQ = 16, 64
@@ -168,6 +169,21 @@ def built_once(key: str, build) -> str:
 #: Prompts of three lengths (left padding in one batch) and the tokens to generate: the generation tests.
 GENERATION_PROMPTS = [[10, 20, 30, 40, 50, 60, 70], [5, 6, 7], [101, 102, 103, 104, 105]]
 GENERATION_NEW = 8
+
+
+def assert_same_generations(engine, reference, new: int = GENERATION_NEW, sampling=None, stop_ids=(),
+                            tolerance: float = 1e-5):
+    """Run both engines on :data:`GENERATION_PROMPTS` for ``new`` tokens: the same tokens, the same rows
+    stopped, ``new_logprobs`` within ``tolerance``. Returns ``(reference's result, engine's result)``."""
+    sampling = Sampling() if sampling is None else sampling
+    a = reference.run(GENERATION_PROMPTS, new, sampling, stop_ids=stop_ids)
+    b = engine.run(GENERATION_PROMPTS, new, sampling, stop_ids=stop_ids)
+    assert [g.new_ids for g in b.generations] == [g.new_ids for g in a.generations]
+    assert [g.stopped for g in b.generations] == [g.stopped for g in a.generations]
+    gap = max(float(np.max(np.abs(np.array(x.new_logprobs) - np.array(y.new_logprobs))))
+              for x, y in zip(a.generations, b.generations))
+    assert gap <= tolerance, gap
+    return a, b
 
 
 def make_decoder(name: str, seed: int = 0):

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from flax import nnx
-from helpers import GENERATION_PROMPTS
+from helpers import assert_same_generations
 
 from meshtrain.errors import ConfigError
 from meshtrain.generation import Engine, Sampling, load
@@ -44,14 +43,7 @@ def fused_and_xla(model, weights="none"):
 
 
 def assert_same(fused, xla, sampling=Sampling(), stop_ids=(), tolerance=1e-5):
-    a = xla.run(GENERATION_PROMPTS, NEW, sampling, stop_ids=stop_ids)
-    b = fused.run(GENERATION_PROMPTS, NEW, sampling, stop_ids=stop_ids)
-    assert [g.new_ids for g in b.generations] == [g.new_ids for g in a.generations]
-    assert [g.stopped for g in b.generations] == [g.stopped for g in a.generations]
-    gap = max(float(np.max(np.abs(np.array(x.new_logprobs) - np.array(y.new_logprobs))))
-              for x, y in zip(a.generations, b.generations))
-    assert gap <= tolerance, gap
-    return a
+    return assert_same_generations(fused, xla, NEW, sampling, stop_ids, tolerance)[0]
 
 
 def test_the_resolved_step_chooses_the_fused_step_only_for_small_supported_models_on_one_cpu_device():

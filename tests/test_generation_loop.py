@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import GENERATION_NEW, GENERATION_PROMPTS, make_decoder
+from helpers import GENERATION_NEW, assert_same_generations, make_decoder
 
 from meshtrain.generation import Engine, Sampling, load
 from meshtrain.generation.loop import DecodeLoop, decode_loop, stop_mask
@@ -30,14 +30,7 @@ def both_loops(name: str, recipe: str, devices: int):
 
 
 def assert_same(device, host, sampling=Sampling(), stop_ids=(), new=NEW):
-    a = host.run(GENERATION_PROMPTS, new, sampling, stop_ids=stop_ids)
-    b = device.run(GENERATION_PROMPTS, new, sampling, stop_ids=stop_ids)
-    assert [g.new_ids for g in b.generations] == [g.new_ids for g in a.generations]
-    assert [g.stopped for g in b.generations] == [g.stopped for g in a.generations]
-    gap = max(float(np.max(np.abs(np.array(x.new_logprobs) - np.array(y.new_logprobs))))
-              for x, y in zip(a.generations, b.generations))
-    assert gap <= 1e-5, gap
-    return a, b
+    return assert_same_generations(device, host, new, sampling, stop_ids)
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from typing import Tuple
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -119,10 +119,6 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build() -> str:
-    return build_library(_SOURCE, "bf16_rows")
-
-
 def build_library(path: str, name: str) -> str:
     """The shared library of the C++ kernel at ``path``, compiled once per source, compiler flags, jaxlib and CPU
     into ``<cache>/<name>-<hash>.so`` (atomic rename: test workers may build at once); raises ``OSError`` /
@@ -148,17 +144,28 @@ def build_library(path: str, name: str) -> str:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _ready() -> Tuple[bool, str]:
+def load_and_register(path: str, name: str, targets: Dict[str, str]) -> Tuple[bool, str]:
+    """Build the C++ kernel at ``path`` (:func:`build_library`), load it and register each XLA:CPU FFI target
+    of ``targets`` (target name -> the library's handler symbol). Returns ``(True, "built")``, or ``(False, why)``
+    where it cannot (an untested CPU architecture, no compiler, a failed build): the caller then keeps XLA's path.
+    Example: ``load_and_register(_SOURCE, "bf16_rows", {TARGET: "MeshtrainBf16Rows"})``."""
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return False, f"untested CPU architecture {platform.machine()!r}"
     try:
-        library = ctypes.cdll.LoadLibrary(_build())
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MeshtrainBf16Rows), platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(library.MeshtrainBf16RowsBf16), platform="cpu")
+        library = ctypes.cdll.LoadLibrary(build_library(path, name))
+        for target, symbol in targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         return False, f"{type(e).__name__}: {e} {detail.decode(errors='replace')[-300:]}".strip()
+    return True, "built"
+
+
+@functools.lru_cache(maxsize=1)
+def _ready() -> Tuple[bool, str]:
+    ready = load_and_register(_SOURCE, "bf16_rows", {TARGET: "MeshtrainBf16Rows", TARGET_BF16: "MeshtrainBf16RowsBf16"})
+    if not ready[0]:
+        return ready
     # the built kernel must agree with XLA before any step relies on it
     x = np.linspace(-1, 1, 3 * 37, dtype=np.float32).reshape(3, 37)
     w = jnp.asarray(np.cos(np.arange(37 * 21, dtype=np.float32)).reshape(37, 21)).astype(jnp.bfloat16)

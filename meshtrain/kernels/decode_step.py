@@ -22,19 +22,16 @@ Example (inside the compiled loop: ``params`` the engine's, layers one tree per 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import os
-import platform
-import subprocess
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.kernels.bf16_rows import build_library
+from meshtrain.kernels.bf16_rows import load_and_register
 from meshtrain.models.decoder import ACTIVATIONS, DecoderConfig, rope_frequencies
 
 TARGET = "meshtrain_decode_step"
@@ -60,15 +57,7 @@ def unsupported(cfg: DecoderConfig) -> Optional[str]:
 
 @functools.lru_cache(maxsize=1)
 def _ready() -> Tuple[bool, str]:
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        return False, f"untested CPU architecture {platform.machine()!r}"
-    try:
-        library = ctypes.cdll.LoadLibrary(build_library(_SOURCE, "decode_step"))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MeshtrainDecodeStep), platform="cpu")
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        return False, f"{type(e).__name__}: {e} {detail.decode(errors='replace')[-300:]}".strip()
-    return True, "built"
+    return load_and_register(_SOURCE, "decode_step", {TARGET: "MeshtrainDecodeStep"})
 
 
 def kernel_ready() -> bool:
