@@ -418,7 +418,9 @@ class Saver:
             self.worker.close()
 
     def close(self) -> None:
-        """Release Orbax's threads (after :meth:`close_worker`)."""
+        """Release Orbax's threads (after :meth:`close_worker`) and the host copy of the saved shards."""
+        if self.staging is not None:
+            self.staging.release()
         try:
             self.manager.close()
         except Exception as exc:  # noqa: BLE001 - the save error, if any, was raised above

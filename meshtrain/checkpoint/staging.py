@@ -115,6 +115,14 @@ class HostStaging:
             self._build(layout)
         return self._slots
 
+    def release(self) -> None:
+        """Free the buffers (the Checkpointer closes: no save follows)."""
+        if self._building is not None:
+            self._building.join()
+            self._building = None
+        with self._lock:
+            self._layout, self._slots = None, []
+
     def stage(self, tree):
         """``tree`` with each leaf's replica-0 shards replaced by their host copies (other replicas
         referenced as they are: Orbax writes replica 0 only)."""
