@@ -54,12 +54,17 @@ def _replica_zero(tree) -> Tuple[list, list, list]:
     leaves, treedef = jax.tree.flatten(tree)
     picks = []
     for j, x in enumerate(leaves):
-        if not isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array) or _is_key(x):
             continue
         for i, sh in enumerate(x.addressable_shards):
             if sh.replica_id == 0:
                 picks.append((j, i, sh, SingleDeviceSharding(sh.device, memory_kind=x.sharding.memory_kind)))
     return leaves, treedef, picks
+
+
+def _is_key(x) -> bool:
+    """A typed PRNG key array (e.g. a dropout stream's key): no numpy view; copied by jax instead (a few bytes)."""
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _layout(picks) -> tuple:
@@ -127,8 +132,11 @@ class HostStaging:
         """``tree`` with each leaf's replica-0 shards replaced by their host copies (other replicas
         referenced as they are: Orbax writes replica 0 only)."""
         leaves, treedef, picks = _replica_zero(tree)
+        keys = [j for j, x in enumerate(leaves) if isinstance(x, jax.Array) and _is_key(x)]
+        for j in keys:
+            leaves[j] = jax.device_put(leaves[j], leaves[j].sharding, may_alias=False)
         if not picks:
-            return tree
+            return jax.tree.unflatten(treedef, leaves) if keys else tree
         slots = self._slots_for(_layout(picks))
         shards_of = {}
         for (j, i, sh, target), slot in zip(picks, slots):
