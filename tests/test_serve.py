@@ -39,9 +39,9 @@ from meshtrain.errors import ConfigError
 from meshtrain.serving.slots import MAX_STEPS, RowSampling, SamplingRows, Slots
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
-CONTEXT = 512
+CONTEXT = 4096  # long enough that LONG cannot end before its client goes away, even on a starved machine
 #: a request that runs for a while (no stop at the end-of-sequence ids)
-LONG = {"prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+LONG = {"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 BOUND_S = 600  # for any one wait on the server: generous on a busy 2-core machine
 
 
@@ -334,9 +334,11 @@ def test_overload_answers_429_and_loses_nothing(served):
 def test_a_client_that_goes_away_frees_its_slot(served):
     server, _, _ = served
     before = server.request("GET", "/health")[2]["finished"]["cancelled"]
-    streams = [server.stream(LONG) for _ in range(2)]  # both slots taken
-    for conn, response in streams:
-        conn.sock.shutdown(socket.SHUT_RDWR)  # the client dies mid-stream (the response's file holds the socket)
+    for _ in range(2):
+        # Each client dies right after its first token (the response's file holds the socket): 4,000 tokens
+        # (~10 s here) cannot be generated in between, so the request ends cancelled, not by its length.
+        conn, response = server.stream(LONG)
+        conn.sock.shutdown(socket.SHUT_RDWR)
         response.close()
         conn.close()
     deadline = time.monotonic() + BOUND_S
