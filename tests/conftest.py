@@ -53,6 +53,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["MESHTRAIN_TEST_SESSION"] = _OWN_SESSION
     # the bf16 row kernel (meshtrain/kernels) is built once per session, into it, not the user's ~/.cache
     os.environ.setdefault("MESHTRAIN_KERNEL_CACHE", os.path.join(_OWN_SESSION, "kernels"))
+    # and the planner's traced activation formulas (meshtrain.analysis.trace_cache): once per session
+    os.environ.setdefault("MESHTRAIN_CACHE_DIR", os.path.join(_OWN_SESSION, "cache"))
 
 import jax  # noqa: E402
 
@@ -140,7 +142,8 @@ def pytest_runtest_protocol(item, nextitem):
     own1, kids1 = cpu()
     line = {"test": item.nodeid, "wall_s": round(time.monotonic() - wall0, 3), "cpu_s": round(own1 - own0, 3),
             "children_cpu_s": round(kids1 - kids0, 3), "slow": item.get_closest_marker("slow") is not None,
-            "failed": bool(getattr(item, "_meshtrain_failed", False))}
+            "failed": bool(getattr(item, "_meshtrain_failed", False)), "end_unix": round(time.time(), 2),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     line.update({name: round(s - jax_s0.get(name, 0.0), 3) for name, s in _jax_seconds().items()})
     with open(log, "a") as f:   # one short line per write: workers append without interleaving
         f.write(json.dumps(line) + "\n")

@@ -107,11 +107,12 @@ def cli(*args, cwd=ROOT, xla_flags=None):
 
 @pytest.mark.slow
 def test_main_job_defaults_train_and_loss_halves(tmp_path):
-    # The no-argument main job, shortened: the default model, recipe, data and devices.
-    out = cli("train", "--steps", "15", "--eval-every", "0", "--out", str(tmp_path / "main"),
+    # The no-argument main job, shortened: the default model, recipe, data and devices. 12 steps: 6.0088 ->
+    # 2.8781 on this host (4 % under the bar; 10 steps ended at 3.0242, over it; 15 cost 3 CPU s more)
+    out = cli("train", "--steps", "12", "--eval-every", "0", "--out", str(tmp_path / "main"),
               xla_flags=processes.RUNS_MORE_THAN_COMPILES)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "step     15/15" in out.stdout and "fsdp=8" in out.stdout
+    assert "step     12/12" in out.stdout and "fsdp=8" in out.stdout
     losses = losses_of(tmp_path / "main")
     assert losses[-1] < losses[0] / 2, losses
 

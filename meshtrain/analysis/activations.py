@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.abstract import abstract_state
+from meshtrain.analysis.trace_cache import cached_trace, forget_for_this_process
 from meshtrain.annotate import StepContext, step_context, unrolled_as_scan
 from meshtrain.errors import ConfigError
 from meshtrain.losses import next_token_loss
@@ -342,7 +343,39 @@ def saved_activations(remat: "Remat | str" = Remat.NONE, compute_dtype: str = "f
 @functools.lru_cache(maxsize=None)
 def _traced_activations(remat: Remat, compute_dtype: str, tie_embeddings: bool, kind: AttentionKind,
                         offloaded: Tuple[str, ...]) -> ActivationModel:
-    """:func:`saved_activations` for one normalised key (``lanes`` 1), traced once per process."""
+    """:func:`saved_activations` for one normalised key (``lanes`` 1): traced once per process, and once per
+    version of the code on this machine (:mod:`meshtrain.analysis.trace_cache`: ``meshtrain train``'s
+    pre-flight and ``meshtrain plan`` read the formulas an earlier process traced)."""
+    key = [remat.value, compute_dtype, tie_embeddings, kind.value, list(offloaded)]
+    return cached_trace("activations", key,
+                        lambda: _trace_activations(remat, compute_dtype, tie_embeddings, kind, offloaded),
+                        _model_to_json, _model_from_json)
+
+
+def _model_to_json(model: ActivationModel) -> dict:
+    out = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    out["remat"] = model.remat.value
+    out["tensors"] = [dataclasses.asdict(t) for t in model.tensors]
+    out["host_tensors"] = [dataclasses.asdict(t) for t in model.host_tensors]
+    return out
+
+
+def _tensor_from_json(d: dict) -> SavedTensor:
+    pairs = lambda rows: tuple((str(v), int(e)) for v, e in rows)  # noqa: E731
+    return SavedTensor(pairs(d["exponents"]), int(d["const"]), str(d["dtype"]), int(d["count"]), bool(d["cast"]),
+                       pairs(d["minor"]), int(d["minor_const"]), int(d["lanes"]))
+
+
+def _model_from_json(d: dict) -> ActivationModel:
+    return ActivationModel(Remat(d["remat"]), str(d["compute_dtype"]),
+                           tuple(_tensor_from_json(t) for t in d["tensors"]), int(d["mlp_matrices"]),
+                           int(d["layer_norms"]), int(d["outer_norms"]),
+                           tuple(_tensor_from_json(t) for t in d["host_tensors"]))
+
+
+def _trace_activations(remat: Remat, compute_dtype: str, tie_embeddings: bool, kind: AttentionKind,
+                       offloaded: Tuple[str, ...]) -> ActivationModel:
+    """The trace itself (:func:`_traced_activations` keeps its results)."""
     from flax import nnx
 
 
@@ -393,4 +426,11 @@ def _traced_activations(remat: Remat, compute_dtype: str, tie_embeddings: bool, 
     return ActivationModel(remat, str(dtype), tensors[False], mlp_matrices, layer_norms, outer_norms, tensors[True])
 
 
-saved_activations.cache_clear = _traced_activations.cache_clear  # the traces a test's monkeypatch must drop
+def _forget_traces() -> None:
+    """Drop this process's traced formulas and stop reading or writing them on disk: what a test's monkeypatch
+    of the traced code must do (the files' fingerprint would not see the patch)."""
+    _traced_activations.cache_clear()
+    forget_for_this_process()
+
+
+saved_activations.cache_clear = _forget_traces

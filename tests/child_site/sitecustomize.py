@@ -116,3 +116,30 @@ class _RocmScan(importlib.abc.MetaPathFinder):
 
 if os.environ.get("MESHTRAIN_TEST_ROCM_SCAN") != "default":
     sys.meta_path.insert(0, _RocmScan())
+
+
+def _log_cpu_at_exit(path: str) -> None:
+    """``MESHTRAIN_TEST_CHILD_LOG=FILE``: every child appends one JSON line at exit: the test that started it
+    (``PYTEST_CURRENT_TEST``), its command line and its CPU seconds (all threads); ``tools/suite_profile.py
+    --children FILE`` sums them. A child killed by a signal writes nothing."""
+    import atexit
+    import json
+    import resource
+    import time
+
+    started = time.monotonic()
+
+    def record():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "argv": sys.argv[:12],
+                "cpu_s": round(usage.ru_utime + usage.ru_stime, 3), "wall_s": round(time.monotonic() - started, 3)}
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError:
+            pass
+    atexit.register(record)
+
+
+if os.environ.get("MESHTRAIN_TEST_CHILD_LOG"):
+    _log_cpu_at_exit(os.environ["MESHTRAIN_TEST_CHILD_LOG"])
