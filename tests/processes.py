@@ -45,10 +45,14 @@ DEFAULT_TIMEOUT_S = 600
 #: (``--xla_cpu_parallel_codegen_split_count=1``): XLA:CPU splits it to compile the parts on several threads,
 #: which on the suite's 2 busy cores only adds work: a tiny fsdp step 0.69 -> 0.57 CPU s (median of 5,
 #: ``Lowered.compile(compiler_options=...)`` alternated in one process); the generated code is the same.
+#: (4) No intra-op Eigen thread pool (``--xla_cpu_multi_thread_eigen=false``): with six workers and their
+#: children on 2 cores the pool's threads only contend (and spin while they wait for work): test_parity +
+#: test_fp8 in one process took 64.3+6.2 and 65.9+5.9 user+sys CPU s with it against 69.3+5.9 and 71.0+6.7
+#: without (alternated; -6 %). The programs are the same; a step's matmuls run on the calling thread.
 #: ``MESHTRAIN_TEST_XLA_OPT=default`` leaves XLA's own settings (what a user's run compiles with).
 TEST_XLA_FLAGS = ("" if os.environ.get("MESHTRAIN_TEST_XLA_OPT") == "default"
                   else "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                       "--xla_cpu_parallel_codegen_split_count=1")
+                       "--xla_cpu_parallel_codegen_split_count=1 --xla_cpu_multi_thread_eigen=false")
 
 #: For a child that mostly runs steps rather than compiling them (the main job's 25 `small` steps):
 #: XLA's own LLVM level. There -O0 costs more CPU than it saves (main job: 51-54 user s at -O0, 36-38
