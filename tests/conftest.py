@@ -6,6 +6,7 @@ through the environment): identical train steps compiled by several tests are co
 depends on it: a test run without it gives the same results, only slower.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -45,6 +46,13 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 
     compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshtrain"),
                            quiet=2)
+# The same for the tests' helpers and tools/ (imported by the workers and the children); and the test modules as
+# pytest rewrites their asserts (_prewrite_test_modules, from pytest_configure): otherwise each of the six
+# workers rewrites all of them again at collection (~2 CPU s a worker).
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    for _folder in ("tests", "tools"):
+        compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), _folder),
+                               quiet=2, maxlevels=0)
 # Reference runs built once per session and shared by the workers (helpers.built_once): always a fresh
 # folder, even where a compilation cache is kept across sessions (a result must not outlive its code).
 _OWN_SESSION = None
@@ -67,35 +75,52 @@ import pytest  # noqa: E402
 def pytest_configure(config):
     # pytest-xdist (3.x) hands out --dist loadfile's files by test count, most first, unless told not to:
     # a slow file of few tests (test_peers, test_device_check) would start last and run alone at the end.
-    # Keep the collection order instead: the slowest files first (SLOWEST_FILES).
+    # Keep the collection order instead: the longest files first (FILE_SECONDS).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
+        _prewrite_test_modules(config)
 
 
-#: The slowest files, slowest first (a whole-suite ``--durations`` profile on 2 busy cores, summed per
-#: file; a file split from a long one placed by its share of the tests' seconds). They are collected
-#: first: ``--dist loadfile`` hands files to workers in collection order (with xdist's reordering by
-#: test count off, pytest_configure), so a long file collected last would run alone at the end while
-#: the other workers sit idle. test_resilience_faults.py comes before test_resilience_elastic.py: it
-#: starts the session's uninterrupted launch (conftest's fixture) that both read. The rest keep their
-#: order. tests/test_suite_rules.py checks that each entry names a file.
-SLOWEST_FILES = (
-    "test_any_model.py", "test_resilience_faults.py", "test_trainer.py", "test_pipeline.py", "test_parity.py",
-    "test_generation.py", "test_generation_weights.py", "test_distributed.py", "test_peers.py",
-    "test_hf_flax_models.py", "test_step_options.py", "test_notebooks.py", "test_analysis_small.py",
-    "test_hf_flax_encoders.py", "test_resilience_elastic.py", "test_moe.py", "test_pipeline_moe.py",
-    "test_resilience_supervisor.py", "test_context_any_task.py", "test_pipeline_schedules.py",
-    "test_device_check.py",
-)
+def _prewrite_test_modules(config):
+    """Writes the assert-rewritten bytecode of every test module once, in the controller, before the workers
+    start (pytest writes it itself only where PYTHONDONTWRITEBYTECODE is unset, and then each worker still
+    rewrites every module of a fresh clone at once). pytest's own functions, as its import hook calls them; a
+    pytest whose internals differ skips this (the workers rewrite as before)."""
+    try:
+        from _pytest.assertion import rewrite
+        state = config.stash[rewrite.assertstate_key]
+    except (ImportError, AttributeError, KeyError):
+        return
+    here = pathlib.Path(__file__).parent
+    for source in sorted(here.glob("test_*.py")) + [here / "conftest.py"]:
+        pyc = rewrite.get_cache_dir(source) / (source.name[:-3] + rewrite.PYC_TAIL)
+        try:
+            if rewrite._read_pyc(source, pyc, state.trace) is None:
+                rewrite.try_makedirs(pyc.parent)
+                source_hash, code = rewrite._rewrite_test(source, config)
+                rewrite._write_pyc(state, code, source_hash, pyc)
+        except (AttributeError, TypeError, OSError, SyntaxError):
+            return
 
 
-def _slowest_first(item):
-    name = os.path.basename(str(item.path))
-    return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
+#: Each test file's measured wall seconds (tests/file_seconds.json, the mean over whole-suite runs' CPU logs on 2
+#: busy cores; ``tools/suite_profile.py LOG... --write-order`` rewrites it). ``--dist loadfile`` hands files to
+#: the workers in collection order (xdist's reordering by test count is off, pytest_configure), and a worker
+#: takes the next file as it nears the end of its last: longest first keeps a long file from running alone at
+#: the end while the other workers sit idle (on the last three runs' logs: 856-882 s to the last test's end
+#: instead of 891-904 s in the old hand-kept order). A file not measured yet goes first: its time is unknown.
+#: tests/test_suite_rules.py checks that each entry names a file.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json")) as _f:
+    FILE_SECONDS: dict = json.load(_f)["seconds"]
+
+
+def _longest_first(item):
+    return -FILE_SECONDS.get(os.path.basename(str(item.path)), float("inf"))
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_slowest_first)   # stable: a file's tests keep their order (module fixtures, parameters)
+    items.sort(key=_longest_first)   # stable: a file's tests keep their order (module fixtures, parameters)
 
 
 #: JAX's own compile-phase events (wall seconds, this process only), summed for the CPU log: how much of a

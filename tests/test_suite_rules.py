@@ -136,15 +136,16 @@ def test_the_tier_rule_sees_marks_on_functions_classes_and_modules():
         == (set(), {"test_d"})
 
 
-def test_every_slowest_first_entry_names_a_test_file(pytestconfig):
-    from conftest import SLOWEST_FILES
+def test_every_measured_file_time_names_a_test_file(pytestconfig):
+    from conftest import FILE_SECONDS
 
     # the order reaches the workers: xdist's reordering of files by test count is off
     assert getattr(pytestconfig.option, "loadscopereorder", False) is False
 
-    missing = [name for name in SLOWEST_FILES if name not in TEST_FILES]
-    assert not missing and len(set(SLOWEST_FILES)) == len(SLOWEST_FILES), (
-        f"tests/conftest.py SLOWEST_FILES names files that do not exist (renamed?) or twice: {missing}")
+    missing = [name for name in FILE_SECONDS if name not in TEST_FILES]
+    assert not missing, (f"tests/file_seconds.json names files that do not exist (renamed? rewrite it with "
+                         f"tools/suite_profile.py LOG... --write-order tests/file_seconds.json): {missing}")
+    assert all(isinstance(s, (int, float)) and s >= 0 for s in FILE_SECONDS.values()), FILE_SECONDS
 
 
 _CLOCKS = {"time", "monotonic", "perf_counter", "monotonic_ns", "time_ns", "perf_counter_ns"}

@@ -6,6 +6,11 @@ then::
     python tools/suite_profile.py FILE            # per file, most CPU first, and the 20 most idle tests
     python tools/suite_profile.py FILE --top 40
     python tools/suite_profile.py FILE --children KIDS   # MESHTRAIN_TEST_CHILD_LOG=KIDS: children per test
+    python tools/suite_profile.py FILE [FILE ...] --write-order tests/file_seconds.json
+
+``--write-order`` keeps each test file's wall seconds (the mean over the logs given) in the JSON file
+tests/conftest.py orders the suite by: the longest files are handed to the workers first, so that none
+runs alone at the end (longest-processing-time-first scheduling of ``--dist loadfile``'s files).
 
 A test whose wall time is far above its CPU time (its own and its children's) waits: for a hang bound,
 a peer's timeout, a supervisor's back-off. Those are the tests a third worker can overlap; tests whose
@@ -25,16 +30,20 @@ def read(path):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("log", help="the file MESHTRAIN_TEST_CPU_LOG named")
+    p.add_argument("log", nargs="+", help="the file(s) MESHTRAIN_TEST_CPU_LOG named (the first is summarised)")
     p.add_argument("--top", type=int, default=20, help="how many files and idle tests to list")
     p.add_argument("--children", metavar="FILE",
                    help="also the Python children's CPU per test, from the file MESHTRAIN_TEST_CHILD_LOG named")
+    p.add_argument("--write-order", metavar="JSON",
+                   help="write each test file's mean wall seconds over the logs (tests/file_seconds.json)")
     args = p.parse_args(argv)
+    if args.write_order:
+        return _write_order([read(path) for path in args.log], args.write_order)
     if args.children:
         _print_children(read(args.children), args.top)
-    rows = read(args.log)
+    rows = read(args.log[0])
     if not rows:
-        print(f"{args.log}: no tests recorded", file=sys.stderr)
+        print(f"{args.log[0]}: no tests recorded", file=sys.stderr)
         return 1
     files = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for r in rows:
@@ -59,6 +68,29 @@ def main(argv=None) -> int:
     print(f"\nmost waiting (wall - CPU):\n{'idle s':>8} {'wall s':>8}  test")
     for r in idle:
         print(f"{r['wall_s'] - r['cpu_s'] - r['children_cpu_s']:8.1f} {r['wall_s']:8.1f}  {r['test']}")
+    return 0
+
+
+def _write_order(logs, path: str) -> int:
+    per_log = []
+    for rows in logs:
+        files = collections.Counter()
+        for r in rows:
+            files[r["test"].split("::")[0].rsplit("/", 1)[-1]] += r["wall_s"]
+        per_log.append(files)
+    names = set().union(*per_log)
+    mean = {name: round(sum(f[name] for f in per_log if name in f) / sum(name in f for f in per_log), 1)
+            for name in names}
+    if not mean:
+        print("no tests recorded in the logs", file=sys.stderr)
+        return 1
+    order = dict(sorted(mean.items(), key=lambda kv: (-kv[1], kv[0])))
+    with open(path, "w") as f:
+        json.dump({"what": "each test file's wall seconds (mean over the suite runs' CPU logs); tests/conftest.py "
+                           "hands the longest to the workers first. Rewrite with tools/suite_profile.py LOG... "
+                           "--write-order", "runs": len(logs), "seconds": order}, f, indent=1)
+        f.write("\n")
+    print(f"{path}: {len(order)} files, {sum(order.values()):.0f} s of test wall time")
     return 0
 
 
