@@ -66,7 +66,7 @@ def test_decoder_seq_len_beyond_its_maximum_is_planned_with_a_warning(capsys):
     with pytest.warns(UserWarning, match=r"--seq-len 512 is longer than model 'tiny' supports \(max_seq_len 256\)"):
         assert main(["plan", "--model", "tiny", "--seq-len", "512", "--json"]) == 0
     batch = json.loads(capsys.readouterr().out)["batch"]
-    assert {leaf["path"]: leaf["shape"] for leaf in batch}["inputs"] == [8, 512]
+    assert {leaf["path"]: leaf["shape"] for leaf in batch}["inputs"] == [16, 512]   # train's default batch
 
 
 @pytest.mark.parametrize("processes, warned", [(1, True), (2, False)])

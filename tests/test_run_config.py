@@ -83,11 +83,27 @@ def test_no_flags_resolve_to_the_one_set_of_defaults(command):
     assert (args.model, args.recipe, args.mesh) == ("small", "fsdp", None)
 
 
+@pytest.mark.parametrize("recipe", ["fsdp", "pp_fsdp"])
+def test_plan_plans_the_batch_train_runs_with_the_same_flags(recipe):
+    """No --batch-size/--seq-len: plan's batch is train's, 16 x 128 rounded up as train rounds it (pp_fsdp on 8
+    devices with 8 micro-batches: a multiple of the data-parallel size 4 x 8)."""
+    from meshtrain.train.trainer import Trainer
+
+    argv = ["--model", "tiny", "--recipe", recipe] + (["--pipeline-micro-batches", "8"] if recipe == "pp_fsdp" else [])
+    args = build_parser().parse_args(["plan", *argv])
+    plan.prepare(args)
+    planned = plan.build_plan(args).batch
+    multiple = Trainer(resolved(["train", *argv]).config.train_config()).batch_multiple()
+    assert (planned.batch_size, planned.seq_len) == (-(-16 // multiple) * multiple, 128)
+    assert recipe == "fsdp" or planned.batch_size > 16   # the pipeline's multiple is past 16: it rounded
+
+
 #: (flag, value, dotted key, typed value): flags that plan, train and config show share.
 SHARED = [("--model", "vit-tiny", "model.name", "vit-tiny"), ("--recipe", "fsdp_tp", "recipe.name", "fsdp_tp"),
           ("--mesh", "fsdp=2,tensor=4", "recipe.mesh", "fsdp=2,tensor=4"), ("--rules", "r.yaml", "model.rules", "r.yaml"),
           ("--remat", "full", "recipe.options.remat", "full"), ("--devices", "4", "distributed.devices", 4),
-          ("--grad-accum", "2", "recipe.options.grad_accum", 2), ("--batch-size", "32", "data.batch_size", 32)]
+          ("--grad-accum", "2", "recipe.options.grad_accum", 2), ("--batch-size", "32", "data.batch_size", 32),
+          ("--seq-len", "64", "data.seq_len", 64)]
 
 
 @pytest.mark.parametrize("command", ["plan", "train", "config show"])
@@ -109,11 +125,9 @@ def _options(argv_prefix):
 
 def test_generated_flags_have_one_help_text():
     """A flag in plan, train, generate and config show is one definition: the same help everywhere,
-    but for plan's own --batch-size/--seq-len/--hardware (plan's defaults: the data-parallel size, the
-    model's maximum, cpu), plan's hidden --dcn (refused: a plan has no processes) and generate's
-    --recipe/--mesh/--seed (the generation section's: the run's recipe, the sampling seed)."""
-    own = {("plan", "--batch-size"), ("plan", "--seq-len"), ("plan", "--hardware"), ("plan", "--dcn"),
-           ("generate", "--recipe"),
+    but for plan's own --hardware (default cpu), plan's hidden --dcn (refused: a plan has no processes) and
+    generate's --recipe/--mesh/--seed (the generation section's: the run's recipe, the sampling seed)."""
+    own = {("plan", "--hardware"), ("plan", "--dcn"), ("generate", "--recipe"),
            ("generate", "--mesh"), ("generate", "--seed"), ("serve", "--recipe"), ("serve", "--mesh")}
     by_command = {c: _options(argv) for c, argv in COMMANDS.items() if c != "launch"}
     shared = 0

@@ -67,6 +67,7 @@ from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import AdamVariance, TrainConfig, check_recipe_overrides, default_optimizer
+from meshtrain.train.run_config import setting_at
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
 LOCAL_SIMULATION_LIMIT = 8
@@ -87,9 +88,6 @@ def add_parser(sub):
     p.add_argument("--loss", default=None,
                    help="module:function, the loss (model, batch) -> (loss_sum, weight[, metrics]) for estimates "
                         "from the compiled step (default: the built-in model's loss)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="global batch (default: data-parallel size; with --recipe auto: one per device)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: model max)")
     p.add_argument("--hardware", default=None,
                    help="chip to estimate for: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu "
                         "(default: cpu)")
@@ -117,12 +115,12 @@ def add_parser(sub):
     p.set_defaults(run=run, setup_devices=False, prepare=prepare)
 
 
-#: The run configuration's settings that ``plan`` has flags for (generated), and those that feed its own
-#: flags of the same name when given (``--batch-size``, ``--seq-len``: else the plan's defaults, the
-#: data-parallel size and the model's maximum; ``--hardware``: else cpu).
+#: The run configuration's settings that ``plan`` has flags for (generated: the same names, help and defaults
+#: as ``meshtrain train``'s, so that a plan describes the run ``train`` starts with the same flags), and the one
+#: that feeds its own flag of the same name when given (``--hardware``: else cpu).
 PLAN_FLAG_KEYS = ("model.name", "model.rules", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
-                  "model.lora_base", "recipe.name", "recipe.mesh")
-PLAN_OWN_KEYS = ("data.batch_size", "data.seq_len", "monitor.hardware")
+                  "model.lora_base", "recipe.name", "recipe.mesh", "data.batch_size", "data.seq_len")
+PLAN_OWN_KEYS = ("monitor.hardware",)
 LIST_PARAMS_HELP = ("print every parameter's path, shape, dtype and logical names (with --rules: as the rules give "
                     "them), then the model state's (batch statistics, RNG streams), and stop; write path rules "
                     "against these paths")
@@ -134,6 +132,33 @@ def prepare(args) -> None:
     write_back(args, resolved, PLAN_FLAG_KEYS + ("distributed.devices",), if_given=PLAN_OWN_KEYS)
     args.hardware = args.hardware or "cpu"
     args.resolved = resolved
+
+
+def given(args, flag: str) -> bool:
+    """Whether ``--batch-size`` / ``--seq-len`` (``flag``: ``batch_size``, ``seq_len``) was given (flag, ``--config``
+    or ``--set``) rather than left at the run configuration's default, which ``plan`` then fits as ``train``
+    does: the batch rounded up to the layout's multiple; no sequence length for an image model."""
+    resolved = getattr(args, "resolved", None)
+    if resolved is not None:
+        return resolved.given_here(f"data.{flag}")
+    recorded = getattr(args, "given_flags", None)
+    return flag in recorded if recorded is not None else getattr(args, flag, None) is not None
+
+
+def fitted_batch_size(args, multiple: int) -> int:
+    """``--batch-size`` when given; else its default (16) rounded up to a multiple of ``multiple`` (the
+    data-parallel size × micro-batches; under ``--recipe auto`` the device count, which every candidate's
+    divides), as ``meshtrain train`` rounds it."""
+    if given(args, "batch_size"):
+        return args.batch_size
+    return -(-data_value(args, "batch_size") // multiple) * multiple
+
+
+def data_value(args, flag: str) -> int:
+    """``args.batch_size`` / ``args.seq_len``; the run configuration's default where a namespace built by hand
+    lacks it."""
+    value = getattr(args, flag, None)
+    return value if value is not None else setting_at(f"data.{flag}").default
 
 
 def list_params_text(choice: "ModelChoice", infos=None) -> str:
@@ -169,8 +194,8 @@ def _apply_options(recipe, args):
 
 
 #: Integer flags that count something (``None``: not given); 0 or less means nothing.
-_COUNTS = {"batch_size": "the global batch; omit it for one sequence per data-parallel rank",
-           "seq_len": "tokens per sequence; omit it for the model's maximum",
+_COUNTS = {"batch_size": "the global batch in sequences; omit it for 16, rounded up to the data-parallel size",
+           "seq_len": "tokens per sequence; omit it for 128, as meshtrain train does",
            "top": "how many ranked layouts --recipe auto prints",
            "slices": "TPU slices or GPU nodes the devices span; 1 for one"}
 
@@ -226,7 +251,7 @@ def check_seq_len(choice: "ModelChoice", args) -> None:
     so beyond ``max_seq_len`` (which its forward and ``meshtrain train`` enforce) the plan is a
     long-context what-if (README, notebook 06): a warning, not an error."""
     cfg, T = choice.cfg, args.seq_len
-    if T is None:
+    if T is None or (isinstance(cfg, ViTConfig) and not given(args, "seq_len")):
         return
     if isinstance(cfg, ViTConfig):
         raise ConfigError(f"--seq-len does not apply to {cfg.name} (an image model); use --batch-size, or "
@@ -355,30 +380,30 @@ def default_batch(choice: ModelChoice, args, dp: int):
     import jax.numpy as jnp
 
     cfg = choice.cfg
-    B = args.batch_size or dp
+    B = fitted_batch_size(args, dp)
     check_seq_len(choice, args)
     if isinstance(cfg, ViTConfig):
         return BatchLayout.from_example({
             "images": jax.ShapeDtypeStruct((B, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32),
             "labels": jax.ShapeDtypeStruct((B,), jnp.int32)})
     if isinstance(cfg, BertConfig):
-        return BatchSpec(B, args.seq_len or cfg.max_positions, keys=tuple(KEYS)).layout()
+        return BatchSpec(B, data_value(args, "seq_len"), keys=tuple(KEYS)).layout()
     if cfg is None:
         raise ConfigError(f"--model {choice.name} is a user model: describe its batch with --batch, e.g. "
                           f"--batch images=16x8x8x1:float32,labels=16:int32 (leading dimension = batch)")
-    return BatchSpec(B, args.seq_len or cfg.max_seq_len)
+    return BatchSpec(B, data_value(args, "seq_len"))
 
 
 def _batch_layout(choice: ModelChoice, args, dp: int):
     if not getattr(args, "batch", None):
         return default_batch(choice, args, dp)
-    if args.seq_len is not None:
+    if given(args, "seq_len"):
         raise ConfigError("--seq-len does not apply with --batch; give the sequence length in the shapes")
     example, axes = parse_batch(args.batch)
     layout = BatchLayout.from_example(example, axes or None)
     check_batch_seq_len(choice, layout)
     sizes = {p: leaf.shape[leaf.batch_dim] for p, leaf in layout.leaves() if leaf.batch_dim is not None}
-    if args.batch_size is not None and any(v != args.batch_size for v in sizes.values()):
+    if given(args, "batch_size") and any(v != args.batch_size for v in sizes.values()):
         raise ConfigError(f"--batch-size {args.batch_size} disagrees with --batch (batch dimensions {sizes}); "
                           f"drop --batch-size or change the shapes")
     return layout
@@ -491,7 +516,10 @@ def run(args) -> int:
         print(json.dumps([dataclasses.asdict(i) for i in infos]) if args.json else list_params_text(choice, infos))
         return 0
     if args.recipe == "auto":
+        import jax
+
         check_seq_len(choice, args)
+        args.batch_size = fitted_batch_size(args, args.devices or len(jax.devices()))
         result = report.auto(args, choice.cfg)
         out = report.auto_dict(result, args) if args.json else report.auto_text(result, args)
         out = with_forecast(out, result.winner.plan, choice.cfg, args)

@@ -21,9 +21,9 @@ from meshtrain.settings import add_flags, flag_value, settings_of
 #: Settings whose flag is written by hand elsewhere: ``--devices`` (commands.common, every command
 #: that starts devices), ``--peak-tflops`` (a unit: TFLOP/s), ``--offload-weights`` (generate).
 _HAND_WRITTEN = ("distributed.devices", "monitor.peak_flops_per_device", "generation.weight_memory")
-#: Flags of a command's own that feed a setting of the same name when given (``plan --batch-size``:
+#: Flags of a command's own that feed a setting of the same name when given (``plan --hardware``:
 #: ``None`` unless given, the plan's own default then applies).
-_OWN_FLAGS = ("batch_size", "seq_len", "hardware")
+_OWN_FLAGS = ("hardware",)
 
 
 def train_keys() -> Tuple[str, ...]:
