@@ -103,7 +103,7 @@ SHARED = [("--model", "vit-tiny", "model.name", "vit-tiny"), ("--recipe", "fsdp_
           ("--mesh", "fsdp=2,tensor=4", "recipe.mesh", "fsdp=2,tensor=4"), ("--rules", "r.yaml", "model.rules", "r.yaml"),
           ("--remat", "full", "recipe.options.remat", "full"), ("--devices", "4", "distributed.devices", 4),
           ("--grad-accum", "2", "recipe.options.grad_accum", 2), ("--batch-size", "32", "data.batch_size", 32),
-          ("--seq-len", "64", "data.seq_len", 64)]
+          ("--seq-len", "64", "data.seq_len", 64), ("--hardware", "h100", "monitor.hardware", "h100")]
 
 
 @pytest.mark.parametrize("command", ["plan", "train", "config show"])
@@ -125,9 +125,9 @@ def _options(argv_prefix):
 
 def test_generated_flags_have_one_help_text():
     """A flag in plan, train, generate and config show is one definition: the same help everywhere,
-    but for plan's own --hardware (default cpu), plan's hidden --dcn (refused: a plan has no processes) and
-    generate's --recipe/--mesh/--seed (the generation section's: the run's recipe, the sampling seed)."""
-    own = {("plan", "--hardware"), ("plan", "--dcn"), ("generate", "--recipe"),
+    but for plan's hidden --dcn (refused: a plan has no processes) and generate's --recipe/--mesh/--seed (the
+    generation section's: the run's recipe, the sampling seed)."""
+    own = {("plan", "--dcn"), ("generate", "--recipe"),
            ("generate", "--mesh"), ("generate", "--seed"), ("serve", "--recipe"), ("serve", "--mesh")}
     by_command = {c: _options(argv) for c, argv in COMMANDS.items() if c != "launch"}
     shared = 0
@@ -281,3 +281,18 @@ def test_the_generation_section_names_the_engines_weight_choices():
     assert setting_at("generation.weight_memory").choices == tuple(m.value for m in WeightMemory)
     assert GenerationSection().quantize == WeightFormat.NONE.value
     assert GenerationSection().weight_memory == WeightMemory.DEVICE.value
+
+
+def test_hardware_not_given_is_this_hosts_chip_in_plan_as_in_train(capsys):
+    """--hardware's one default: the device kind's profile (train's MFU peak, plan's estimates), cpu on a CPU."""
+    import types
+
+    import jax
+
+    from meshtrain.train.metrics import hardware_of
+
+    assert hardware_of(types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")) == "h100"
+    assert hardware_of(types.SimpleNamespace(device_kind="TPU v5 lite")) == "tpu-v5e"
+    assert hardware_of(jax.devices()[0]) is None
+    assert main(["plan", "--model", "tiny", "--recipe", "fsdp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hardware"]["name"] == "cpu"

@@ -67,6 +67,7 @@ from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
 from meshtrain.train.config import AdamVariance, TrainConfig, check_recipe_overrides, default_optimizer
+from meshtrain.train.metrics import hardware_of
 from meshtrain.train.run_config import setting_at
 
 #: Up to this many CPU devices are simulated for a plan; beyond it the plan is abstract (analytic).
@@ -88,9 +89,6 @@ def add_parser(sub):
     p.add_argument("--loss", default=None,
                    help="module:function, the loss (model, batch) -> (loss_sum, weight[, metrics]) for estimates "
                         "from the compiled step (default: the built-in model's loss)")
-    p.add_argument("--hardware", default=None,
-                   help="chip to estimate for: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, cpu "
-                        "(default: cpu)")
     p.add_argument("--slices", type=int, default=None,
                    help="TPU slices or GPU nodes the devices span (default: the chip's own fast-link domain: 8 GPUs "
                         "per node, a TPU pod): mesh axes spanning more than devices/slices use the slow links (DCN, "
@@ -116,11 +114,10 @@ def add_parser(sub):
 
 
 #: The run configuration's settings that ``plan`` has flags for (generated: the same names, help and defaults
-#: as ``meshtrain train``'s, so that a plan describes the run ``train`` starts with the same flags), and the one
-#: that feeds its own flag of the same name when given (``--hardware``: else cpu).
+#: as ``meshtrain train``'s, so that a plan describes the run ``train`` starts with the same flags).
 PLAN_FLAG_KEYS = ("model.name", "model.rules", "model.lora_rank", "model.lora_alpha", "model.lora_targets",
-                  "model.lora_base", "recipe.name", "recipe.mesh", "data.batch_size", "data.seq_len")
-PLAN_OWN_KEYS = ("monitor.hardware",)
+                  "model.lora_base", "recipe.name", "recipe.mesh", "data.batch_size", "data.seq_len",
+                  "monitor.hardware")
 LIST_PARAMS_HELP = ("print every parameter's path, shape, dtype and logical names (with --rules: as the rules give "
                     "them), then the model state's (batch statistics, RNG streams), and stop; write path rules "
                     "against these paths")
@@ -128,10 +125,9 @@ LIST_PARAMS_HELP = ("print every parameter's path, shape, dtype and logical name
 
 def prepare(args) -> None:
     """Resolve ``--config``/``--set`` with the flags and put the values where the plan reads them."""
-    resolved = resolve(args, PLAN_FLAG_KEYS + PLAN_OWN_KEYS + ("distributed.devices",), recipe_options=True)
-    write_back(args, resolved, PLAN_FLAG_KEYS + ("distributed.devices",), if_given=PLAN_OWN_KEYS)
-    args.hardware = args.hardware or "cpu"
-    args.resolved = resolved
+    resolved = resolve(args, PLAN_FLAG_KEYS + ("distributed.devices",), recipe_options=True)
+    write_back(args, resolved, PLAN_FLAG_KEYS + ("distributed.devices",))
+    args.resolved = resolved   # --hardware not given: this host's chip, once its devices are set up (run)
 
 
 def given(args, flag: str) -> bool:
@@ -504,6 +500,10 @@ def run(args) -> int:
     if args.check == "gpu":
         _gpu_target(args)
     _setup(args)
+    if args.hardware is None:   # train's default: this host's chip (cpu where the device kind has no profile)
+        import jax
+
+        args.hardware = hardware_of(jax.devices()[0]) or "cpu"
     choice = resolve_model(args)
     if getattr(args, "list_params", False):
         try:

@@ -21,9 +21,6 @@ from meshtrain.settings import add_flags, flag_value, settings_of
 #: Settings whose flag is written by hand elsewhere: ``--devices`` (commands.common, every command
 #: that starts devices), ``--peak-tflops`` (a unit: TFLOP/s), ``--offload-weights`` (generate).
 _HAND_WRITTEN = ("distributed.devices", "monitor.peak_flops_per_device", "generation.weight_memory")
-#: Flags of a command's own that feed a setting of the same name when given (``plan --hardware``:
-#: ``None`` unless given, the plan's own default then applies).
-_OWN_FLAGS = ("hardware",)
 
 
 def train_keys() -> Tuple[str, ...]:
@@ -100,7 +97,7 @@ def given_flag_values(args, keys: Iterable[str], *, recipe_options: bool = False
         s = setting_at(key)
         value = getattr(args, s.flag, None) if s.cli and key not in _HAND_WRITTEN else None
         recorded = getattr(args, "given_flags", None)
-        if recorded is not None and s.flag not in recorded and not (s.flag in _OWN_FLAGS and value is not None):
+        if recorded is not None and s.flag not in recorded:
             continue  # the namespace's default (add_run_flags(with_defaults=True)), not a given flag
         if value is not None:
             out[key] = flag_value(s, value)
@@ -143,12 +140,11 @@ def resolve(args, keys: Iterable[str], *, recipe_options: bool = False,
     return Resolved(config, frozenset(layers))
 
 
-def write_back(args, resolved: Resolved, keys: Iterable[str], *, if_given: Iterable[str] = ()) -> None:
+def write_back(args, resolved: Resolved, keys: Iterable[str]) -> None:
     """Put resolved values where code that reads ``args`` finds them (``meshtrain plan``): each of
-    ``keys`` (as its flag writes it), each of ``if_given`` only when it was given (else the command's own
-    default stays), and the recipe options given (as the recipe flags)."""
+    ``keys`` (as its flag writes it) and the recipe options given (as the recipe flags)."""
     cfg = resolved.config
-    for key in tuple(keys) + tuple(k for k in if_given if k in resolved.given):
+    for key in keys:
         s = setting_at(key)
         value = cfg
         for part in key.split("."):

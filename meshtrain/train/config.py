@@ -158,8 +158,9 @@ class TrainConfig:
     progress: Progress = setting(Progress.AUTO, "live bar on a terminal (auto), bar, plain lines, or nothing")
     peak_flops_per_device: Optional[float] = setting(None, "peak FLOP/s per device for MFU (default: known "
                                                      "accelerators; omitted on CPU)", cli=False)  # CLI: --peak-tflops
-    hardware: Optional[str] = setting(None, "hardware profile for MFU's peak: h100, tpu-v5p, ..., or cpu "
-                                      "(measured on this host) (default: from the device kind)")
+    hardware: Optional[str] = setting(None, "the chip's profile: h100, h200, a100, b200, tpu-v4, tpu-v5e, tpu-v5p, "
+                                      "tpu-v6e, or cpu (measured on this host); train: MFU's peak; plan: the chip the "
+                                      "estimates are for (default: this host's, from its device kind)")
     memory_check: MemoryCheckMode = setting(MemoryCheckMode.ON, "refuse to start when the plan's per-device "
                                             "memory exceeds the device's")
     # Model rules (a model you did not write)

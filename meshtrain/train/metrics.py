@@ -27,16 +27,20 @@ DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "
                 ("TPU v5 lite", "tpu-v5e"), ("TPU v5e", "tpu-v5e"), ("TPU v5", "tpu-v5p"), ("TPU v6", "tpu-v6e"))
 
 
+def hardware_of(device) -> Optional[str]:
+    """The hardware profile of ``device`` by its device kind (``h100``, ``tpu-v5p``, ...); ``None`` for a kind
+    without one (a CPU). ``--hardware``'s default in ``train`` (MFU's peak) and ``plan`` (``cpu`` then)."""
+    kind = getattr(device, "device_kind", "").lower()
+    return next((name for fragment, name in DEVICE_KINDS if fragment.lower() in kind), None)
+
+
 def peak_flops(device, hardware: Optional[str] = None, num_devices: Optional[int] = None) -> Optional[float]:
     """Peak dense bf16 FLOP/s per device: from the named ``hardware`` profile (``cpu`` is measured
     on this host), else from the device kind; ``None`` when neither is known (plain CPU)."""
     if hardware is not None:
         return get_hardware(hardware, num_devices=num_devices).peak_flops
-    kind = getattr(device, "device_kind", "").lower()
-    for fragment, name in DEVICE_KINDS:
-        if fragment.lower() in kind:
-            return get_hardware(name).peak_flops
-    return None
+    name = hardware_of(device)
+    return get_hardware(name).peak_flops if name is not None else None
 
 
 class MetricsWriter:
