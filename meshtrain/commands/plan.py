@@ -66,7 +66,8 @@ from meshtrain.parallel.context import check_seq_len as check_context_seq_len
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.plan import fmt_bytes, make_plan
 from meshtrain.recipes import get_recipe
-from meshtrain.train.config import AdamVariance, TrainConfig, check_recipe_overrides, default_optimizer
+from meshtrain.train.config import (AdamVariance, TrainConfig, check_recipe_overrides, default_optimizer,
+                                    fitted_batch_size)
 from meshtrain.train.metrics import hardware_of
 from meshtrain.train.run_config import setting_at
 
@@ -141,13 +142,13 @@ def given(args, flag: str) -> bool:
     return flag in recorded if recorded is not None else getattr(args, flag, None) is not None
 
 
-def fitted_batch_size(args, multiple: int) -> int:
+def planned_batch_size(args, multiple: int) -> int:
     """``--batch-size`` when given; else its default (16) rounded up to a multiple of ``multiple`` (the
     data-parallel size × micro-batches; under ``--recipe auto`` the device count, which every candidate's
-    divides), as ``meshtrain train`` rounds it."""
+    divides), as ``meshtrain train`` rounds it (:func:`~meshtrain.train.config.fitted_batch_size`)."""
     if given(args, "batch_size"):
         return args.batch_size
-    return -(-data_value(args, "batch_size") // multiple) * multiple
+    return fitted_batch_size(data_value(args, "batch_size"), multiple)
 
 
 def data_value(args, flag: str) -> int:
@@ -376,7 +377,7 @@ def default_batch(choice: ModelChoice, args, dp: int):
     import jax.numpy as jnp
 
     cfg = choice.cfg
-    B = fitted_batch_size(args, dp)
+    B = planned_batch_size(args, dp)
     check_seq_len(choice, args)
     if isinstance(cfg, ViTConfig):
         return BatchLayout.from_example({
@@ -519,7 +520,7 @@ def run(args) -> int:
         import jax
 
         check_seq_len(choice, args)
-        args.batch_size = fitted_batch_size(args, args.devices or len(jax.devices()))
+        args.batch_size = planned_batch_size(args, args.devices or len(jax.devices()))
         result = report.auto(args, choice.cfg)
         out = report.auto_dict(result, args) if args.json else report.auto_text(result, args)
         out = with_forecast(out, result.winner.plan, choice.cfg, args)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from meshtrain.commands.common import add_device_args
 from meshtrain.commands.run_flags import Resolved, add_peak_tflops, add_run_flags, preparer, resolved_of, train_keys
 from meshtrain.errors import ConfigError
-from meshtrain.train.config import TrainConfig
+from meshtrain.train.config import TrainConfig, fitted_batch_size
 
 # The models, the trainer and JAX load when a run starts, not when the flags are read: `meshtrain launch`
 # parses its child's `train` command line with this module's parser and must not load JAX.
@@ -126,7 +126,7 @@ def run(args) -> int:
     if not resolved.given_here("data.batch_size"):
         multiple = trainer.batch_multiple()
         if config.batch_size % multiple:
-            fitted = -(-config.batch_size // multiple) * multiple
+            fitted = fitted_batch_size(config.batch_size, multiple)
             print(f"meshtrain: --batch-size not given: using {fitted}, the smallest multiple of {multiple} "
                   f"(data-parallel size × micro-batches) >= the default {config.batch_size}", flush=True)
             config = dataclasses.replace(config, batch_size=fitted)

@@ -262,6 +262,13 @@ class TrainConfig:
             raise ConfigError(str(exc)) from None
 
 
+def fitted_batch_size(batch_size: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` (a layout's data-parallel size × micro-batches) >= ``batch_size``:
+    the default batch as ``meshtrain train`` and ``meshtrain plan`` fit it when ``--batch-size`` is not given,
+    e.g. ``fitted_batch_size(16, 32) == 32`` for ``pp_fsdp`` on 8 devices with 8 micro-batches."""
+    return -(-batch_size // multiple) * multiple
+
+
 def check_watchdog_settings(hang_timeout: Optional[float], straggler_fraction: float) -> None:
     """``hang_timeout`` (seconds, or ``None``) and ``straggler_fraction`` as :mod:`meshtrain.train.watchdog`
     needs them."""
