@@ -219,12 +219,13 @@ def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int
     if pipe is not None:
         # Each device gathers its stage's layers and reduces their gradients every tick with work
         # (measured: XLA keeps the reductions inside the tick loop); the rest runs once a step (gpipe: the
-        # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch).
+        # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch) but for an untied
+        # embedding table: 1f1b looks up every micro-batch at once before the ticks (pipeline/_loss.py).
         if layer:
             runs = pipe.layer_runs(per)
             op_t = x.t_stage  # one layer's weights: not split by stage
         else:
-            runs = m if pipe.one_f_one_b else 1
+            runs = m if pipe.one_f_one_b and not lookup else 1
     reduce_runs = runs
     if x.has_f:
         put("all-gather", f, elems * c / op_t / per, runs, x.what[0], phase=Phase.FORWARD)

@@ -184,7 +184,10 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
             args, kwargs = _capture(loss_fn, model, b)
             return pp.before(*args, **kwargs)
 
-        x_m, side_m = jax.lax.map(one, batch_m)
+        # every micro-batch at once, not a loop over them: the lookup's backward is then one scatter-add
+        # and one data-parallel reduction of the table's gradient per step, not one per micro-batch
+        # (analysis/comms.py counts it once)
+        x_m, side_m = jax.vmap(one)(batch_m)
         return x_m, side_m
 
     (x_m, before_vjp, side_m) = jax.vjp(before_all, rest, has_aux=True)
