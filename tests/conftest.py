@@ -38,21 +38,17 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "MESHTRAIN_TEST_CACHE" not in os.
     os.environ["MESHTRAIN_TEST_CACHE"] = _OWN_CACHE
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS_OVERRIDE", "0")
-# The package's bytecode, written once by the controller: where PYTHONDONTWRITEBYTECODE is set (as in CI's
-# image), every child a test starts would compile meshtrain's sources again (~0.2 CPU s per `meshtrain`
-# process, and the suite starts hundreds); compileall writes the .pyc files whatever that variable says.
+# The bytecode of the package, the tests' helpers and tools/, written once by the controller: where
+# PYTHONDONTWRITEBYTECODE is set (as in CI's image), every child a test starts would compile meshtrain's sources
+# again (~0.2 CPU s per `meshtrain` process, and the suite starts hundreds); compileall writes the .pyc files
+# whatever that variable says. The test modules as pytest rewrites their asserts: _prewrite_test_modules (from
+# pytest_configure), else each of the six workers rewrites all of them again at collection (~2 CPU s a worker).
 if "PYTEST_XDIST_WORKER" not in os.environ:
     import compileall
 
-    compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meshtrain"),
-                           quiet=2)
-# The same for the tests' helpers and tools/ (imported by the workers and the children); and the test modules as
-# pytest rewrites their asserts (_prewrite_test_modules, from pytest_configure): otherwise each of the six
-# workers rewrites all of them again at collection (~2 CPU s a worker).
-if "PYTEST_XDIST_WORKER" not in os.environ:
-    for _folder in ("tests", "tools"):
+    for _folder in ("meshtrain", "tests", "tools"):
         compileall.compile_dir(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), _folder),
-                               quiet=2, maxlevels=0)
+                               quiet=2)
 # Reference runs built once per session and shared by the workers (helpers.built_once): always a fresh
 # folder, even where a compilation cache is kept across sessions (a result must not outlive its code).
 _OWN_SESSION = None

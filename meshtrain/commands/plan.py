@@ -501,9 +501,9 @@ def run(args) -> int:
     if args.check == "gpu":
         _gpu_target(args)
     _setup(args)
-    if args.hardware is None:   # train's default: this host's chip (cpu where the device kind has no profile)
-        import jax
+    import jax   # after _setup: the device count is set before JAX starts its backend
 
+    if args.hardware is None:   # train's default: this host's chip (cpu where the device kind has no profile)
         args.hardware = hardware_of(jax.devices()[0]) or "cpu"
     choice = resolve_model(args)
     if getattr(args, "list_params", False):
@@ -517,8 +517,6 @@ def run(args) -> int:
         print(json.dumps([dataclasses.asdict(i) for i in infos]) if args.json else list_params_text(choice, infos))
         return 0
     if args.recipe == "auto":
-        import jax
-
         check_seq_len(choice, args)
         args.batch_size = planned_batch_size(args, args.devices or len(jax.devices()))
         result = report.auto(args, choice.cfg)
