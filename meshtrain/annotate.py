@@ -23,7 +23,7 @@ import contextvars
 import dataclasses
 import os
 import re
-from typing import Iterator, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import jax
 
@@ -58,10 +58,18 @@ class StepContext:
     resolved: Optional[object] = None
     #: the activation names ``Remat.OFFLOAD`` keeps in host memory (the recipe's ``offload_activations``)
     offloaded: Tuple[str, ...] = DEFAULT_OFFLOAD
+    #: mesh axes a surrounding ``jax.vmap(..., spmd_axis_name=axes)`` already splits the batch over (set by
+    #: :func:`batch_split_over`): the constraints inside leave them out, as if they were of size 1
+    split_axes: Tuple[str, ...] = ()
 
     def dimension(self, cls: Type[S]) -> Optional[S]:
         """The recipe's dimension of type ``cls`` (e.g. ``ctx.dimension(Context)``), or ``None``."""
         return next((s for s in self.strategies if isinstance(s, cls)), None)
+
+    def mesh_sizes(self) -> Dict[str, int]:
+        """``{mesh axis: size}`` that activation constraints resolve against: the mesh's, with the
+        :attr:`split_axes` at 1 (a vmapped batch split already places them)."""
+        return {a: 1 if a in self.split_axes else n for a, n in self.mesh.shape.items()}
 
 
 _ACTIVE: contextvars.ContextVar[Optional[StepContext]] = contextvars.ContextVar("meshtrain_step", default=None)
@@ -79,6 +87,24 @@ def step_context(ctx: StepContext) -> Iterator[None]:
 
 def current_step_context() -> Optional[StepContext]:
     return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def batch_split_over(axes: Tuple[str, ...]) -> Iterator[None]:
+    """Trace a function that ``jax.vmap(..., spmd_axis_name=axes)`` maps over a split of the batch: its
+    activation constraints leave ``axes`` out (the vmap puts its mapped dimension on them; naming them
+    again would use a mesh axis twice). Example (the 1F1B backward's per-data-shard gradients)::
+
+        with batch_split_over(("data",)):
+            dw_d = jax.vmap(backward, spmd_axis_name=("data",))(x_rows_split)
+    """
+    ctx = _ACTIVE.get()
+    token = _ACTIVE.set(dataclasses.replace(ctx, split_axes=ctx.split_axes + tuple(axes))) if ctx else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ACTIVE.reset(token)
 
 
 _UNROLLED_AS_SCAN: contextvars.ContextVar[bool] = contextvars.ContextVar("meshtrain_unrolled_as_scan", default=False)
@@ -169,7 +195,7 @@ def activation_spec(logical: LogicalAxes, shape: Sequence[int], *, name: str = "
     ctx = _ACTIVE.get()
     if ctx is None:
         return None
-    return ctx.rules.resolve("activations", logical, shape, dict(ctx.mesh.shape), path=name,
+    return ctx.rules.resolve("activations", logical, shape, ctx.mesh_sizes(), path=name,
                              replicate_ok=ctx.replicate_ok).spec
 
 

@@ -163,16 +163,15 @@ def megatron_case(size: str, heads: int, hidden: int, layers: int, tensor: int, 
                 f"÷ the paper's 96·l·h²·(1 + s/6h + V/16lh) FLOPs per token (counts the recomputed forward)")
 
 
-#: The data-parallel gradient reduction of a pipeline, by looking at the forecast's ``exposed`` term
-#: (tools/forecast_vs_published.py --json: terms_ms; the collectives from meshtrain.analysis.comms).
-_PER_TICK_REDUCE = ("exposed: meshtrain's pipeline all-reduces each stage's layer gradients over `data` on every "
-                    "tick with work (comms.py: XLA keeps the reductions inside the tick loop; 434 to 1,150 layer "
-                    "reductions a step in these rows) over InfiniBand, more than the backward's compute hides; "
-                    "Megatron all-reduces once per step after the last micro-batch")
-_STAGE_HANDOFF = ("; and the `stage` all-reduces on the critical path: meshtrain's pipeline all-reduces the last "
+#: What is left of a deep pipeline's ``exposed`` term (tools/forecast_vs_published.py --json: terms_ms; the
+#: collectives from meshtrain.analysis.comms) since every schedule reduces its data-parallel gradients once a
+#: step (it reduced them on every tick before 2026-11-30: 76.1B 0.71, 145.6B 0.66, 310.1B 0.40 then).
+_STAGE_HANDOFF = ("exposed: the `stage` all-reduces on the critical path: meshtrain's pipeline all-reduces the last "
                   "stage's output to every stage on each tick that feeds the head and the micro-batches' stack "
                   "outputs (circular) or f32 input cotangents (1f1b) once a step, where Megatron sends "
-                  "point-to-point between neighbouring stages")
+                  "point-to-point between neighbouring stages (`stage` traffic 423 GB on the wire per GPU a step in the "
+                  "529.6B row, 438 GB in the 1008B row, beside the 724 and 1,665 GB of tensor-parallel all-reduces "
+                  "both frameworks run)")
 
 #: Megatron-LM Table 1 (heads, hidden, layers, tensor, pipeline, GPUs, batch as published; micro-batch and
 #: layers per virtual stage from the paper's run_table_1.sh; TFLOP/s per GPU as published).
@@ -182,12 +181,12 @@ MEGATRON_CASES = [
     megatron_case("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 0, 142),
     megatron_case("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 0, 135),
     megatron_case("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 0, 138),
-    megatron_case("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 5, 140, reason=_PER_TICK_REDUCE),
-    megatron_case("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 5, 148, reason=_PER_TICK_REDUCE),
-    megatron_case("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155, reason=_PER_TICK_REDUCE),
-    megatron_case("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163, reason=_PER_TICK_REDUCE + _STAGE_HANDOFF),
+    megatron_case("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 5, 140),
+    megatron_case("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 5, 148),
+    megatron_case("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155),
+    megatron_case("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163, reason=_STAGE_HANDOFF),
     megatron_case("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 0, 163,
-                  reason=_PER_TICK_REDUCE + _STAGE_HANDOFF + "; and matmul: meshtrain's 1f1b re-runs each stage's "
+                  reason=_STAGE_HANDOFF + "; and matmul: meshtrain's 1f1b re-runs each stage's "
                   "forward in its VJP on top of remat full (5 forward passes, Megatron's 4) and runs the head on "
                   "all 64 stages"),
 ]

@@ -31,7 +31,8 @@ embedding (forward) and head (backward) add one each, and the loss 3 small ``b·
 
 Pipelines (``pp`` recipes): the per-layer collectives above follow the ``m·L/(p·(1 − bubble))``
 layer passes one device makes (not ``L·m``), a stage's layer weights are gathered and their
-gradients reduced every tick with work, and :func:`_pipeline_transfers` adds the stage hand-offs
+gradients reduced every tick with work (but for the data-parallel reduction, once a step: the schedules
+keep one gradient per data shard through the ticks), and :func:`_pipeline_transfers` adds the stage hand-offs
 (collective-permutes of one micro-batch's activations and cotangents) and broadcasts over ``stage``.
 
 Convention (both sides, :func:`meshtrain.analysis.collectives.hlo_collectives` too): a collective's bytes are
@@ -63,6 +64,7 @@ from meshtrain.analysis.layout import cached, layout_of, resolved_step
 from meshtrain.analysis.pipeline import pipeline_shape
 from meshtrain.parallel import onebit_adam
 from meshtrain.parallel.moe import capacity_for
+from meshtrain.parallel.pipeline import row_split_axes
 from meshtrain.parallel.resolved import batch_splits
 from meshtrain.recipes import Remat
 
@@ -218,7 +220,8 @@ def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int
     runs, op_t = per * m, t
     if pipe is not None:
         # Each device gathers its stage's layers and reduces their gradients every tick with work
-        # (measured: XLA keeps the reductions inside the tick loop); the rest runs once a step (gpipe: the
+        # (measured: XLA keeps the reductions inside the tick loop; the data-parallel ones: once, below); the
+        # rest runs once a step (gpipe: the
         # head sees the whole batch), or m times in 1f1b (head and loss per micro-batch) but for an untied
         # embedding table: 1f1b looks up every micro-batch at once before the ticks (pipeline/_loss.py).
         if layer:
@@ -227,6 +230,10 @@ def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int
         else:
             runs = m if pipe.one_f_one_b and not lookup else 1
     reduce_runs = runs
+    if pipe is not None and r[0] and set(r[0]) <= _split_rows(plan, cfg):
+        # every schedule keeps one gradient per data shard through the ticks and reduces them once after
+        # (parallel/pipeline/_schedules.py, row_split_axes): the device's layers and the head once a step
+        reduce_runs = per / pipe.stages if layer else 1
     if x.has_f:
         put("all-gather", f, elems * c / op_t / per, runs, x.what[0], phase=Phase.FORWARD)
         if not lookup and not gathered_once:
@@ -277,6 +284,14 @@ def _param_leaf_collectives(x, plan, cfg, backend: Backend, pipe, m: int, c: int
             return
         put("all-reduce", r, g_reduce, reduce_runs, x.what[4])
 
+
+
+def _split_rows(plan, cfg) -> frozenset:
+    """The data axes a pipeline keeps per-shard gradients over (the kernel's own rule); none for an MoE model
+    (its layers store router statistics, whose cotangents are per micro-batch)."""
+    if cfg is not None and getattr(cfg, "n_experts", 0):
+        return frozenset()
+    return frozenset(row_split_axes(plan.rules, plan.mesh_sizes, plan.recipe.strategies))
 
 
 def _param_collective_leaves(plan) -> Tuple[_ParamLeaf, ...]:

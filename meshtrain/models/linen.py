@@ -160,7 +160,7 @@ def _keep_batch_sharded(ctx: StepContext, rows: int, next_fun, args, kwargs, con
     if context.method_name != "__call__":
         return out
     rule = ctx.rules.table("activations").get("batch")
-    sizes = dict(ctx.mesh.shape)
+    sizes = ctx.mesh_sizes()
     axes = tuple(a for a in (rule.mesh_axes if rule else ()) if sizes.get(a, 1) > 1)
     if not axes or rows % math.prod(sizes[a] for a in axes):
         return out

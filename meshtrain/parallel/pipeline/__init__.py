@@ -66,13 +66,13 @@ from meshtrain.parallel.pipeline._parts import (STAGE, PipelineParts, get_parts,
                                                 without_path)
 from meshtrain.parallel.pipeline._tables import (PipelineConfig, ScheduleTable, bubble_fraction, bubble_warning,
                                                  config_for, schedule_table, timeline)
-from meshtrain.parallel.pipeline._schedules import merge_micro, one_f_one_b, run_stack, split_micro
+from meshtrain.parallel.pipeline._schedules import merge_micro, one_f_one_b, row_split_axes, run_stack, split_micro
 from meshtrain.parallel.pipeline._zero_bubble import LayerSplit, layer_split, zero_bubble
 from meshtrain.parallel.pipeline._loss import StandIn, pipelined_loss, value_and_grad_1f1b
 from meshtrain.recipes import Schedule  # what PipelineConfig takes
 
 __all__ = ["STAGE", "PipelineParts", "get_parts", "get_path", "stack_module", "with_path", "without_path",
            "PipelineConfig", "ScheduleTable", "bubble_fraction", "bubble_warning", "config_for", "schedule_table",
-           "timeline", "merge_micro", "one_f_one_b", "run_stack", "split_micro", "LayerSplit", "layer_split",
+           "timeline", "merge_micro", "one_f_one_b", "row_split_axes", "run_stack", "split_micro", "LayerSplit", "layer_split",
            "zero_bubble", "StandIn", "pipelined_loss",
            "value_and_grad_1f1b", "Schedule"]

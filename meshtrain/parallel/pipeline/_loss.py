@@ -195,11 +195,10 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
     layer_fn, _ = _stack_io(model0, parts)
     stack_state = nnx.state(stack_module(model0, name))
 
-    def head_loss(rest_, y_b, values, i):
+    def head_loss(rest_, y_b, values, i, inputs):
         model = model_of(rest_)
         pp = get_parts(model)
-        side_i = jax.tree.map(lambda a: a[i], side_m)
-        b_i = jax.tree.map(lambda a: a[i], batch_m)
+        side_i, b_i = inputs  # micro-batch i's side inputs and batch (or one data shard's rows of them)
 
         def call(*args, **kwargs):
             _store_values(pp, model, values)
@@ -209,7 +208,8 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
         return total, (weight, metrics)
 
     run = zero_bubble if cfg.schedule is Schedule.ZERO_BUBBLE else one_f_one_b
-    loss, (weight, metrics), d_stack, d_rest, dx_m = run(layer_fn, stack_state, x_m, side_m, head_loss, rest, cfg)
+    loss, (weight, metrics), d_stack, d_rest, dx_m = run(layer_fn, stack_state, x_m, side_m, head_loss, rest, cfg,
+                                                         head_inputs=(side_m, batch_m))
     (d_before,) = before_vjp(dx_m.astype(x_m.dtype))
     grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_rest, d_before)
     grads = with_path(grads, name, nnx.to_pure_dict(d_stack) if isinstance(d_stack, nnx.State) else d_stack)

@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import math
 import types
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshtrain.annotate import current_step_context, remat
+from meshtrain.annotate import batch_split_over, current_step_context, remat
 from meshtrain.parallel.pipeline._parts import STAGE
 from meshtrain.parallel.pipeline._tables import PipelineConfig, schedule_table
 from meshtrain.recipes import Schedule
+from meshtrain.strategies import Context, Expert
 
 
 # ---- layout helpers ------------------------------------------------------------------------------
@@ -36,6 +38,14 @@ def _on_stage(x: jax.Array) -> jax.Array:
     if ctx is None or STAGE not in ctx.mesh.shape:
         return x
     spec = PartitionSpec(STAGE, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+
+def _on_rows(x: jax.Array, axes: Tuple[str, ...]) -> jax.Array:
+    """``(p, d, ...)`` with ``p`` on ``stage`` and ``d`` on the data axes ``axes`` (per-shard gradients)."""
+    ctx = current_step_context()
+    spec = PartitionSpec(STAGE if STAGE in ctx.mesh.shape else None, axes,
+                         *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
 
 
@@ -71,6 +81,75 @@ def _stage_fn(layer_fn):
             return layer_fn(w_layer, h, side)
 
         return jax.lax.scan(remat(body), x, w_k)
+
+    return run
+
+
+def row_split_axes(rules, mesh_sizes, strategies) -> Tuple[str, ...]:
+    """The data-parallel mesh axes over which 1F1B and zero-bubble keep one weight gradient per shard and
+    reduce once after the tick loop (:func:`_row_split`): the leading run of the ``batch`` rule's axes
+    (size > 1) on which no weight is sharded (``dp``'s ``data``; not FSDP's ``fsdp``, whose gradients
+    ZeRO-3 reduce-scatters per tick). ``()`` under a context or expert dimension (their kernels lay the
+    batch out themselves). The planner's collectives read the same function
+    (:mod:`meshtrain.analysis.comms`)."""
+    if any(isinstance(d, (Context, Expert)) for d in strategies):
+        return ()
+    rule = rules.table("activations").get("batch")
+    weight_axes = {a for r in rules.table("params").values() for a in r.mesh_axes}
+    axes = []
+    for a in (rule.mesh_axes if rule else ()):  # the leading run: the rows' major split
+        if mesh_sizes.get(a, 1) == 1:
+            continue
+        if a in weight_axes or a == STAGE:
+            break
+        axes.append(a)
+    return tuple(axes)
+
+
+def _row_split(rows: int, v_shape, side_m) -> Tuple[Tuple[str, ...], int]:
+    """``(axes, d)``: the data-parallel mesh axes a micro-batch's ``rows`` are split over while every
+    weight is whole on them (:func:`row_split_axes`), and their size. 1F1B's backward then computes each
+    shard's weight gradient apart (a ``jax.vmap`` over the row split, ``spmd_axis_name=axes``) and the
+    schedule sums them once after its tick loop: one data-parallel reduction a step, where a tick loop
+    accumulating the summed gradient reduced it on every backward tick (measured in the compiled HLO: one
+    all-reduce of the stage's gradients per tick, tests/test_planner_moe_pp.py). ``((), 1)`` where that
+    does not apply: no step context or no such axis, layers that store values (their cotangents are per
+    micro-batch, not per row), or side inputs without a leading row dimension."""
+    ctx = current_step_context()
+    if ctx is None or jax.tree.leaves(_floats(v_shape)):
+        return (), 1
+    if any(a.ndim < 2 or a.shape[1] != rows for a in jax.tree.leaves(side_m)):
+        return (), 1
+    sizes = ctx.mesh_sizes()
+    axes = row_split_axes(ctx.rules, sizes, ctx.strategies)
+    d = math.prod(sizes[a] for a in axes)
+    return (axes, d) if d > 1 and rows % d == 0 else ((), 1)
+
+
+def _per_row_split(stage_bwd, axes: Tuple[str, ...], d: int):
+    """``stage_bwd`` run on each of the ``d`` row blocks of its micro-batch apart: weight gradients
+    ``(d, ...)`` (one per data shard, not yet summed), input gradient ``(rows, ...)``."""
+    def run(w_s, x, side, ct, ct_v):
+        rows = x.shape[0]
+        cut = lambda a: a.reshape((d, rows // d) + a.shape[1:])  # noqa: E731  split_micro keeps a shard's rows together
+        with batch_split_over(axes):
+            dw, dx = jax.vmap(stage_bwd, in_axes=(None, 0, 0, 0, None), spmd_axis_name=axes)(
+                w_s, cut(x), jax.tree.map(cut, side), cut(ct), ct_v)
+        return dw, dx.reshape((rows,) + dx.shape[2:])
+
+    return run
+
+
+def _per_row_forward(stage, axes: Tuple[str, ...], d: int):
+    """``stage(w_s, g, x, side)`` on each of the ``d`` row blocks of its micro-batch apart, block ``j``
+    with weights ``w_s_d[j]`` (leaves ``(d, ...)``: one copy per data shard)."""
+    def run(w_s_d, g, x, side):
+        rows = x.shape[0]
+        cut = lambda a: a.reshape((d, rows // d) + a.shape[1:])  # noqa: E731
+        with batch_split_over(axes):
+            out, values = jax.vmap(stage, in_axes=(0, None, 0, 0), spmd_axis_name=axes)(
+                w_s_d, g, cut(x), jax.tree.map(cut, side))
+        return out.reshape((rows,) + out.shape[2:]), values
 
     return run
 
@@ -125,7 +204,6 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
                            jax.lax.dynamic_index_in_dim(a, jnp.maximum(g, 0), 0, keepdims=False), w_s)
         return stage_fn(w_g, x, side)
 
-    run = jax.vmap(stage, spmd_axis_name=STAGE)
     first = jnp.arange(p) == 0
     stages = jnp.arange(p)
     state0 = _on_stage(jnp.zeros((p,) + x_m.shape[1:], x_m.dtype))
@@ -133,6 +211,15 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
     # A micro-batch's layer values travel with it: (group r, stage p, layer k, ...) = the stack's order.
     _, v_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0], w), 0, x_m[0],
                                 jax.tree.map(lambda a: a[0], side_m))
+    axes, d = _row_split(x_m.shape[1], v_shape, side_m) if not jax.tree.leaves(v_shape) else ((), 1)
+    if d > 1:
+        # one copy of the weights per data shard, each shard's rows run on its own copy: autodiff then
+        # accumulates one weight gradient per shard through the ticks, and the copy's transpose (a sum over
+        # the shards) reduces them once after the loop, not on every tick (as 1F1B's _per_row_split)
+        w = jax.tree.map(lambda a: _on_rows(jnp.broadcast_to(a[:, None], (p, d) + a.shape[1:]), axes), w)
+        run = jax.vmap(_per_row_forward(stage, axes, d), spmd_axis_name=STAGE)
+    else:
+        run = jax.vmap(stage, spmd_axis_name=STAGE)
 
     def v_zeros(lead):
         return jax.tree.map(lambda a: _on_stage(jnp.zeros(lead + (r, p) + a.shape, a.dtype)), v_shape)
@@ -166,12 +253,16 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
 # ---- 1f1b: one forward and one backward per stage per tick, explicit per-stage VJP -------------
 
 def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params, cfg: PipelineConfig,
-                *, unroll: bool = False):
+                *, unroll: bool = False, head_inputs=None):
     """The 1F1B schedule with the backward written out per stage.
 
     ``layer_fn(w, x, side) -> (x, values)`` (``values``: what the layer stored, a pytree; ``{}`` for
     none). ``head_loss(head_params, y_b, values_L, i) -> (loss_sum, aux)`` runs after the last stage on
-    micro-batch ``i`` with its layers' values (leaves ``(L, ...)``) (``aux`` a pytree of sums). Returns
+    micro-batch ``i`` with its layers' values (leaves ``(L, ...)``) (``aux`` a pytree of sums); given
+    ``head_inputs`` (a pytree of per-row arrays ``(m, rows, ...)``: what the head reads of the batch) it is
+    called ``head_loss(head_params, y_b, values_L, i, inputs)`` with micro-batch ``i``'s rows of them, and,
+    under data parallelism, on each data shard's rows apart (their head gradients are summed once after the
+    ticks, as the stack's are: :func:`_row_split`). Returns
     ``(loss_sum, aux_sum, d_stack, d_head_params, dx_m)``: gradients (f32) for ``stack`` and
     ``head_params`` and the cotangent of ``x_m`` (for the embedding's VJP). A stage stashes only its
     *input* per micro-batch in flight and recomputes its layers in the backward; the loss's cotangent
@@ -181,7 +272,7 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     head runs on the ``m`` ticks in between, where a micro-batch leaves the last stage: compiled work
     ``(m+p-1)·(forward + backward) + m·head`` per stage.
     """
-    s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg)
+    s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg, head_inputs=head_inputs)
     return _run_ticks(s, _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params), unroll)
 
 
@@ -194,14 +285,20 @@ def _run_ticks(s, tick, unroll: bool):
             c = tick(c, jnp.asarray(t), static=t)
     else:
         c, _ = jax.lax.scan(lambda cc, t: (tick(cc, t), None), s.carry0, jnp.arange(s.table.ticks))
-    d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), c["dw"])  # (p, k, ...) -> (L, ...)
-    return c["loss"], c["aux"], d_stack, c["dhead"], _first(c["dx"], 0, s.p)
+    dw = c["dw"] if s.rows_split == 1 else jax.tree.map(lambda a: jnp.sum(a, axis=1), c["dw"])  # the one reduction
+    d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), dw)  # (p, k, ...) -> (L, ...)
+    loss, aux, dhead = c["loss"], c["aux"], c["dhead"]
+    if s.head_split > 1:  # one value per data shard: summed once
+        loss, aux, dhead = jax.tree.map(lambda a: jnp.sum(a, axis=0), (loss, aux, dhead))
+    return loss, aux, d_stack, dhead, _first(c["dx"], 0, s.p)
 
 
 def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
-                       cfg: PipelineConfig) -> types.SimpleNamespace:
+                       cfg: PipelineConfig, *, split_rows: bool = True, head_inputs=None) -> types.SimpleNamespace:
     """What every tick of :func:`one_f_one_b` reads: the schedule table, the per-stage weights, the
-    vmapped stage forward and backward, the stash helpers, the shapes and the initial carry."""
+    vmapped stage forward and backward, the stash helpers, the shapes and the initial carry.
+    ``split_rows``: the backward keeps one weight gradient per data shard (:func:`_row_split`); so does the
+    head where ``head_inputs`` (what it reads per row, leaves ``(m, rows, ...)``) is given."""
     p, m = cfg.stages, cfg.micro_batches
     table = schedule_table(Schedule.ONE_F_ONE_B, p, m)
     fwd, bwd = jnp.asarray(table.forward), jnp.asarray(table.backward)
@@ -213,8 +310,14 @@ def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_
         _, vjp = jax.vjp(lambda ww, xx: (lambda y, v: (y, _floats(v)))(*stage_fn(ww, xx, side)), w_s, x)
         return vjp((ct, ct_v))
 
+    y_shape, v_shape = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], w), x_m[0],
+                                      jax.tree.map(lambda a: a[0], side_m))  # values leaves (k, ...)
+    axes, d_all = _row_split(x_m.shape[1], v_shape, side_m)
+    d = d_all if split_rows else 1
+    head_d = d_all if head_inputs is not None and all(
+        a.ndim >= 2 and a.shape[1] == x_m.shape[1] for a in jax.tree.leaves(head_inputs)) else 1
     run_f = jax.vmap(stage_fn, spmd_axis_name=STAGE)
-    run_b = jax.vmap(stage_bwd, spmd_axis_name=STAGE)
+    run_b = jax.vmap(stage_bwd if d == 1 else _per_row_split(stage_bwd, axes, d), spmd_axis_name=STAGE)
     stash_put = jax.vmap(lambda buf, i, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0))
     stash_get = jax.vmap(lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False))
     put_v = jax.vmap(lambda buf, s, v: buf.at[s].set(v))  # stage s writes its layers' values
@@ -224,11 +327,10 @@ def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_
     stages = jnp.arange(p)
     f32 = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t)  # noqa: E731
 
-    y_shape, v_shape = jax.eval_shape(stage_fn, jax.tree.map(lambda a: a[0], w), x_m[0],
-                                      jax.tree.map(lambda a: a[0], side_m))  # values leaves (k, ...)
     layers = lambda a: a.reshape((-1,) + a.shape[2:])  # noqa: E731  (p, k, ...) -> (L, ...)
     v_l = jax.tree.map(lambda a: jax.ShapeDtypeStruct((p * a.shape[0],) + a.shape[1:], a.dtype), v_shape)
-    (_, aux_shape) = jax.eval_shape(head_loss, head_params, jnp.zeros(y_shape.shape, y_shape.dtype), v_l, 0)
+    (_, aux_shape) = jax.eval_shape(_head_call(head_loss, head_inputs), head_params,
+                                    jnp.zeros(y_shape.shape, y_shape.dtype), v_l, 0)
     carry0 = dict(
         fstate=_on_stage(jnp.zeros((p,) + x_m.shape[1:], x_m.dtype)),
         vals=jax.tree.map(lambda a: _on_stage(jnp.zeros((p, p) + a.shape, a.dtype)), v_shape),  # travel with fstate
@@ -236,17 +338,62 @@ def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_
         stash=_on_stage(jnp.zeros((p, slots + 1) + x_m.shape[1:], x_m.dtype)),  # + a slot for idle ticks
         dv=jax.tree.map(lambda a: jnp.zeros((m, p) + a.shape, jnp.float32), _floats(v_shape)),  # loss -> values
         dx=_on_stage(jnp.zeros((p,) + x_m.shape, jnp.float32)),
-        dw=jax.tree.map(_on_stage, f32(w)),
+        dw=jax.tree.map(_on_stage, f32(w)) if d == 1 else jax.tree.map(
+            lambda a: _on_rows(jnp.zeros((p, d) + a.shape[1:], jnp.float32), axes), w),  # one per data shard
         dhead=f32(head_params),
         loss=jnp.zeros((), jnp.float32),
         aux=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
     )
+    if head_d > 1:  # one head gradient, loss and aux sum per data shard (summed after the ticks)
+        carry0.update({k: jax.tree.map(lambda a: _on_data(jnp.zeros((head_d,) + a.shape, a.dtype), axes), carry0[k])
+                       for k in ("dhead", "loss", "aux")})
     add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
 
-    return types.SimpleNamespace(p=p, m=m, table=table, fwd=fwd, bwd=bwd, slots=slots, w=w, stage_fn=stage_fn,
+    return types.SimpleNamespace(p=p, m=m, table=table, rows_split=d, row_axes=axes, head_split=head_d,
+                                 head_inputs=head_inputs, fwd=fwd, bwd=bwd, slots=slots, w=w, stage_fn=stage_fn,
                                  run_f=run_f, run_b=run_b, stash_put=stash_put, stash_get=stash_get,
                                  put_v=put_v, get_v=get_v, first=first, last=last, stages=stages,
                                  y_shape=y_shape, v_shape=v_shape, layers=layers, carry0=carry0, add=add)
+
+
+def _head_call(head_loss, head_inputs):
+    """``(hp, y_b, values_L, i) -> (loss_sum, aux)``: ``head_loss`` with micro-batch ``i``'s inputs
+    appended where the schedule has them (``head_inputs``)."""
+    if head_inputs is None:
+        return head_loss
+    return lambda hp, y, v, i: head_loss(hp, y, v, i, jax.tree.map(lambda a: a[i], head_inputs))
+
+
+def _on_data(x: jax.Array, axes: Tuple[str, ...]) -> jax.Array:
+    """``(d, ...)`` with ``d`` on the data axes ``axes`` (one value per data shard)."""
+    ctx = current_step_context()
+    spec = PartitionSpec(axes, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+
+def _head_rows(s: types.SimpleNamespace, c, i, y_i: jax.Array, head_loss, head_params):
+    """The head tick with one head gradient per data shard: ``head_loss`` on each shard's rows of
+    micro-batch ``i`` apart (a vmap over the row split, with its own copy of the head's weights, so
+    that their cotangents stay per shard), accumulated per shard; no layer values (:func:`_row_split`).
+    Returns ``(carry, dy)``."""
+    d, axes, rows = s.head_split, s.row_axes, y_i.shape[0]
+    cut = lambda a: a.reshape((d, rows // d) + a.shape[1:])  # noqa: E731
+    inputs_i = jax.tree.map(lambda a: cut(a[i]), s.head_inputs)
+    hp_d = jax.tree.map(lambda a: _on_data(jnp.broadcast_to(a, (d,) + a.shape), axes), head_params)
+
+    def per_shard(hp_d, y_d):
+        with batch_split_over(axes):
+            return jax.vmap(lambda hp, y, inp: head_loss(hp, y, {}, i, inp), spmd_axis_name=axes)(hp_d, y_d,
+                                                                                               inputs_i)
+
+    (loss_d, vjp, aux_d) = jax.vjp(per_shard, hp_d, cut(y_i), has_aux=True)
+    dhead_d, dy_d = vjp(jnp.ones(loss_d.shape, loss_d.dtype))
+    c = dict(c)
+    keep = lambda a, b: _on_data(s.add(a, b), axes)  # noqa: E731
+    c["dhead"] = jax.tree.map(keep, c["dhead"], dhead_d)
+    c["loss"] = keep(c["loss"], loss_d)
+    c["aux"] = jax.tree.map(keep, c["aux"], aux_d)
+    return c, dy_d.reshape((rows,) + dy_d.shape[2:])
 
 
 def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params, *,
@@ -256,9 +403,9 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
     ``split_backward``: ``(b_part, w_part)`` replacing the backward (zero_bubble, its own module):
     ``b_part(c, t, dy) -> c`` the input-gradient half on the backward ticks, ``w_part(c, t) -> c`` the
     weight-gradient half on ticks ``2p-2 ..`` (where every stage has one)."""
-    (p, m, table, fwd, bwd, slots, w, stage_fn, run_f, run_b, stash_put, stash_get, put_v, get_v, first, last,
+    (p, m, table, fwd, bwd, slots, w, run_f, run_b, stash_put, stash_get, put_v, get_v, first, last,
      stages, y_shape, v_shape, layers, add) = (
-        s.p, s.m, s.table, s.fwd, s.bwd, s.slots, s.w, s.stage_fn, s.run_f, s.run_b, s.stash_put, s.stash_get,
+        s.p, s.m, s.table, s.fwd, s.bwd, s.slots, s.w, s.run_f, s.run_b, s.stash_put, s.stash_get,
         s.put_v, s.get_v, s.first, s.last, s.stages, s.y_shape, s.v_shape, s.layers, s.add)
 
     def f_part(c, t):
@@ -279,8 +426,12 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
         c = dict(c)
         i = t - (p - 1)
         v_i = jax.tree.map(lambda a: layers(_first(a, p - 1, p)), vals)
-        (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y, vf: head_loss(hp, y, _with_floats(v_i, vf), i), head_params,
-                                       _first(fout, p - 1, p), _floats(v_i), has_aux=True)
+        y_i = _first(fout, p - 1, p)
+        if s.head_split > 1:
+            return _head_rows(s, c, i, y_i, head_loss, head_params)
+        call = _head_call(head_loss, s.head_inputs)
+        (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y, vf: call(hp, y, _with_floats(v_i, vf), i), head_params,
+                                       y_i, _floats(v_i), has_aux=True)
         dhead_i, dy, dv_i = vjp(jnp.ones((), loss_i.dtype))
         c["dv"] = jax.tree.map(lambda buf, d: jax.lax.dynamic_update_index_in_dim(
             buf, d.reshape(buf.shape[1:]).astype(jnp.float32), i, 0), c["dv"], dv_i)
@@ -303,7 +454,8 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
         c["dx"] = _on_stage(jax.vmap(lambda buf, j, v: buf.at[j].add(v))(c["dx"], jnp.maximum(bmb, 0),
                                                                          dx_t.astype(jnp.float32)))
         c["bstate"] = _shift(dx_t, -1)
-        c["dw"] = jax.tree.map(lambda a, b: _on_stage(add(a, b)), c["dw"], dw_t)
+        keep = _on_stage if s.rows_split == 1 else lambda a: _on_rows(a, s.row_axes)  # noqa: E731
+        c["dw"] = jax.tree.map(lambda a, b: keep(add(a, b)), c["dw"], dw_t)
         return c
 
     no_dy = jnp.zeros(y_shape.shape, y_shape.dtype)

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 from jax._src import core as jcore  # Jaxpr, eval_jaxpr: the layer's backward cut into its two halves
 
 from meshtrain.parallel.pipeline._parts import STAGE
-from meshtrain.parallel.pipeline._schedules import (_floats, _mask, _on_stage, _one_f_one_b_setup,
-                                                    _one_f_one_b_tick, _pick, _run_ticks)
+from meshtrain.annotate import batch_split_over
+from meshtrain.parallel.pipeline._schedules import (_floats, _mask, _on_rows, _on_stage, _one_f_one_b_setup,
+                                                    _one_f_one_b_tick, _pick, _row_split, _run_ticks)
 from meshtrain.parallel.pipeline._tables import PipelineConfig, schedule_table
 from meshtrain.strategies import Schedule
 
@@ -187,25 +188,45 @@ def _stage_w(split: LayerSplit):
     return run
 
 
+def _stage_w_per_shard(split: LayerSplit, axes, d: int):
+    """:func:`_stage_w` on each of the ``d`` row blocks of the kept values apart (leaves ``(k, rows, ...)``):
+    weight gradients ``(d, k, ...)``, one per data shard."""
+    run = _stage_w(split)
+
+    def per_shard(kept):
+        cut = [a.reshape(a.shape[:1] + (d, a.shape[1] // d) + a.shape[2:]) for a in kept]
+        with batch_split_over(axes):
+            return jax.vmap(run, in_axes=(1,), spmd_axis_name=axes)(cut)
+
+    return per_shard
+
+
 def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params, cfg: PipelineConfig,
-                *, unroll: bool = False):
+                *, unroll: bool = False, head_inputs=None):
     """The zero-bubble schedule: arguments and results as
     :func:`~meshtrain.parallel.pipeline.one_f_one_b` (``(loss_sum, aux_sum, d_stack, d_head_params,
     dx_m)``); the backward of each stage runs as an input-gradient tick and a deferred weight-gradient
     tick (module docstring). ``unroll``: Python tick loop (exact per-tick FLOPs in tests)."""
-    s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg)
+    s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg, split_rows=False,
+                           head_inputs=head_inputs)
     p, m = s.p, s.m  # forward / B ticks: 1F1B's
     one = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), t)  # noqa: E731 (p,k,..)
     w_l, v_l = one(s.w), jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _floats(s.v_shape))
     side_1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), side_m)
     h = jax.ShapeDtypeStruct(x_m.shape[1:], x_m.dtype)
     split = layer_split(layer_fn, w_l, h, side_1, (jax.ShapeDtypeStruct(s.y_shape.shape, s.y_shape.dtype), v_l))
+    axes, d = _row_split(x_m.shape[1], s.v_shape, side_m)
+    if d > 1 and all(a.shape and a.shape[0] == x_m.shape[1] for a in split.kept_avals):
+        # every value W reads is per row: W runs on each data shard's rows apart and the weight gradients are
+        # summed once after the ticks (as 1F1B's: one data-parallel reduction a step, not one per W tick)
+        s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg, head_inputs=head_inputs)
     k = jax.tree.leaves(s.w)[0].shape[1]
     slots = p  # a micro-batch waits from its B (tick j+2p-2-s) to its W (tick j+2p-2): at most p in between
     carry0 = dict(s.carry0, wbuf=[_on_stage(jnp.zeros((p, slots + 1, k) + a.shape, a.dtype))  # + an idle slot
                                   for a in split.kept_avals])
     run_b = jax.vmap(_stage_b(layer_fn, split), spmd_axis_name=STAGE)
-    run_w = jax.vmap(_stage_w(split), spmd_axis_name=STAGE)
+    run_w = jax.vmap(_stage_w(split) if s.rows_split == 1 else _stage_w_per_shard(split, s.row_axes, s.rows_split),
+                     spmd_axis_name=STAGE)
     put = jax.vmap(lambda buf, i, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0))
     get = jax.vmap(lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False))
     bwd, wgt = s.bwd, jnp.asarray(schedule_table(Schedule.ZERO_BUBBLE, p, m).weight)
@@ -232,7 +253,8 @@ def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
         c = dict(c)
         slot = jnp.maximum(wgt[t], 0) % slots  # the same micro-batch on every stage (ticks 2p-2 ..: one each)
         dw_t = run_w([get(b, slot) for b in c["wbuf"]])
-        c["dw"] = jax.tree.map(lambda a, b: _on_stage(s.add(a, b)), c["dw"], dw_t)
+        keep = _on_stage if s.rows_split == 1 else lambda a: _on_rows(a, s.row_axes)  # noqa: E731
+        c["dw"] = jax.tree.map(lambda a, b: keep(s.add(a, b)), c["dw"], dw_t)
         return c
 
     s.carry0 = carry0
