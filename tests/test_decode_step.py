@@ -58,10 +58,13 @@ def test_the_resolved_step_chooses_the_fused_step_only_for_small_supported_model
         return step.for_generation(weights, devices, layered, refuse, prefer, largest, ready, model).decode_matmul
 
     assert choice() is DecodeMatmul.FUSED_STEP and choice("bf16") is DecodeMatmul.FUSED_STEP
+    # f32 at any size (a larger model on one thread per core); bf16 from the row kernel's size on: the row kernel
+    assert choice(largest=bf16_rows.MIN_ELEMENTS) is DecodeMatmul.FUSED_STEP
+    assert step.for_generation("bf16", 1, True, lambda: True, None, bf16_rows.MIN_ELEMENTS, refuse,
+                               None).decode_matmul is DecodeMatmul.BF16_ROWS
     assert choice(ready=lambda: False) is DecodeMatmul.XLA  # no compiler
     assert choice(prefer="xla", ready=refuse) is DecodeMatmul.XLA
-    for kw in [dict(weights="int8"), dict(devices=8), dict(layered=False), dict(largest=bf16_rows.MIN_ELEMENTS),
-               dict(model="a mixture-of-experts MLP")]:
+    for kw in [dict(weights="int8"), dict(devices=8), dict(layered=False), dict(model="a mixture-of-experts MLP")]:
         assert choice(ready=refuse, **kw) is DecodeMatmul.XLA, kw
     assert step.for_generation().decode_matmul is DecodeMatmul.XLA  # no model given: XLA's step
     with pytest.raises(ConfigError, match="fused_step.*mixture-of-experts"):
@@ -91,3 +94,25 @@ def test_the_fused_step_runs_tied_heads_gemma_norms_and_gelu_and_bf16_as_xla_doe
     # takes the kernel's generic attention)
     llama = decoder(n_heads=8, n_kv_heads=4, head_dim=6)
     assert_same(*fused_and_xla(llama, "bf16"), tolerance=5e-3)
+
+
+def test_a_larger_model_runs_the_fused_step_on_a_team_of_threads_over_weights_stored_out_in(step_kernel, monkeypatch):
+    """From a projection of MIN_ELEMENTS weights on (here d_model 256 × d_ff 512), the engine stores the layers'
+    matmul weights and the head ``(out, in)`` and the kernel runs each step on one thread per core: each thread
+    takes a share of every projection's outputs and of the KV heads. It generates what XLA's step does (f32,
+    within 1e-5), and a team of 2 exactly what one thread does (every output's sum in the same order)."""
+    model = decoder(d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, head_dim=64)
+    assert decode_step.rows_layout(decode_step.largest_projection(model.cfg))
+    monkeypatch.setattr(decode_step, "team_size", lambda largest: 2)
+    fused, xla = fused_and_xla(model)
+    assert isinstance(fused.params["blocks"][0]["mlp"]["gate_df"], bf16_rows.RowsWeight)
+    assert fused.params["blocks"][0]["mlp"]["gate_df"].wt.shape == (512, 256)  # (out, in), f32
+    assert_same(fused, xla)
+    assert_same(fused, xla, Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=3))
+    monkeypatch.setattr(decode_step, "team_size", lambda largest: 1)
+    alone = load(model, recipe="dp", devices=1).engine
+    one = alone.run([[5, 6, 7, 8]], NEW)
+    two = fused.run([[5, 6, 7, 8]], NEW)
+    assert one.generations[0].new_ids == two.generations[0].new_ids
+    assert list(one.generations[0].new_logprobs) == list(two.generations[0].new_logprobs)
+    assert decode_step.team_size(bf16_rows.MIN_ELEMENTS - 1) == 1  # a small model: one thread

@@ -88,24 +88,28 @@ def generation_config(cfg: DecoderConfig) -> DecoderConfig:
 ROWS_WEIGHTS = {"wq_dnh": 1, "wk_dkh": 1, "wv_dkh": 1, "wo_nhd": 2, "gate_df": 1, "up_df": 1, "down_fd": 1}
 
 
-def pack_rows(stored):
+def pack_rows(stored, storage="bfloat16"):
     """``stored`` (bf16 weights, the layers one tree per layer) with each layer's dense matmul weights
     (:data:`ROWS_WEIGHTS`; an MoE layer's experts stay as they are) and an untied head as
     :class:`~meshtrain.kernels.bf16_rows.RowsWeight` (stored ``(out, in)``; the head's products in f32, as its
-    logits are). One compiled program: the ``(in, out)`` arrays are freed after."""
+    logits are), in ``storage`` (bf16; f32 for the fused step's row layout). One compiled program: bf16's ``(in, out)``
+    arrays are freed after."""
 
     def pack_layer(tree):
         return {k: (pack_layer(v) if isinstance(v, dict) else
-                    bf16_rows.pack(v, ROWS_WEIGHTS[k]) if k in ROWS_WEIGHTS and v.ndim == ROWS_WEIGHTS[k] + 1
+                    bf16_rows.pack(v, ROWS_WEIGHTS[k], v.dtype, storage) if k in ROWS_WEIGHTS
+                    and v.ndim == ROWS_WEIGHTS[k] + 1
                     + (k in ("wq_dnh", "wk_dkh", "wv_dkh")) else v) for k, v in tree.items()}
 
     def pack_all(stored):
         out = {**stored, LAYERS: tuple(pack_layer(layer) for layer in stored[LAYERS])}
         if HEAD in stored:
-            out[HEAD] = bf16_rows.pack(stored[HEAD], 1, "float32")
+            out[HEAD] = bf16_rows.pack(stored[HEAD], 1, "float32", storage)
         return out
 
-    return jax.jit(pack_all, donate_argnums=0)(stored)
+    # bf16: the stored arrays are the engine's own converted copies, freed here; f32 ones may be the caller's own
+    # arrays (device_put onto the same device returns them), which must survive
+    return jax.jit(pack_all, donate_argnums=0 if jnp.dtype(storage) == jnp.bfloat16 else ())(stored)
 
 
 def check_prompts(cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> List[List[int]]:
@@ -237,6 +241,8 @@ class Engine:
             stored = {**stored, LAYERS: unstack_layers(stored[LAYERS], self.cfg.n_layers)}
             if self.rows_kernel:
                 stored = pack_rows(stored)
+            elif self.fused_step and decode_step.rows_layout(largest):
+                stored = pack_rows(stored, "float32")  # the kernel's threads each stream a contiguous block
             # the stack's shapes stand in for the blocks when the model is merged (layered_forward runs
             # each block from its own arrays); the graph of one block comes from them
             self._stack_shapes = abstract.params[LAYERS]

@@ -81,11 +81,12 @@ class RowsWeight:
         return len(self.shape)
 
 
-def pack(w, n_in: int, dtype="bfloat16") -> RowsWeight:
-    """``w`` (logical shape ``in dims + out dims``, the first ``n_in`` dims contracted) stored ``(out, in)`` in bf16."""
+def pack(w, n_in: int, dtype="bfloat16", storage="bfloat16") -> RowsWeight:
+    """``w`` (logical shape ``in dims + out dims``, the first ``n_in`` dims contracted) stored ``(out, in)`` in
+    ``storage`` (bf16 for this kernel; f32 for :mod:`meshtrain.kernels.decode_step`'s row layout, which XLA's dot
+    multiplies everywhere else)."""
     k = math.prod(w.shape[:n_in])
-    return RowsWeight(jnp.asarray(w).reshape(k, -1).T.astype(jnp.bfloat16), tuple(w.shape), n_in,
-                      jnp.dtype(dtype).name)
+    return RowsWeight(jnp.asarray(w).reshape(k, -1).T.astype(storage), tuple(w.shape), n_in, jnp.dtype(dtype).name)
 
 
 def project(x, w: RowsWeight):
@@ -96,10 +97,10 @@ def project(x, w: RowsWeight):
         raise ConfigError(f"project: x {x.shape} does not end in the weight's input dims {ins}")  # a bug, not input
     lead = x.shape[:x.ndim - w.n_in]
     x_mk = x.reshape(-1, math.prod(ins))
-    if x_mk.shape[0] <= MAX_ROWS:
+    if x_mk.shape[0] <= MAX_ROWS and w.wt.dtype == jnp.bfloat16:
         target, x_mk = (TARGET_BF16, x_mk) if x_mk.dtype == jnp.bfloat16 else (TARGET, x_mk.astype(jnp.float32))
         y_mn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x_mk.shape[0], w.wt.shape[0]), jnp.float32))(x_mk, w.wt)
-    else:  # bf16 -> f32 is exact
+    else:  # bf16 -> f32 is exact; an f32 weight stored (out, in) is XLA's dot with the other contracting dim
         y_mn = jnp.einsum("mk,nk->mn", x_mk.astype(jnp.float32), w.wt.astype(jnp.float32))
     return y_mn.reshape(*lead, *outs).astype(jnp.result_type(x.dtype, jnp.dtype(w.dtype)))
 

@@ -1,5 +1,5 @@
-"""A whole decode step of a small Llama-shaped decoder in one C++ call (``decode_step.cc``, through XLA's FFI), for
-the compiled decode loop on CPU.
+"""A whole decode step of a Llama-shaped decoder in one C++ call (``decode_step.cc``, through XLA's FFI), for the
+compiled decode loop on CPU.
 
 Why: at ``tiny`` sizes (d_model 64, 2 layers, 0.3 MiB of weights) the decode step is bound by the number of
 kernels, not by bytes or flops. XLA:CPU's loop body runs ~81 thunks (fusions and dots of well under a microsecond of
@@ -9,11 +9,17 @@ on tiny: the whole step in one call"). The kernel runs the embedding row, every 
 embedding, the cache write, grouped-query attention over the cache, the output projection, the gated MLP) and
 the final norm and head in one call; sampling and the loop's bookkeeping stay in XLA.
 
+Larger models (a projection of at least :data:`meshtrain.kernels.bf16_rows.MIN_ELEMENTS` weights, e.g. a ~100M
+Llama) are bound by the bytes their step reads: there the engine stores the matmul weights ``(out, in)``
+(:func:`rows_layout`) and the kernel runs each step on one thread per core (:func:`team_size`), each thread reading
+one contiguous block of every weight: llama-114m f32 decodes at ~52 tokens/s where XLA's step and transformers'
+Flax ``generate`` run ~38 (BENCHMARKS.md, "llama-114m f32: the fused step on a team of threads").
+
 Where it runs: :meth:`meshtrain.parallel.resolved.ResolvedStep.for_generation` decides (``DecodeMatmul.FUSED_STEP``:
-XLA:CPU, 1 device, the compiled loop's per-layer weights, f32 weights and compute, a model :func:`unsupported`
-accepts, and small: every layer projection below :data:`meshtrain.kernels.bf16_rows.MIN_ELEMENTS` weights, where
-XLA's multi-threaded dots do not pay). The prefill and every other case stay on XLA. Built on first use with the
-host's compiler like :mod:`meshtrain.kernels.bf16_rows` (the same cache folder).
+XLA:CPU, 1 device, the compiled loop's per-layer weights, a model :func:`unsupported` accepts, and f32 weights and
+compute at any size or bf16 weights below that size; a larger bf16 model takes :mod:`meshtrain.kernels.bf16_rows`).
+The prefill and every other case stay on XLA. Built on first use with the host's compiler like
+:mod:`meshtrain.kernels.bf16_rows` (the same cache folder).
 
 Example (inside the compiled loop: ``params`` the engine's, layers one tree per layer)::
 
@@ -31,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.kernels.bf16_rows import load_and_register
+from meshtrain.kernels.bf16_rows import MIN_ELEMENTS, RowsWeight, load_and_register
 from meshtrain.models.decoder import ACTIVATIONS, DecoderConfig, rope_frequencies
 
 TARGET = "meshtrain_decode_step"
@@ -53,6 +59,33 @@ def unsupported(cfg: DecoderConfig) -> Optional[str]:
     if cfg.head_dim % 2:
         return f"an odd head_dim {cfg.head_dim}"
     return None
+
+
+def largest_projection(cfg: DecoderConfig) -> int:
+    """A layer's largest projection of ``cfg``, in weights (what :func:`team_size` and the engine's choice read)."""
+    return max(cfg.d_model * cfg.n_heads * cfg.head_dim, cfg.d_model * cfg.d_ff)
+
+
+def rows_layout(largest: int) -> bool:
+    """Whether the engine stores a model's matmul weights ``(out, in)`` for the kernel (a layer's largest projection
+    of ``largest`` weights): where :func:`team_size` runs a step on several threads, each then reads one contiguous
+    block of every weight (its outputs' rows) from memory, where over ``(in, out)`` it read a short piece of every
+    row (llama-114m, 2 threads: ~18 GB/s against ~28 for a contiguous stream)."""
+    return largest >= MIN_ELEMENTS
+
+
+def team_size(largest: int) -> int:
+    """Threads the kernel runs one step on: 1 for a model whose projections are under
+    :data:`~meshtrain.kernels.bf16_rows.MIN_ELEMENTS` weights (its weights sit in cache: a hand-off between threads
+    costs more than the bytes), else one per core (``os.sched_getaffinity``), at most 8: a larger model's step
+    reads its weights once from memory, and one core's loads reach about half of the host's read bandwidth."""
+    if largest < MIN_ELEMENTS:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,15 +115,24 @@ def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
     def w(x):
         return jnp.asarray(x).astype(dtype)
 
+    # the layers' matmul weights (in, out), or (out, in) where the engine stored them so (rows_layout: RowsWeight)
+    out_in = isinstance(params["blocks"][0]["attn"]["wq_dnh"], RowsWeight)
     layers = []
     for layer in params["blocks"]:
         for group, name in LAYER_WEIGHTS:
-            x = w(layer[group][name])
+            x = layer[group][name]
+            if isinstance(x, RowsWeight):
+                layers.append(w(x.wt))
+                continue
+            x = w(x)
             layers.append(x.reshape(x.shape[0] * x.shape[1], -1) if name == "wo_nhd" else x.reshape(x.shape[0], -1)
                           if x.ndim > 1 else x)
     tied = cfg.tie_embeddings
-    # an untied head as stored (f32 logits: the engine's); a tied one is the embedding, in the compute dtype
+    # an untied head as stored (f32 logits: the engine's; (V, D) in the row layout); a tied one is the embedding,
+    # in the compute dtype
     head = w(params["embedding_vd"]) if tied else params["lm_head_dv"]
+    if isinstance(head, RowsWeight):
+        head = head.wt
     head_scale = (cfg.d_model ** -0.5 if cfg.tied_head_scale is None else cfg.tied_head_scale) if tied else 1.0
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(jnp.float32)
     caches = [c for pair in zip(cache.k, cache.v) for c in pair]
@@ -106,6 +148,7 @@ def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
     logits_bv, greedy_b, greedy_lp_b, *written = call(
         *fixed, *layers, *caches, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         eps=f32(cfg.norm_eps), offset=f32(cfg.norm_offset), embed_scale=f32(cfg.embed_scale),
-        head_scale=f32(head_scale), tied=bool(tied), gelu=cfg.mlp_activation == "gelu_tanh")
+        head_scale=f32(head_scale), tied=bool(tied), gelu=cfg.mlp_activation == "gelu_tanh",
+        threads=np.int64(team_size(largest_projection(cfg))), rows=bool(out_in))
     cache = dataclasses.replace(cache, k=tuple(written[0::2]), v=tuple(written[1::2]), index=cache.index + 1)
     return logits_bv[:, None, :], cache, (greedy_b, greedy_lp_b)

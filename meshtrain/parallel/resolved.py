@@ -188,8 +188,8 @@ class DecodeMatmul(str, enum.Enum):
 
     XLA = "xla"
     BF16_ROWS = "bf16_rows"
-    #: the whole decode step one C++ call (:mod:`meshtrain.kernels.decode_step`): small f32 or bf16 Llama-shaped
-    #: models on 1 CPU device, where XLA's ~81 kernels per step, not the bytes, bound the step
+    #: the whole decode step one C++ call (:mod:`meshtrain.kernels.decode_step`): f32 or small bf16 Llama-shaped
+    #: models on 1 CPU device (small: XLA's ~81 kernels per step bound it; larger: its bytes, read on a thread per core)
     FUSED_STEP = "fused_step"
 
 
@@ -257,10 +257,10 @@ class ResolvedStep:
         ``kernel_ready()`` (called only then: it builds the kernel) says the kernel is built; else ``xla``.
         ``prefer="xla"`` keeps XLA's dot (the reference the kernel is tested and benchmarked against).
         ``fused_step`` (the whole decode step one call, :mod:`meshtrain.kernels.decode_step`): f32 weights and
-        compute, or bf16 weights, on XLA:CPU on 1 device, ``layered``, every projection *below* that size (a small
-        model: the step is bound by XLA's kernel count, and the kernel is single-threaded), ``step_kernel_model``
-        ``None`` (the kernel's :func:`~meshtrain.kernels.decode_step.unsupported` of the model: else why not) and
-        ``step_kernel_ready()``.
+        compute at any size (a larger model's step runs on a thread per core over weights stored ``(out, in)``),
+        or bf16 weights with every projection *below* that size (a small model: the step is bound by XLA's kernel
+        count), on XLA:CPU on 1 device, ``layered``, ``step_kernel_model`` ``None`` (the kernel's
+        :func:`~meshtrain.kernels.decode_step.unsupported` of the model: else why not) and ``step_kernel_ready()``.
         Example: ``resolve_step(plan).for_generation("bf16", plan.mesh.size, True, kernel_ready)``."""
         dense = AttentionChoice(AttentionKind.DENSE, ContextLayout(AttentionKind.DENSE), None,
                                 "dense (generation: XLA dot-product attention over the KV cache)", "partitioned by XLA")
@@ -269,14 +269,16 @@ class ResolvedStep:
                               f"unset: chosen by platform and weights)")
         choice = DecodeMatmul.XLA
         f32 = weights == "none" and self.compute_dtype == "float32"
-        fused = (self.target.platform == "cpu" and (weights == "bf16" or f32)
-                 and devices == 1 and layered and largest_matmul < ROWS_MIN_ELEMENTS and step_kernel_model is None)
+        # f32 at any size (a larger model's step runs on one thread per core: decode_step.team_size); bf16 below the
+        # row kernel's size (above it bf16_rows reads the same 2 bytes per weight)
+        fused = (self.target.platform == "cpu" and (f32 or (weights == "bf16" and largest_matmul < ROWS_MIN_ELEMENTS))
+                 and devices == 1 and layered and step_kernel_model is None)
         if prefer in (None, DecodeMatmul.FUSED_STEP.value) and fused and step_kernel_ready():
             choice = DecodeMatmul.FUSED_STEP
         elif prefer == DecodeMatmul.FUSED_STEP.value:
-            raise ConfigError(f"decode matmul 'fused_step' needs f32 (weights and compute) or bf16 weights on 1 "
-                              f"CPU device with the compiled decode loop, a small model (every projection under "
-                              f"{ROWS_MIN_ELEMENTS} weights; got {largest_matmul}) the kernel supports (got: "
+            raise ConfigError(f"decode matmul 'fused_step' needs f32 (weights and compute), or bf16 weights with "
+                              f"every projection under {ROWS_MIN_ELEMENTS} weights (got {largest_matmul}), on 1 "
+                              f"CPU device with the compiled decode loop, a model the kernel supports (got: "
                               f"{step_kernel_model or 'ok'}) "
                               f"and a C++ compiler (got weights {weights!r}, compute {self.compute_dtype}, {devices} "
                               f"device(s), platform {self.target.platform!r}, layered {layered}); leave it unset")
