@@ -24,6 +24,7 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#include <unistd.h>
 #include "xla/ffi/api/ffi.h"
 namespace ffi = xla::ffi;
 
@@ -326,9 +327,9 @@ class Workers {
     if (!busy.owns_lock()) return false;
     {
       std::lock_guard<std::mutex> g(m_);
-      while (int(threads_.size()) < T - 1) {
-        const int t = int(threads_.size()) + 1;
-        threads_.emplace_back([this, t] { loop(t); });
+      while (started_ < T - 1) {
+        const int t = ++started_;
+        std::thread([this, t] { loop(t); }).detach();  // asleep between steps for the process's life
       }
       job_ = &f;
       team_ = T;
@@ -363,16 +364,27 @@ class Workers {
   }
   std::mutex busy_, m_;
   std::condition_variable cv_;
-  std::vector<std::thread> threads_;
+  int started_ = 0;
   const std::function<void(int)>* job_ = nullptr;
   int team_ = 1;
   uint64_t generation_ = 0;
   std::atomic<int> left_{0};
 };
 
+// The process's workers, never destroyed (detached threads outlive static destruction). A forked child (a data
+// loader, a supervisor's worker) has none of its parent's threads: it starts its own set.
 Workers& workers() {
-  static Workers* w = new Workers();  // never destroyed: its threads outlive static destruction
-  return *w;
+  static std::atomic<Workers*> current{nullptr};
+  static std::atomic<pid_t> owner{0};
+  Workers* w = current.load(std::memory_order_acquire);
+  if (w != nullptr && owner.load(std::memory_order_acquire) == getpid()) return *w;
+  Workers* fresh = new Workers();
+  if (current.compare_exchange_strong(w, fresh, std::memory_order_acq_rel)) {
+    owner.store(getpid(), std::memory_order_release);
+    return *fresh;
+  }
+  delete fresh;  // another thread installed one first
+  return *current.load(std::memory_order_acquire);
 }
 
 struct Shape {
