@@ -341,9 +341,12 @@ class Engine:
             return (*choose_with_logprobs(logits_btv[:, 0], key, sampling), cache)
 
         def decode_all(params, first_b, first_lp_b, cache, limit_b, is_stop_v, seed, n_new):
+            # a bf16 model's weights widened to f32 for the fused step, once per generation, before the loop
+            kernel_params = decode_step.widened(params, self.compute_dtype) if self.fused_step else params
+
             def step(tokens_bt, c):
-                if self.fused_step:  # f32 or bf16 weights, read as stored
-                    return decode_step.forward(self.cfg, params, tokens_bt[:, 0], c, self.compute_dtype)
+                if self.fused_step:
+                    return decode_step.forward(self.cfg, kernel_params, tokens_bt[:, 0], c, self.compute_dtype)
                 # the weights pass a barrier with the step's cache index: without it XLA hoists their
                 # conversion to compute form (int8 -> bf16 -> f32 on XLA:CPU) out of the loop and holds a
                 # converted copy of every weight for the whole decode (int8 would then not stay int8). bf16 on

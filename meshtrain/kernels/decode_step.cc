@@ -403,11 +403,13 @@ struct Shared {
   float *q, *k, *v, *o, *a, *g, *u;
 };
 
-template <typename W, typename HeadW>
+// W: the weights' type; C: the cache's, which is the model's compute dtype (a bf16 model's weights may come widened
+// to f32, exactly: the same arithmetic without a widening per weight and step)
+template <typename W, typename C, typename HeadW>
 void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* pad, const float* inv_freq,
-          const W* emb, const W* final_norm, const HeadW* head, ffi::RemainingArgs& layers, std::vector<W*>& caches,
+          const W* emb, const W* final_norm, const HeadW* head, ffi::RemainingArgs& layers, std::vector<C*>& caches,
           float* logits, int32_t* greedy, float* greedy_lp, Team& team, int t, const Shared& sh) {
-  constexpr bool R = sizeof(W) == 2;  // a bf16 model: its activations rounded to bf16 where XLA's are
+  constexpr bool R = sizeof(C) == 2;  // a bf16 model: its activations rounded to bf16 where XLA's are
   const int64_t D = s.D, NH = s.N * s.H, KH = s.K * s.H, F = s.F, S = s.S, group = s.N / s.K, half = s.H / 2,
                 H = s.H;
   thread_local std::vector<float> scratch;
@@ -456,8 +458,8 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
       rope(k + c0, kv1 - kv0, H, cs, sn);
       round_all<R>(q + h0, h1 - h0);
       round_all<R>(k + c0, c1 - c0);
-      W* kc = caches[2 * l] + b * S * KH;
-      W* vc = caches[2 * l + 1] + b * S * KH;
+      C* kc = caches[2 * l] + b * S * KH;
+      C* vc = caches[2 * l + 1] + b * S * KH;
       if (index < S) {
         store(kc + int64_t(index) * KH + c0, k + c0, c1 - c0);
         store(vc + int64_t(index) * KH + c0, v + c0, c1 - c0);
@@ -465,12 +467,12 @@ void step(const Shape& s, const int32_t* tokens, int32_t index, const int32_t* p
       // the slots this row's query sees: pad[b] .. index (cache_mask), its own slot always
       const int64_t lo = pad[b] <= index ? pad[b] : index, hi = index < S ? index : S - 1;
       switch (s.H) {  // head_dim known to the compiler: the per-slot dot products unroll (8 us -> 1 us on tiny)
-        case 8: attend<8, W>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 8, lo, hi); break;
-        case 16: attend<16, W>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 16, lo, hi); break;
-        case 32: attend<32, W>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 32, lo, hi); break;
-        case 64: attend<64, W>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 64, lo, hi); break;
-        case 128: attend<128, W>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 128, lo, hi); break;
-        default: attend<0, W>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, s.H, lo, hi);
+        case 8: attend<8, C>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 8, lo, hi); break;
+        case 16: attend<16, C>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 16, lo, hi); break;
+        case 32: attend<32, C>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 32, lo, hi); break;
+        case 64: attend<64, C>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 64, lo, hi); break;
+        case 128: attend<128, C>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, 128, lo, hi); break;
+        default: attend<0, C>(q, kc, vc, sh.o, p, kt, kv0, kv1, group, KH, s.H, lo, hi);
       }
       team.barrier();
       mv(sh.o, w(4), sh.a, NH, D, d0, d1);
@@ -570,27 +572,32 @@ ffi::Error DecodeStepImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> in
   if (head.element_type() != ffi::F32 && head.element_type() != ffi::BF16)
     return ffi::Error::InvalidArgument("decode_step: an f32 or bf16 head");
   std::vector<void*> caches(2 * s.L);
+  // the cache: the model's compute dtype; bf16 weights only with a bf16 cache (f32 ones: an f32 or a bf16 model)
+  const ffi::DataType ctype = rest.get<ffi::AnyBuffer>(9 * s.L).value().element_type();
+  if ((ctype != ffi::F32 && ctype != ffi::BF16) || (wtype == ffi::BF16 && ctype != ffi::BF16))
+    return ffi::Error::InvalidArgument("decode_step: an f32 or bf16 cache, bf16 with bf16 weights");
   for (int64_t c = 0; c < 2 * s.L; ++c) {
     ffi::AnyBuffer in = rest.get<ffi::AnyBuffer>(9 * s.L + c).value();
     auto out = caches_out.get<ffi::AnyBuffer>(c).value();
-    if (in.element_type() != wtype) return ffi::Error::InvalidArgument("decode_step: the cache in the weights' dtype");
+    if (in.element_type() != ctype) return ffi::Error::InvalidArgument("decode_step: every cache in one dtype");
     s.S = in.dimensions()[1];
     caches[c] = out->untyped_data();
     if (caches[c] != in.untyped_data()) std::memcpy(caches[c], in.untyped_data(), in.size_bytes());
   }
   const int32_t at = index.typed_data()[0];
-  auto run = [&](auto w_tag, auto head_tag) {
+  auto run = [&](auto w_tag, auto c_tag, auto head_tag) {
     using W = decltype(w_tag);
+    using C = decltype(c_tag);
     using HeadW = decltype(head_tag);
-    std::vector<W*> typed(caches.size());
-    for (size_t c = 0; c < caches.size(); ++c) typed[c] = static_cast<W*>(caches[c]);
+    std::vector<C*> typed(caches.size());
+    for (size_t c = 0; c < caches.size(); ++c) typed[c] = static_cast<C*>(caches[c]);
     const int64_t NH = s.N * s.H, KH = s.K * s.H;
     std::vector<float> shared_buf(2 * NH + 2 * KH + s.D + 2 * s.F);
     float* base = shared_buf.data();
     const Shared sh{base, base + NH, base + NH + KH, base + NH + 2 * KH, base + 2 * NH + 2 * KH,
                     base + 2 * NH + 2 * KH + s.D, base + 2 * NH + 2 * KH + s.D + s.F};
     auto member = [&](Team& team, int t) {
-      step<W, HeadW>(s, tokens.typed_data(), at, pad.typed_data(), inv_freq.typed_data(), data<W>(emb),
+      step<W, C, HeadW>(s, tokens.typed_data(), at, pad.typed_data(), inv_freq.typed_data(), data<W>(emb),
                      data<W>(final_norm), data<HeadW>(head), rest, typed, logits->typed_data(),
                      greedy->typed_data(), greedy_lp->typed_data(), team, t, sh);
     };
@@ -601,10 +608,12 @@ ffi::Error DecodeStepImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> in
     member(alone, 0);
   };
   const bool head_f32 = head.element_type() == ffi::F32;
-  if (wtype == ffi::F32) {
-    head_f32 ? run(float{}, float{}) : run(float{}, uint16_t{});
-  } else {
-    head_f32 ? run(uint16_t{}, float{}) : run(uint16_t{}, uint16_t{});
+  if (wtype == ffi::BF16) {
+    head_f32 ? run(uint16_t{}, uint16_t{}, float{}) : run(uint16_t{}, uint16_t{}, uint16_t{});
+  } else if (ctype == ffi::F32) {
+    head_f32 ? run(float{}, float{}, float{}) : run(float{}, float{}, uint16_t{});
+  } else {  // a bf16 model's weights widened to f32
+    head_f32 ? run(float{}, uint16_t{}, float{}) : run(float{}, uint16_t{}, uint16_t{});
   }
   return ffi::Error::Success();
 }

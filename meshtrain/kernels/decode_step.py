@@ -103,6 +103,17 @@ def why_not_ready() -> str:
     return _ready()[1]
 
 
+def widened(params, dtype):
+    """The weights the kernel reads for a model computing in ``dtype``: a bf16 model's widened to f32 once (exact:
+    the kernel's arithmetic is the same, without a widening per weight and step; run it before the decode loop, in
+    the same program); an f32 model's, and weights stored ``(out, in)``, as they are."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return params
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if not isinstance(x, RowsWeight) and
+                        jnp.issubdtype(x.dtype, jnp.floating) else x, params,
+                        is_leaf=lambda x: isinstance(x, RowsWeight))
+
+
 def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
     """``(logits_b1v, cache, (greedy_b, greedy_logprob_b))``: one new token per row (``token_b`` ``(batch,)``)
     through the whole model, written at slot ``cache.index`` of the :class:`~meshtrain.generation.loop.LayerCache`
@@ -112,8 +123,9 @@ def forward(cfg: DecoderConfig, params, token_b, cache, dtype=jnp.float32):
     it (the first maximum of each row's logits and its log-probability, as
     :func:`~meshtrain.generation.sampling.choose_with_logprobs`): a greedy loop then runs no kernels over the
     vocabulary."""
-    def w(x):
-        return jnp.asarray(x).astype(dtype)
+    def w(x):  # f32 weights of a bf16 model stay f32 (widened): the cache's dtype says how the model rounds
+        x = jnp.asarray(x)
+        return x if x.dtype == jnp.float32 else x.astype(dtype)
 
     # the layers' matmul weights (in, out), or (out, in) where the engine stored them so (rows_layout: RowsWeight)
     out_in = isinstance(params["blocks"][0]["attn"]["wq_dnh"], RowsWeight)

@@ -41,6 +41,17 @@ def _on_stage(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
 
 
+def _cut_rows(a: jax.Array, d: int) -> jax.Array:
+    """``(rows, ...) -> (d, rows/d, ...)``: block ``j`` the rows data shard ``j`` holds (:func:`split_micro` keeps
+    a shard's rows together)."""
+    return a.reshape((d, a.shape[0] // d) + a.shape[1:])
+
+
+def _merge_rows(a: jax.Array) -> jax.Array:
+    """Inverse of :func:`_cut_rows`."""
+    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
 def _on_rows(x: jax.Array, axes: Tuple[str, ...]) -> jax.Array:
     """``(p, d, ...)`` with ``p`` on ``stage`` and ``d`` on the data axes ``axes`` (per-shard gradients)."""
     ctx = current_step_context()
@@ -130,12 +141,11 @@ def _per_row_split(stage_bwd, axes: Tuple[str, ...], d: int):
     """``stage_bwd`` run on each of the ``d`` row blocks of its micro-batch apart: weight gradients
     ``(d, ...)`` (one per data shard, not yet summed), input gradient ``(rows, ...)``."""
     def run(w_s, x, side, ct, ct_v):
-        rows = x.shape[0]
-        cut = lambda a: a.reshape((d, rows // d) + a.shape[1:])  # noqa: E731  split_micro keeps a shard's rows together
+        cut = lambda a: _cut_rows(a, d)  # noqa: E731
         with batch_split_over(axes):
             dw, dx = jax.vmap(stage_bwd, in_axes=(None, 0, 0, 0, None), spmd_axis_name=axes)(
                 w_s, cut(x), jax.tree.map(cut, side), cut(ct), ct_v)
-        return dw, dx.reshape((rows,) + dx.shape[2:])
+        return dw, _merge_rows(dx)
 
     return run
 
@@ -144,12 +154,11 @@ def _per_row_forward(stage, axes: Tuple[str, ...], d: int):
     """``stage(w_s, g, x, side)`` on each of the ``d`` row blocks of its micro-batch apart, block ``j``
     with weights ``w_s_d[j]`` (leaves ``(d, ...)``: one copy per data shard)."""
     def run(w_s_d, g, x, side):
-        rows = x.shape[0]
-        cut = lambda a: a.reshape((d, rows // d) + a.shape[1:])  # noqa: E731
+        cut = lambda a: _cut_rows(a, d)  # noqa: E731
         with batch_split_over(axes):
             out, values = jax.vmap(stage, in_axes=(0, None, 0, 0), spmd_axis_name=axes)(
                 w_s_d, g, cut(x), jax.tree.map(cut, side))
-        return out.reshape((rows,) + out.shape[2:]), values
+        return _merge_rows(out), values
 
     return run
 
@@ -376,8 +385,8 @@ def _head_rows(s: types.SimpleNamespace, c, i, y_i: jax.Array, head_loss, head_p
     micro-batch ``i`` apart (a vmap over the row split, with its own copy of the head's weights, so
     that their cotangents stay per shard), accumulated per shard; no layer values (:func:`_row_split`).
     Returns ``(carry, dy)``."""
-    d, axes, rows = s.head_split, s.row_axes, y_i.shape[0]
-    cut = lambda a: a.reshape((d, rows // d) + a.shape[1:])  # noqa: E731
+    d, axes = s.head_split, s.row_axes
+    cut = lambda a: _cut_rows(a, d)  # noqa: E731
     inputs_i = jax.tree.map(lambda a: cut(a[i]), s.head_inputs)
     hp_d = jax.tree.map(lambda a: _on_data(jnp.broadcast_to(a, (d,) + a.shape), axes), head_params)
 
@@ -393,7 +402,7 @@ def _head_rows(s: types.SimpleNamespace, c, i, y_i: jax.Array, head_loss, head_p
     c["dhead"] = jax.tree.map(keep, c["dhead"], dhead_d)
     c["loss"] = keep(c["loss"], loss_d)
     c["aux"] = jax.tree.map(keep, c["aux"], aux_d)
-    return c, dy_d.reshape((rows,) + dy_d.shape[2:])
+    return c, _merge_rows(dy_d)
 
 
 def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params, *,

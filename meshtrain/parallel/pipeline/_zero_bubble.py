@@ -43,8 +43,9 @@ from jax._src import core as jcore  # Jaxpr, eval_jaxpr: the layer's backward cu
 
 from meshtrain.parallel.pipeline._parts import STAGE
 from meshtrain.annotate import batch_split_over
-from meshtrain.parallel.pipeline._schedules import (_floats, _mask, _on_rows, _on_stage, _one_f_one_b_setup,
-                                                    _one_f_one_b_tick, _pick, _row_split, _run_ticks)
+from meshtrain.parallel.pipeline._schedules import (_cut_rows, _floats, _mask, _on_rows, _on_stage,
+                                                    _one_f_one_b_setup, _one_f_one_b_tick, _pick, _row_split,
+                                                    _run_ticks)
 from meshtrain.parallel.pipeline._tables import PipelineConfig, schedule_table
 from meshtrain.strategies import Schedule
 
@@ -194,7 +195,7 @@ def _stage_w_per_shard(split: LayerSplit, axes, d: int):
     run = _stage_w(split)
 
     def per_shard(kept):
-        cut = [a.reshape(a.shape[:1] + (d, a.shape[1] // d) + a.shape[2:]) for a in kept]
+        cut = [jax.vmap(lambda b: _cut_rows(b, d))(a) for a in kept]  # (k, rows, ...) -> (k, d, rows/d, ...)
         with batch_split_over(axes):
             return jax.vmap(run, in_axes=(1,), spmd_axis_name=axes)(cut)
 
