@@ -445,9 +445,12 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
     * each stage hands ``x`` to the next stage and (backward) a cotangent ``x`` to the previous one:
       ``n`` collective-permutes each way; gpipe / circular add a third per tick (autodiff's replay of
       the stage-0 injection); on the critical path (the next tick needs them);
-    * an all-reduce of ``x`` over ``stage`` per tick (the masked sum that hands the last stage's
-      output to every stage; 1f1b: on the ``m`` ticks that run the head), and once per step one of
-      ``m·x`` (the stack's output; 1f1b: the f32 input cotangents);
+    * gpipe / circular: an all-reduce of ``x`` over ``stage`` per tick (the masked sum that hands the last
+      stage's output to every stage), and once per step one of ``m·x`` (the stack's output);
+    * 1f1b / zero-bubble: the head runs on each stage's own output and the embedding's VJP on each stage's
+      input cotangents, the last stage's and stage 0's kept: once per step an all-reduce of the head's and
+      the embedding table's f32 gradients (an MoE model, whose layers store values, keeps 1f1b's hand-off of
+      the head's input on its ``m`` head ticks);
     * circular: the stage's layer weights ``W`` move into the interleaved order (an all-to-all of
       ``W``) and their gradients back (another)."""
     pipe = pipeline_shape(plan)
@@ -468,11 +471,27 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
     put("collective-permute", x, n * (1 if pipe.one_f_one_b else 2), 2,
         "pipeline: input cotangent to the previous stage (every tick)"
         + ("" if pipe.one_f_one_b else " + the replayed stage-0 injection"), Phase.BACKWARD)
-    put("all-reduce", x, m if pipe.one_f_one_b else n, p, "pipeline: last stage's output to every stage "
-        + ("(the head's input, m ticks)" if pipe.one_f_one_b else "(every tick)"), Phase.FORWARD)
-    put("all-reduce", m * x * (4 / c if pipe.one_f_one_b else 1), 1, p,
-        "pipeline: " + ("f32 input cotangents of the m micro-batches" if pipe.one_f_one_b
-                        else "the stack's output of the m micro-batches"), Phase.BACKWARD)
+    def f32_bytes(leaves):
+        return sum(l.bytes_per_device * 4 / np.dtype(l.dtype).itemsize for l in leaves)
+
+    outside = [l for l in plan.group("params") if not (l.logical_axes and l.logical_axes[0] == "layers")]
+    if pipe.one_f_one_b and not getattr(cfg, "n_experts", 0):
+        # the head runs on every stage's own output, the last stage's kept (pipeline/_schedules.py,
+        # _head_on_last): its per-stage gradients (every parameter outside the stack, f32) reduced once a step
+        put("all-reduce", f32_bytes(outside), 1, p,
+            "pipeline: the head's per-stage gradients (the last stage's), summed once", Phase.BACKWARD)
+    else:
+        put("all-reduce", x, m if pipe.one_f_one_b else n, p, "pipeline: last stage's output to every stage "
+            + ("(the head's input, m ticks)" if pipe.one_f_one_b else "(every tick)"), Phase.FORWARD)
+    if pipe.one_f_one_b:
+        # the embedding's VJP runs on every stage's input cotangents (stage 0's real, pipeline/_loss.py): its
+        # table's gradient is reduced over `stage`, not the m micro-batches' cotangents (XLA:CPU merges it
+        # with the head's into one all-reduce over stage and data)
+        table = [l for l in outside if l.logical_axes and l.logical_axes[0] == "vocab"]
+        put("all-reduce", f32_bytes(table), 1, p, "pipeline: the embedding's per-stage gradient, summed once",
+            Phase.BACKWARD)
+    else:
+        put("all-reduce", m * x, 1, p, "pipeline: the stack's output of the m micro-batches", Phase.BACKWARD)
     if pipe.repeats > 1:
         w = sum(l.bytes_per_device for l in plan.group("params") if l.logical_axes and l.logical_axes[0] == "layers")
         put("all-to-all", w, 1, p, "circular: layer weights into the interleaved order", Phase.FORWARD)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.errors import ConfigError
-from meshtrain.parallel.pipeline._parts import (PipelineParts, get_parts, get_path, stack_module, with_path,
+from meshtrain.parallel.pipeline._parts import (STAGE, PipelineParts, get_parts, get_path, stack_module, with_path,
                                                 without_path)
 from meshtrain.parallel.pipeline._schedules import merge_micro, one_f_one_b, run_stack, split_micro
 from meshtrain.parallel.pipeline._tables import PipelineConfig
@@ -208,9 +208,13 @@ def value_and_grad_1f1b(build, params: Dict[str, Any], loss_fn, batch_m, cfg: Pi
         return total, (weight, metrics)
 
     run = zero_bubble if cfg.schedule is Schedule.ZERO_BUBBLE else one_f_one_b
-    loss, (weight, metrics), d_stack, d_rest, dx_m = run(layer_fn, stack_state, x_m, side_m, head_loss, rest, cfg,
-                                                         head_inputs=(side_m, batch_m))
-    (d_before,) = before_vjp(dx_m.astype(x_m.dtype))
+    loss, (weight, metrics), d_stack, d_rest, dx_pm = run(layer_fn, stack_state, x_m, side_m, head_loss, rest, cfg,
+                                                          head_inputs=(side_m, batch_m), dx_per_stage=True)
+    # the embedding's VJP on every stage's (p, m, ...) input cotangents, stage 0's the real ones and the others'
+    # zeros: its gradient (the table's size) is reduced over `stage`, where taking stage 0's cotangents to every
+    # stage all-reduced m micro-batches' activations (tokens × d_model, more than vocab × d_model for most runs)
+    d_before_p = jax.vmap(lambda dx: before_vjp(dx)[0], spmd_axis_name=STAGE)(dx_pm)
+    d_before = jax.tree.map(lambda a: jnp.sum(a, axis=0), d_before_p)
     grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_rest, d_before)
     grads = with_path(grads, name, nnx.to_pure_dict(d_stack) if isinstance(d_stack, nnx.State) else d_stack)
     return loss, weight, metrics, grads

@@ -262,7 +262,7 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
 # ---- 1f1b: one forward and one backward per stage per tick, explicit per-stage VJP -------------
 
 def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params, cfg: PipelineConfig,
-                *, unroll: bool = False, head_inputs=None):
+                *, unroll: bool = False, head_inputs=None, dx_per_stage: bool = False):
     """The 1F1B schedule with the backward written out per stage.
 
     ``layer_fn(w, x, side) -> (x, values)`` (``values``: what the layer stored, a pytree; ``{}`` for
@@ -273,7 +273,9 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     under data parallelism, on each data shard's rows apart (their head gradients are summed once after the
     ticks, as the stack's are: :func:`_row_split`). Returns
     ``(loss_sum, aux_sum, d_stack, d_head_params, dx_m)``: gradients (f32) for ``stack`` and
-    ``head_params`` and the cotangent of ``x_m`` (for the embedding's VJP). A stage stashes only its
+    ``head_params`` and the cotangent of ``x_m`` (for the embedding's VJP; ``dx_per_stage``: as
+    ``(p, m, ...)`` on ``stage``, stage 0's the cotangent and the others' zeros, so that the caller runs that
+    VJP per stage and reduces the embedding's gradient over ``stage``, not the cotangents). A stage stashes only its
     *input* per micro-batch in flight and recomputes its layers in the backward; the loss's cotangent
     of a micro-batch's layer values (e.g. the router losses) joins that backward.
 
@@ -282,10 +284,10 @@ def one_f_one_b(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
     ``(m+p-1)·(forward + backward) + m·head`` per stage.
     """
     s = _one_f_one_b_setup(layer_fn, stack, x_m, side_m, head_loss, head_params, cfg, head_inputs=head_inputs)
-    return _run_ticks(s, _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params), unroll)
+    return _run_ticks(s, _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params), unroll, dx_per_stage)
 
 
-def _run_ticks(s, tick, unroll: bool):
+def _run_ticks(s, tick, unroll: bool, dx_per_stage: bool = False):
     """Run ``tick`` over the schedule's ticks from ``s.carry0`` (unrolled: each tick its own static index) and
     return what 1F1B and zero-bubble return: ``(loss_sum, aux_sum, d_stack, d_head_params, dx_m)``."""
     if unroll:
@@ -297,9 +299,13 @@ def _run_ticks(s, tick, unroll: bool):
     dw = c["dw"] if s.rows_split == 1 else jax.tree.map(lambda a: jnp.sum(a, axis=1), c["dw"])  # the one reduction
     d_stack = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), dw)  # (p, k, ...) -> (L, ...)
     loss, aux, dhead = c["loss"], c["aux"], c["dhead"]
-    if s.head_split > 1:  # one value per data shard: summed once
-        loss, aux, dhead = jax.tree.map(lambda a: jnp.sum(a, axis=0), (loss, aux, dhead))
-    return loss, aux, d_stack, dhead, _first(c["dx"], 0, s.p)
+    if s.head_lead:  # one value per stage and/or data shard: summed once (one all-reduce over both)
+        loss, aux, dhead = jax.tree.map(lambda a: jnp.sum(a, axis=tuple(range(s.head_lead))), (loss, aux, dhead))
+    # stage 0's input cotangents in the compute dtype (exact: each micro-batch's slot holds one widened value)
+    dx = c["dx"].astype(s.x_dtype)
+    if dx_per_stage:
+        return loss, aux, d_stack, dhead, _on_stage(jnp.where(_mask(s.first, dx), dx, jnp.zeros_like(dx)))
+    return loss, aux, d_stack, dhead, _first(dx, 0, s.p)
 
 
 def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
@@ -353,16 +359,22 @@ def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_
         loss=jnp.zeros((), jnp.float32),
         aux=jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape),
     )
-    if head_d > 1:  # one head gradient, loss and aux sum per data shard (summed after the ticks)
-        carry0.update({k: jax.tree.map(lambda a: _on_data(jnp.zeros((head_d,) + a.shape, a.dtype), axes), carry0[k])
+    # the head runs on every stage's own output, the last stage's kept (_head_on_last): no hand-off of its input
+    # over `stage`; then one head gradient, loss and aux sum per stage (and per data shard), summed after the ticks
+    on_last = p > 1 and not jax.tree.leaves(_floats(v_shape))
+    lead = ((p,) if on_last else ()) + ((head_d,) if head_d > 1 else ())
+    if lead:
+        place = (lambda a: _on_rows(a, axes)) if on_last and head_d > 1 else _on_stage if on_last else \
+            (lambda a: _on_data(a, axes))
+        carry0.update({k: jax.tree.map(lambda a: place(jnp.zeros(lead + a.shape, a.dtype)), carry0[k])
                        for k in ("dhead", "loss", "aux")})
     add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
 
     return types.SimpleNamespace(p=p, m=m, table=table, rows_split=d, row_axes=axes, head_split=head_d,
-                                 head_inputs=head_inputs, fwd=fwd, bwd=bwd, slots=slots, w=w, stage_fn=stage_fn,
+                                 head_inputs=head_inputs, head_on_last=on_last, head_lead=len(lead), fwd=fwd, bwd=bwd, slots=slots, w=w, stage_fn=stage_fn,
                                  run_f=run_f, run_b=run_b, stash_put=stash_put, stash_get=stash_get,
                                  put_v=put_v, get_v=get_v, first=first, last=last, stages=stages,
-                                 y_shape=y_shape, v_shape=v_shape, layers=layers, carry0=carry0, add=add)
+                                 y_shape=y_shape, v_shape=v_shape, x_dtype=x_m.dtype, layers=layers, carry0=carry0, add=add)
 
 
 def _head_call(head_loss, head_inputs):
@@ -405,6 +417,45 @@ def _head_rows(s: types.SimpleNamespace, c, i, y_i: jax.Array, head_loss, head_p
     return c, _merge_rows(dy_d)
 
 
+def _head_on_last(s: types.SimpleNamespace, c, i, fout: jax.Array, head_loss, head_params):
+    """The head tick without a hand-off: every stage runs ``head_loss`` on its own output ``fout`` (``(p, rows,
+    ...)``, a vmap over ``stage`` with one copy of the head's weights per stage) and keeps it on the last stage
+    only, whose output is micro-batch ``i``'s. The masked all-reduce that handed the last stage's output to every
+    stage on each head tick (``m`` a step) becomes one reduction of the head's gradients over ``stage`` after the
+    ticks, merged with the data-parallel one. Each stage computes one head, as it did when all ran the last
+    stage's. With the rows split over data (``s.head_split``) each stage runs each shard's rows apart too
+    (:func:`_head_rows`). Layers that store values keep :func:`_first` (their cotangents go to every stage).
+    Returns ``(carry, dy)`` with ``dy`` ``(p, rows, ...)``: the last stage's is the one used."""
+    p, d, axes = s.p, s.head_split, s.row_axes
+    if d > 1:
+        inputs_i = jax.tree.map(lambda a: _cut_rows(a[i], d), s.head_inputs)
+
+        def one_stage(hp_d, y):
+            with batch_split_over(axes):
+                return jax.vmap(lambda hp, yy, inp: head_loss(hp, yy, {}, i, inp), spmd_axis_name=axes)(
+                    hp_d, _cut_rows(y, d), inputs_i)
+
+        hp = jax.tree.map(lambda a: _on_rows(jnp.broadcast_to(a, (p, d) + a.shape), axes), head_params)
+        place = lambda a: _on_rows(a, axes)  # noqa: E731
+    else:
+        call = _head_call(head_loss, s.head_inputs)
+
+        def one_stage(hp_s, y):
+            return call(hp_s, y, {}, i)
+
+        hp = jax.tree.map(lambda a: _on_stage(jnp.broadcast_to(a, (p,) + a.shape)), head_params)
+        place = _on_stage
+    (loss_p, vjp, aux_p) = jax.vjp(jax.vmap(one_stage, spmd_axis_name=STAGE), hp, fout, has_aux=True)
+    dhead_p, dy_p = vjp(jnp.ones(loss_p.shape, loss_p.dtype))
+    mine = lambda a: jnp.where(_mask(s.last, a), a, jnp.zeros_like(a))  # noqa: E731  the last stage's only
+    c = dict(c)
+    keep = lambda acc, a: place(s.add(acc, mine(a)))  # noqa: E731
+    c["dhead"] = jax.tree.map(keep, c["dhead"], dhead_p)
+    c["loss"] = keep(c["loss"], loss_p)
+    c["aux"] = jax.tree.map(keep, c["aux"], aux_p)
+    return c, dy_p
+
+
 def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params, *,
                       split_backward=None):
     """``tick(carry, t, static=None) -> carry``: one tick of :func:`one_f_one_b` (forward, head, backward).
@@ -434,10 +485,13 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
         # head and loss of micro-batch i, leaving the last stage this tick (warm-up and drain have none)
         c = dict(c)
         i = t - (p - 1)
+        if s.head_on_last:
+            return _head_on_last(s, c, i, fout, head_loss, head_params)
         v_i = jax.tree.map(lambda a: layers(_first(a, p - 1, p)), vals)
         y_i = _first(fout, p - 1, p)
         if s.head_split > 1:
-            return _head_rows(s, c, i, y_i, head_loss, head_params)
+            c, dy = _head_rows(s, c, i, y_i, head_loss, head_params)
+            return c, dy[None]
         call = _head_call(head_loss, s.head_inputs)
         (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y, vf: call(hp, y, _with_floats(v_i, vf), i), head_params,
                                        y_i, _floats(v_i), has_aux=True)
@@ -447,14 +501,14 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
         c["dhead"] = jax.tree.map(add, c["dhead"], dhead_i)
         c["loss"] = c["loss"] + loss_i.astype(jnp.float32)
         c["aux"] = jax.tree.map(add, c["aux"], aux_i)
-        return c, dy
+        return c, dy[None]  # every stage has it: the last one uses it
 
     def b_part(c, t, dy):
         # backward: the last stage starts from dy, the others from what their right neighbour sent
         c = dict(c)
         bmb = bwd[t]
         bvalid = bmb >= 0
-        ct = jnp.where(_mask(last, c["bstate"]), dy.astype(c["bstate"].dtype)[None], c["bstate"])
+        ct = jnp.where(_mask(last, c["bstate"]), dy.astype(c["bstate"].dtype), c["bstate"])  # dy (1 or p, ...)
         ct = jnp.where(_mask(bvalid, ct), ct, jnp.zeros_like(ct))  # idle ticks get a zero cotangent: no gradient
         ct_v = jax.tree.map(lambda buf, a: jnp.where(_mask(bvalid, buf), buf, 0).astype(a.dtype),
                             jax.tree.map(lambda buf: get_v(jnp.maximum(bmb, 0), stages, buf), c["dv"]),
@@ -467,7 +521,8 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
         c["dw"] = jax.tree.map(lambda a, b: keep(add(a, b)), c["dw"], dw_t)
         return c
 
-    no_dy = jnp.zeros(y_shape.shape, y_shape.dtype)
+    no_dy = _on_stage(jnp.zeros((p,) + y_shape.shape, y_shape.dtype)) if s.head_on_last else \
+        jnp.zeros((1,) + y_shape.shape, y_shape.dtype)
     no_f = (_on_stage(jnp.zeros((p,) + y_shape.shape, y_shape.dtype)), s.carry0["vals"])
 
     def tick(c, t, static=None):

@@ -203,7 +203,7 @@ def _stage_w_per_shard(split: LayerSplit, axes, d: int):
 
 
 def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params, cfg: PipelineConfig,
-                *, unroll: bool = False, head_inputs=None):
+                *, unroll: bool = False, head_inputs=None, dx_per_stage: bool = False):
     """The zero-bubble schedule: arguments and results as
     :func:`~meshtrain.parallel.pipeline.one_f_one_b` (``(loss_sum, aux_sum, d_stack, d_head_params,
     dx_m)``); the backward of each stage runs as an input-gradient tick and a deferred weight-gradient
@@ -236,7 +236,7 @@ def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
         c = dict(c)
         bmb = bwd[t]
         valid = bmb >= 0
-        ct = jnp.where(_mask(s.last, c["bstate"]), dy.astype(c["bstate"].dtype)[None], c["bstate"])
+        ct = jnp.where(_mask(s.last, c["bstate"]), dy.astype(c["bstate"].dtype), c["bstate"])  # dy (1 or p, ...)
         ct = jnp.where(_mask(valid, ct), ct, jnp.zeros_like(ct))
         ct_v = jax.tree.map(lambda buf, a: jnp.where(_mask(valid, buf), buf, 0).astype(a.dtype),
                             jax.tree.map(lambda buf: s.get_v(jnp.maximum(bmb, 0), s.stages, buf), c["dv"]),
@@ -260,7 +260,7 @@ def zero_bubble(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_params,
 
     s.carry0 = carry0
     return _run_ticks(s, _one_f_one_b_tick(s, x_m, side_m, head_loss, head_params, split_backward=(b_part, w_part)),
-                      unroll)
+                      unroll, dx_per_stage)
 
 
 def _shift_back(x: jax.Array) -> jax.Array:
