@@ -166,12 +166,11 @@ def megatron_case(size: str, heads: int, hidden: int, layers: int, tensor: int, 
 #: What is left of a deep pipeline's ``exposed`` term (tools/forecast_vs_published.py --json: terms_ms; the
 #: collectives from meshtrain.analysis.comms) since every schedule reduces its data-parallel gradients once a
 #: step (it reduced them on every tick before 2026-11-30: 76.1B 0.71, 145.6B 0.66, 310.1B 0.40 then).
-_STAGE_HANDOFF = ("exposed: the `stage` all-reduces on the critical path: meshtrain's pipeline all-reduces the last "
-                  "stage's output to every stage on each tick that feeds the head and the micro-batches' stack "
-                  "outputs (circular) or f32 input cotangents (1f1b) once a step, where Megatron sends "
-                  "point-to-point between neighbouring stages (`stage` traffic 423 GB on the wire per GPU a step in the "
-                  "529.6B row, 438 GB in the 1008B row, beside the 724 and 1,665 GB of tensor-parallel all-reduces "
-                  "both frameworks run)")
+_STAGE_HANDOFF = ("exposed: the `stage` all-reduces on the critical path: meshtrain's circular pipeline all-reduces "
+                  "the last stage's output to every stage on every tick and the micro-batches' stack outputs once a "
+                  "step, where Megatron sends point-to-point between neighbouring stages (`stage` traffic 423 GB on "
+                  "the wire per GPU a step, beside 724 GB of tensor-parallel all-reduces both frameworks run; "
+                  "1f1b and zero-bubble no longer hand these over: 1008B's `stage` traffic 438 -> 123 GB)")
 
 #: Megatron-LM Table 1 (heads, hidden, layers, tensor, pipeline, GPUs, batch as published; micro-batch and
 #: layers per virtual stage from the paper's run_table_1.sh; TFLOP/s per GPU as published).
@@ -186,9 +185,10 @@ MEGATRON_CASES = [
     megatron_case("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 3, 155),
     megatron_case("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 1, 163, reason=_STAGE_HANDOFF),
     megatron_case("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 0, 163,
-                  reason=_STAGE_HANDOFF + "; and matmul: meshtrain's 1f1b re-runs each stage's "
-                  "forward in its VJP on top of remat full (5 forward passes, Megatron's 4) and runs the head on "
-                  "all 64 stages"),
+                  reason="matmul: meshtrain's 1f1b re-runs each stage's forward in its VJP on top of remat full "
+                  "(5 forward-pass equivalents of matmul work where Megatron's full recompute runs 4: 111.6 s of "
+                  "matmul in the forecast, ~89 s at 4, which would put the row near 0.8), beside a 13.7 s bubble "
+                  "(64 stages, 512 micro-batches) and 14.3 s of exposed tensor-parallel all-reduces"),
 ]
 CASES += MEGATRON_CASES
 

@@ -49,7 +49,10 @@ load-balancing loss are per micro-batch, not over the whole batch). Layers that 
   bubble ``(p-1)/(m+p-1)`` as in gpipe. A stage keeps only the *inputs* of the micro-batches in
   flight (at most ``2(p-1-s)+1`` on stage ``s``: a micro-batch's backward returns ``2(p-1-s)`` ticks
   after its forward, one new forward per tick; an SPMD buffer of ``2p`` slots) instead of all
-  activations of all ``m``.
+  activations of all ``m``. Nothing crosses ``stage`` but the neighbours' hand-offs: every stage runs
+  the head on its own output (the last stage's kept) and the embedding's VJP on its own input
+  cotangents (stage 0's kept), and their gradients are reduced over ``stage`` once a step (a model whose
+  layers store values, MoE, still hands the last stage's output to every stage on the head ticks).
 
 * ``zero_bubble``: 1f1b's ticks with each backward split into an input-gradient half (1f1b's backward
   slot) and a weight-gradient half that runs on every stage on the ``m`` ticks ``2p-2 ..``, where every
