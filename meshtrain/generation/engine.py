@@ -224,7 +224,7 @@ class Engine:
         self.layered = self.loop is DecodeLoop.DEVICE and self.memory is WeightMemory.DEVICE
         # the plan's step, decoding: dense attention over the cache, and how the layers' matmuls run
         c = self.cfg
-        largest = c.d_model * max(c.d_ff if not c.n_experts else 0, c.n_heads * c.head_dim)
+        largest = decode_step.largest_projection(c)
         step = resolve_step(plan).for_generation(self.weights.value, plan.mesh.size, self.layered,
                                                  bf16_rows.kernel_ready, decode_matmul, largest,
                                                  decode_step.kernel_ready, decode_step.unsupported(c))

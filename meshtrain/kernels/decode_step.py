@@ -62,8 +62,9 @@ def unsupported(cfg: DecoderConfig) -> Optional[str]:
 
 
 def largest_projection(cfg: DecoderConfig) -> int:
-    """A layer's largest projection of ``cfg``, in weights (what :func:`team_size` and the engine's choice read)."""
-    return max(cfg.d_model * cfg.n_heads * cfg.head_dim, cfg.d_model * cfg.d_ff)
+    """A layer's largest projection of ``cfg``, in weights (what :func:`team_size`, :func:`rows_layout` and the
+    engine's choice of the decode matmuls read): the attention's or the dense MLP's (an MoE model has none)."""
+    return cfg.d_model * max(cfg.d_ff if not cfg.n_experts else 0, cfg.n_heads * cfg.head_dim)
 
 
 def rows_layout(largest: int) -> bool:
