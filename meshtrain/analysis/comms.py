@@ -445,8 +445,9 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
     * each stage hands ``x`` to the next stage and (backward) a cotangent ``x`` to the previous one:
       ``n`` collective-permutes each way; gpipe / circular add a third per tick (autodiff's replay of
       the stage-0 injection); on the critical path (the next tick needs them);
-    * gpipe / circular: an all-reduce of ``x`` over ``stage`` per tick (the masked sum that hands the last
-      stage's output to every stage), and once per step one of ``m·x`` (the stack's output);
+    * gpipe / circular: two all-reduces of ``m·x`` over ``stage`` once a step: the stack inputs' cotangents
+      (each stage reads its own copy of the inputs, their cotangents accumulated per stage through the
+      ticks) and the stack's output (the masked sum that hands stage 0's ring to every stage);
     * 1f1b / zero-bubble: the head runs on each stage's own output and the embedding's VJP on each stage's
       input cotangents, the last stage's and stage 0's kept: once per step an all-reduce of the head's and
       the embedding table's f32 gradients (an MoE model, whose layers store values, keeps 1f1b's hand-off of
@@ -480,9 +481,14 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
         # _head_on_last): its per-stage gradients (every parameter outside the stack, f32) reduced once a step
         put("all-reduce", f32_bytes(outside), 1, p,
             "pipeline: the head's per-stage gradients (the last stage's), summed once", Phase.BACKWARD)
+    elif pipe.one_f_one_b:
+        put("all-reduce", x, m, p, "pipeline: last stage's output to every stage (the head's input, m ticks)",
+            Phase.FORWARD)
     else:
-        put("all-reduce", x, m if pipe.one_f_one_b else n, p, "pipeline: last stage's output to every stage "
-            + ("(the head's input, m ticks)" if pipe.one_f_one_b else "(every tick)"), Phase.FORWARD)
+        # every stage reads its own copy of the stack's inputs (pipeline/_schedules.py, run_stack): autodiff
+        # accumulates their cotangents per stage through the ticks and sums them once
+        put("all-reduce", m * x, 1, p, "pipeline: the stack inputs' cotangents, summed over the stages once",
+            Phase.BACKWARD)
     if pipe.one_f_one_b:
         # the embedding's VJP runs on every stage's input cotangents (stage 0's real, pipeline/_loss.py): its
         # table's gradient is reduced over `stage`, not the m micro-batches' cotangents (XLA:CPU merges it

@@ -217,6 +217,10 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
     stages = jnp.arange(p)
     state0 = _on_stage(jnp.zeros((p,) + x_m.shape[1:], x_m.dtype))
     ring0 = _on_stage(jnp.zeros((p,) + x_m.shape, x_m.dtype))  # stage 0's slots: what came back round the ring
+    # the inputs on every stage before the ticks (a local broadcast), each tick reading its stage's copy: autodiff
+    # then accumulates their cotangent per stage through the ticks and sums it over `stage` once, where a tick
+    # broadcasting the replicated inputs into the stage-sharded state summed it over `stage` on every tick
+    x_pm = _on_stage(jnp.broadcast_to(x_m[None], (p,) + x_m.shape))
     # A micro-batch's layer values travel with it: (group r, stage p, layer k, ...) = the stack's order.
     _, v_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0], w), 0, x_m[0],
                                 jax.tree.map(lambda a: a[0], side_m))
@@ -238,7 +242,7 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
     def tick(carry, t):
         state, ring, vals, vring = carry
         new = t < m
-        fresh = jax.lax.dynamic_index_in_dim(x_m, jnp.minimum(t, m - 1), 0, keepdims=True)
+        fresh = jax.lax.dynamic_index_in_dim(x_pm, jnp.minimum(t, m - 1), 1, keepdims=False)  # (p, ...)
         back = jax.lax.dynamic_index_in_dim(ring, t % m, 1, keepdims=False)
         state = jnp.where(_mask(first, state), jnp.where(new, fresh, back), state)
         vals = jax.tree.map(lambda v, vr: jnp.where(_mask(first, v), jnp.where(
