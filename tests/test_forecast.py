@@ -157,8 +157,8 @@ def test_published_figures_calibration_exact_and_held_out_within_25_percent_or_a
     assert len(held) >= 16
     for r in held:
         assert r["within_25"] or r["reason"], r  # a miss names its reason
-    # at the time of writing: 13 of 16 within 25 % (v6e Llama3.1-8B at 1.25 and Megatron-LM's two largest
-    # pipeline rows at 0.61-0.67, their reasons stated; 10 of 16 while the pipelines reduced their data-parallel
-    # gradients on every tick)
-    assert sum(r["within_25"] for r in held) >= 13, [(r["case"], round(r["ratio"], 3)) for r in held]
+    # at the time of writing: 14 of 16 within 25 % (v6e Llama3.1-8B at 1.25 and Megatron-LM's 1008B pipeline row
+    # at 0.68, their reasons stated; 13 while gpipe/circular summed their inputs' cotangents on every tick and sent
+    # two permutes back per tick, 10 while the pipelines reduced their data-parallel gradients on every tick)
+    assert sum(r["within_25"] for r in held) >= 14, [(r["case"], round(r["ratio"], 3)) for r in held]
     assert 0.75 <= rows["v4 PaLM 540B"]["ratio"] <= 1.25 and rows["v4 PaLM 540B"]["compared"] == "MFU"

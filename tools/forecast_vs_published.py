@@ -167,12 +167,11 @@ def megatron_case(size: str, heads: int, hidden: int, layers: int, tensor: int, 
 #: collectives from meshtrain.analysis.comms) since every schedule reduces its data-parallel gradients once a
 #: step (it reduced them on every tick before 2026-11-30: 76.1B 0.71, 145.6B 0.66, 310.1B 0.40 then).
 _STAGE_HANDOFF = ("exposed: the `stage` collectives on the critical path: meshtrain's circular pipeline hands each "
-                  "stage's output on and its cotangent back on every tick and replays the stage-0 injection in the "
-                  "backward (220 GB of collective-permutes) and all-reduces the stack's inputs' cotangents and its "
-                  "outputs once a step (91 GB on the wire), where Megatron sends point-to-point between neighbouring "
-                  "stages only (`stage` traffic 326 GB on the wire per GPU a step, 423 GB before the stack inputs' "
-                  "cotangents were summed once instead of on every tick; beside 724 GB of tensor-parallel "
-                  "all-reduces both frameworks run)")
+                  "stage's output on and its cotangent back on every tick (147 GB of collective-permutes, as "
+                  "Megatron's point-to-point sends) and all-reduces the stack's inputs' cotangents and its outputs "
+                  "once a step (91 GB on the wire), which Megatron does not (`stage` traffic 253 GB on the wire per "
+                  "GPU a step, 423 GB before this session; beside 724 GB of tensor-parallel all-reduces both "
+                  "frameworks run)")
 
 #: Megatron-LM Table 1 (heads, hidden, layers, tensor, pipeline, GPUs, batch as published; micro-batch and
 #: layers per virtual stage from the paper's run_table_1.sh; TFLOP/s per GPU as published).

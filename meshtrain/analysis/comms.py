@@ -443,8 +443,8 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
     on XLA:CPU in tests/test_planner_moe_pp.py), per stage tick with work (``n = r·m/(1 - bubble)``):
 
     * each stage hands ``x`` to the next stage and (backward) a cotangent ``x`` to the previous one:
-      ``n`` collective-permutes each way; gpipe / circular add a third per tick (autodiff's replay of
-      the stage-0 injection); on the critical path (the next tick needs them);
+      ``n`` collective-permutes each way (gpipe / circular: the hand-off's own transpose, one permute; autodiff's
+      transpose of the roll compiled to two); on the critical path (the next tick needs them);
     * gpipe / circular: two all-reduces of ``m·x`` over ``stage`` once a step: the stack inputs' cotangents
       (each stage reads its own copy of the inputs, their cotangents accumulated per stage through the
       ticks) and the stack's output (the masked sum that hands stage 0's ring to every stage);
@@ -469,9 +469,7 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
         out.append(CollectiveEstimate(kind, ("stage",), float(nbytes), int(executions), group, what, crit, phase))
 
     put("collective-permute", x, n, 2, "pipeline: stage output to the next stage (every tick)", Phase.FORWARD)
-    put("collective-permute", x, n * (1 if pipe.one_f_one_b else 2), 2,
-        "pipeline: input cotangent to the previous stage (every tick)"
-        + ("" if pipe.one_f_one_b else " + the replayed stage-0 injection"), Phase.BACKWARD)
+    put("collective-permute", x, n, 2, "pipeline: input cotangent to the previous stage (every tick)", Phase.BACKWARD)
     def f32_bytes(leaves):
         return sum(l.bytes_per_device * 4 / np.dtype(l.dtype).itemsize for l in leaves)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from typing import Tuple
@@ -68,8 +69,28 @@ def _stage_groups(w: jax.Array, p: int, r: int) -> jax.Array:
 
 
 def _shift(x: jax.Array, direction: int) -> jax.Array:
-    """Stage ``s`` gets stage ``s - direction``'s value (a collective-permute between neighbours)."""
-    return _on_stage(jnp.roll(x, direction, axis=0))
+    """Stage ``s`` gets stage ``s - direction``'s value (a collective-permute between neighbours); its cotangent
+    goes back the same way (:func:`_roll_stages`)."""
+    return _on_stage(_roll_stages(x, direction))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _roll_stages(x: jax.Array, direction: int) -> jax.Array:
+    """``jnp.roll`` over the stage dimension whose transpose is the opposite roll: autodiff's own transpose of a
+    roll (a split and a pad) compiled to two collective-permutes of the whole cotangent per tick (gpipe and
+    circular's backward ticks), where one moves it."""
+    return jnp.roll(x, direction, axis=0)
+
+
+def _roll_stages_fwd(x, direction):
+    return _roll_stages(x, direction), None
+
+
+def _roll_stages_bwd(direction, _, ct):
+    return (_on_stage(jnp.roll(ct, -direction, axis=0)),)
+
+
+_roll_stages.defvjp(_roll_stages_fwd, _roll_stages_bwd)
 
 
 def _pick(tree, idx: jax.Array):
