@@ -240,6 +240,14 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", action="store_true", help="only measure the copy bandwidth")
     p.add_argument("--json", action="store_true", help="one JSON object per round")
     args = p.parse_args(argv)
+    if "transformers" in args.contenders:
+        # transformers' Flax Llama projects to n_heads · head_dim = d_model and has a SwiGLU MLP, no MoE
+        for name in args.models:
+            c = config(name)
+            if c.n_heads * c.head_dim != c.d_model or c.n_experts or c.mlp_activation != "silu":
+                p.error(f"--models {name}: transformers' Flax Llama needs n_heads·head_dim = d_model (here "
+                        f"{c.n_heads}·{c.head_dim} vs {c.d_model}), a SwiGLU MLP and no experts; use tiny-llama or "
+                        f"llama-114m, or leave transformers out of --contenders")
     from meshtrain.cli import setup_devices
 
     setup_devices(1)
