@@ -396,10 +396,11 @@ def _one_f_one_b_setup(layer_fn, stack, x_m: jax.Array, side_m, head_loss, head_
     add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
 
     return types.SimpleNamespace(p=p, m=m, table=table, rows_split=d, row_axes=axes, head_split=head_d,
-                                 head_inputs=head_inputs, head_on_last=on_last, head_lead=len(lead), fwd=fwd, bwd=bwd, slots=slots, w=w, stage_fn=stage_fn,
-                                 run_f=run_f, run_b=run_b, stash_put=stash_put, stash_get=stash_get,
-                                 put_v=put_v, get_v=get_v, first=first, last=last, stages=stages,
-                                 y_shape=y_shape, v_shape=v_shape, x_dtype=x_m.dtype, layers=layers, carry0=carry0, add=add)
+                                 head_inputs=head_inputs, head_on_last=on_last, head_lead=len(lead), fwd=fwd,
+                                 bwd=bwd, slots=slots, w=w, stage_fn=stage_fn, run_f=run_f, run_b=run_b,
+                                 stash_put=stash_put, stash_get=stash_get, put_v=put_v, get_v=get_v, first=first,
+                                 last=last, stages=stages, y_shape=y_shape, v_shape=v_shape, x_dtype=x_m.dtype,
+                                 layers=layers, carry0=carry0, add=add)
 
 
 def _head_call(head_loss, head_inputs):
