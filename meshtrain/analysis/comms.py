@@ -470,32 +470,18 @@ def _pipeline_transfers(plan, cfg, lay, c, out) -> None:
 
     put("collective-permute", x, n, 2, "pipeline: stage output to the next stage (every tick)", Phase.FORWARD)
     put("collective-permute", x, n, 2, "pipeline: input cotangent to the previous stage (every tick)", Phase.BACKWARD)
-    def f32_bytes(leaves):
-        return sum(l.bytes_per_device * 4 / np.dtype(l.dtype).itemsize for l in leaves)
-
     outside = [l for l in plan.group("params") if not (l.logical_axes and l.logical_axes[0] == "layers")]
-    if pipe.one_f_one_b and not getattr(cfg, "n_experts", 0):
-        # the head runs on every stage's own output, the last stage's kept (pipeline/_schedules.py,
-        # _head_on_last): its per-stage gradients (every parameter outside the stack, f32) reduced once a step
-        put("all-reduce", f32_bytes(outside), 1, p,
-            "pipeline: the head's per-stage gradients (the last stage's), summed once", Phase.BACKWARD)
-    elif pipe.one_f_one_b:
-        put("all-reduce", x, m, p, "pipeline: last stage's output to every stage (the head's input, m ticks)",
-            Phase.FORWARD)
-    else:
-        # every stage reads its own copy of the stack's inputs (pipeline/_schedules.py, run_stack): autodiff
-        # accumulates their cotangents per stage through the ticks and sums them once
-        put("all-reduce", m * x, 1, p, "pipeline: the stack inputs' cotangents, summed over the stages once",
-            Phase.BACKWARD)
-    if pipe.one_f_one_b:
-        # the embedding's VJP runs on every stage's input cotangents (stage 0's real, pipeline/_loss.py): its
-        # table's gradient is reduced over `stage`, not the m micro-batches' cotangents (XLA:CPU merges it
-        # with the head's into one all-reduce over stage and data)
-        table = [l for l in outside if l.logical_axes and l.logical_axes[0] == "vocab"]
-        put("all-reduce", f32_bytes(table), 1, p, "pipeline: the embedding's per-stage gradient, summed once",
-            Phase.BACKWARD)
-    else:
+    f32 = lambda leaves: sum(l.bytes_per_device * 4 / np.dtype(l.dtype).itemsize for l in leaves)  # noqa: E731
+    if not pipe.one_f_one_b:  # (pipeline/_schedules.py, run_stack)
+        put("all-reduce", m * x, 1, p, "pipeline: the stack inputs' cotangents, summed once", Phase.BACKWARD)
         put("all-reduce", m * x, 1, p, "pipeline: the stack's output of the m micro-batches", Phase.BACKWARD)
+    elif getattr(cfg, "n_experts", 0):  # layer values: the head's input handed over (_head_handed_over)
+        put("all-reduce", x, m, p, "pipeline: last stage's output to every stage (m head ticks)", Phase.FORWARD)
+    else:  # _head_on_last: every parameter outside the stack, f32
+        put("all-reduce", f32(outside), 1, p, "pipeline: the head's per-stage gradients, summed once", Phase.BACKWARD)
+    if pipe.one_f_one_b:  # the embedding's VJP per stage (pipeline/_loss.py): the table's gradient, not m·x
+        put("all-reduce", f32([l for l in outside if l.logical_axes and l.logical_axes[0] == "vocab"]), 1, p,
+            "pipeline: the embedding's per-stage gradient, summed once", Phase.BACKWARD)
     if pipe.repeats > 1:
         w = sum(l.bytes_per_device for l in plan.group("params") if l.logical_axes and l.logical_axes[0] == "layers")
         put("all-to-all", w, 1, p, "circular: layer weights into the interleaved order", Phase.FORWARD)

@@ -238,9 +238,7 @@ def run_stack(layer_fn, stack, x_m: jax.Array, side_m, cfg: PipelineConfig, *, u
     stages = jnp.arange(p)
     state0 = _on_stage(jnp.zeros((p,) + x_m.shape[1:], x_m.dtype))
     ring0 = _on_stage(jnp.zeros((p,) + x_m.shape, x_m.dtype))  # stage 0's slots: what came back round the ring
-    # the inputs on every stage before the ticks (a local broadcast), each tick reading its stage's copy: autodiff
-    # then accumulates their cotangent per stage through the ticks and sums it over `stage` once, where a tick
-    # broadcasting the replicated inputs into the stage-sharded state summed it over `stage` on every tick
+    # each stage reads its own copy of the inputs: autodiff sums their cotangent over `stage` once, not on every tick
     x_pm = _on_stage(jnp.broadcast_to(x_m[None], (p,) + x_m.shape))
     # A micro-batch's layer values travel with it: (group r, stage p, layer k, ...) = the stack's order.
     _, v_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0], w), 0, x_m[0],
@@ -482,6 +480,28 @@ def _head_on_last(s: types.SimpleNamespace, c, i, fout: jax.Array, head_loss, he
     return c, dy_p
 
 
+def _head_handed_over(s: types.SimpleNamespace, c, i, fout: jax.Array, vals, head_loss, head_params):
+    """The head tick where the layers store values (MoE): the last stage's output and the micro-batch's layer values
+    go to every stage (:func:`_first`), every stage runs the same head and keeps the values' cotangents for their
+    layers' backward. Returns ``(carry, dy)`` with ``dy`` ``(1, rows, ...)`` (every stage's)."""
+    p = s.p
+    v_i = jax.tree.map(lambda a: s.layers(_first(a, p - 1, p)), vals)
+    y_i = _first(fout, p - 1, p)
+    if s.head_split > 1:
+        c, dy = _head_rows(s, c, i, y_i, head_loss, head_params)
+        return c, dy[None]
+    call = _head_call(head_loss, s.head_inputs)
+    (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y, vf: call(hp, y, _with_floats(v_i, vf), i), head_params,
+                                   y_i, _floats(v_i), has_aux=True)
+    dhead_i, dy, dv_i = vjp(jnp.ones((), loss_i.dtype))
+    c["dv"] = jax.tree.map(lambda buf, d: jax.lax.dynamic_update_index_in_dim(
+        buf, d.reshape(buf.shape[1:]).astype(jnp.float32), i, 0), c["dv"], dv_i)
+    c["dhead"] = jax.tree.map(s.add, c["dhead"], dhead_i)
+    c["loss"] = c["loss"] + loss_i.astype(jnp.float32)
+    c["aux"] = jax.tree.map(s.add, c["aux"], aux_i)
+    return c, dy[None]  # every stage has it: the last one uses it
+
+
 def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_loss, head_params, *,
                       split_backward=None):
     """``tick(carry, t, static=None) -> carry``: one tick of :func:`one_f_one_b` (forward, head, backward).
@@ -490,9 +510,9 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
     ``b_part(c, t, dy) -> c`` the input-gradient half on the backward ticks, ``w_part(c, t) -> c`` the
     weight-gradient half on ticks ``2p-2 ..`` (where every stage has one)."""
     (p, m, table, fwd, bwd, slots, w, run_f, run_b, stash_put, stash_get, put_v, get_v, first, last,
-     stages, y_shape, v_shape, layers, add) = (
+     stages, y_shape, v_shape, add) = (
         s.p, s.m, s.table, s.fwd, s.bwd, s.slots, s.w, s.run_f, s.run_b, s.stash_put, s.stash_get,
-        s.put_v, s.get_v, s.first, s.last, s.stages, s.y_shape, s.v_shape, s.layers, s.add)
+        s.put_v, s.get_v, s.first, s.last, s.stages, s.y_shape, s.v_shape, s.add)
 
     def f_part(c, t):
         c = dict(c)
@@ -509,25 +529,9 @@ def _one_f_one_b_tick(s: types.SimpleNamespace, x_m: jax.Array, side_m, head_los
 
     def h_part(c, t, fout, vals):
         # head and loss of micro-batch i, leaving the last stage this tick (warm-up and drain have none)
-        c = dict(c)
-        i = t - (p - 1)
         if s.head_on_last:
-            return _head_on_last(s, c, i, fout, head_loss, head_params)
-        v_i = jax.tree.map(lambda a: layers(_first(a, p - 1, p)), vals)
-        y_i = _first(fout, p - 1, p)
-        if s.head_split > 1:
-            c, dy = _head_rows(s, c, i, y_i, head_loss, head_params)
-            return c, dy[None]
-        call = _head_call(head_loss, s.head_inputs)
-        (loss_i, vjp, aux_i) = jax.vjp(lambda hp, y, vf: call(hp, y, _with_floats(v_i, vf), i), head_params,
-                                       y_i, _floats(v_i), has_aux=True)
-        dhead_i, dy, dv_i = vjp(jnp.ones((), loss_i.dtype))
-        c["dv"] = jax.tree.map(lambda buf, d: jax.lax.dynamic_update_index_in_dim(
-            buf, d.reshape(buf.shape[1:]).astype(jnp.float32), i, 0), c["dv"], dv_i)
-        c["dhead"] = jax.tree.map(add, c["dhead"], dhead_i)
-        c["loss"] = c["loss"] + loss_i.astype(jnp.float32)
-        c["aux"] = jax.tree.map(add, c["aux"], aux_i)
-        return c, dy[None]  # every stage has it: the last one uses it
+            return _head_on_last(s, dict(c), t - (p - 1), fout, head_loss, head_params)
+        return _head_handed_over(s, dict(c), t - (p - 1), fout, vals, head_loss, head_params)
 
     def b_part(c, t, dy):
         # backward: the last stage starts from dy, the others from what their right neighbour sent
